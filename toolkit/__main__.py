@@ -1,0 +1,6 @@
+"""`python -m toolkit` is the `toolkit` command."""
+import sys
+
+from toolkit.cli import main
+
+sys.exit(main())

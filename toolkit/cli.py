@@ -1,0 +1,92 @@
+"""`toolkit` command line. Thin: parse arguments, call the library, map user
+mistakes (`UserError`) to one line each on stderr and exit code 2.
+
+Start-up stays light: torch is imported only by the sub-commands that train.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from toolkit.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _cmd_validate(args) -> int:
+    from toolkit.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    b = recipe.batch
+    print(f"{args.recipe}: valid (hash {recipe.hash}); {recipe.model.family}-{recipe.model.size}, "
+          f"global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
+          f"x world {b.world_size}, {recipe.training.max_steps} steps")
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from toolkit.recipe import load_recipe
+    from toolkit.train import run
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    run(recipe, run_dir=args.run_dir)
+    return 0
+
+
+def _cmd_schema(args) -> int:
+    from toolkit.resources import schema_path
+
+    print(schema_path().read_text(), end="")
+    return 0
+
+
+def _cmd_recipes(args) -> int:
+    from toolkit.resources import shipped_dir
+
+    for path in sorted(shipped_dir("recipes").glob("*.json")):
+        description = json.loads(path.read_text()).get("description", "")
+        print(f"{path.stem:<24} {description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="toolkit", description="Declarative training recipes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check a recipe against the schema and its semantic rules")
+    p.add_argument("recipe", help="recipe file, or the name of a shipped recipe")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed by the schema")
+    p.add_argument("--world-size", type=int, default=None, help="check the batch sizes for this many ranks")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("run", help="train from a recipe")
+    p.add_argument("recipe", help="recipe file, or the name of a shipped recipe")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed by the schema")
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/<name>-<timestamp>)")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("schema", help="print the recipe JSON Schema")
+    p.set_defaults(func=_cmd_schema)
+
+    p = sub.add_parser("recipes", help="list the shipped recipes")
+    p.set_defaults(func=_cmd_recipes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `toolkit` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        for line in exc.lines:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

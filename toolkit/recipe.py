@@ -1,0 +1,413 @@
+"""Recipe loading: JSON file -> `extends` -> CLI overrides -> schema validation ->
+defaults -> semantic checks -> a frozen, typed `Recipe` with one spec per section.
+
+Every problem is reported as one line naming its JSON path (`recipe.zero.stage:
+4 is not one of [0, 1, 2, 3]`), and all problems are collected before raising.
+No torch here: `toolkit validate` must answer in well under a second.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.presets import SHAPES
+from toolkit.resources import schema_path, shipped_dir
+from toolkit.specs import (BatchSpec, CheckpointSpec, DataSpec, KernelsSpec, LoggingSpec, LossScaleSpec, ModelSpec,
+                           OptimizerSpec, PrecisionSpec, Recipe, SchedulerSpec, TrainingSpec, WandbSpec, ZeroSpec)
+
+
+class RecipeError(UserError):
+    """The recipe is invalid; one line per problem."""
+
+
+# ---------------------------------------------------------------------------
+# Loading: files, extends, overrides.
+
+
+@lru_cache(maxsize=1)
+def load_schema() -> dict:
+    """The recipe JSON Schema (the contract)."""
+    return json.loads(schema_path().read_text())
+
+
+def find_recipe_file(name_or_path: str | os.PathLike) -> Path:
+    """A recipe path, or the name of a shipped recipe (`quickstart`, `recipes/quickstart.json`)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    stem = path.name[:-5] if path.name.endswith(".json") else path.name
+    shipped = shipped_dir("recipes") / f"{stem}.json"
+    if path.parent in (Path("."), Path("recipes")) and shipped.is_file():
+        return shipped
+    if path.is_dir():
+        raise RecipeError(f"{path}: is a directory, expected a recipe JSON file")
+    raise RecipeError(f"{path}: recipe file not found (shipped recipes: `toolkit recipes`)")
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read: {exc}") from None
+    if not text.strip():
+        raise RecipeError(f"{path}: empty file, expected a JSON object")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RecipeError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict, child: dict) -> dict:
+    """Child over base: objects merge key by key, everything else (lists too) replaces."""
+    merged = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _load_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(p.name for p in (*chain, path))
+        raise RecipeError(f"{chain[-1]}: recipe.extends: cycle {cycle}")
+    data = _read_json_object(path)
+    data.pop("$schema", None)
+    base_ref = data.pop("extends", None)
+    if base_ref is None:
+        return data
+    if not isinstance(base_ref, str):
+        raise RecipeError(f"{path}: recipe.extends: {base_ref!r} is not a path string")
+    base_path = path.parent / base_ref
+    if not base_path.is_file():
+        raise RecipeError(f"{path}: recipe.extends: {base_ref}: file not found (looked at {base_path})")
+    return deep_merge(_load_with_extends(base_path, (*chain, path)), data)
+
+
+def _subschema(path: list[str]) -> dict | None:
+    node = load_schema()
+    for key in path:
+        props = node.get("properties", {}) if isinstance(node, dict) else {}
+        if key not in props:
+            return None
+        node = props[key]
+    return node
+
+
+def _did_you_mean(key: str, known) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    return f" (expected one of: {', '.join(sorted(known))})"
+
+
+def _parse_override_value(dotted: str, raw: str, node: dict) -> Any:
+    kinds = node.get("type")
+    if kinds is None and "enum" in node:
+        kinds = sorted({_json_type(v) for v in node["enum"]})
+    kinds = [kinds] if isinstance(kinds, str) else (kinds or ["string"])
+    if kinds == ["string"]:
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if "string" in kinds:
+            return raw
+        raise RecipeError(f"override {dotted}={raw}: expected {' or '.join(kinds)}, got {raw!r}") from None
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return "string"
+
+
+def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
+    """Apply `key.path=value` overrides, each typed by the schema."""
+    recipe = json.loads(json.dumps(recipe))
+    errors = []
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep or not dotted:
+            errors.append(f"override {item!r}: expected key.path=value")
+            continue
+        keys = dotted.split(".")
+        node = _subschema(keys)
+        if node is None:
+            parent = _subschema(keys[:-1]) or {}
+            known = parent.get("properties", {}).keys()
+            errors.append(f"override {dotted}: unknown key{_did_you_mean(keys[-1], known)}")
+            continue
+        try:
+            value = _parse_override_value(dotted, raw, node)
+        except RecipeError as exc:
+            errors.extend(exc.lines)
+            continue
+        target = recipe
+        for key in keys[:-1]:
+            target = target.setdefault(key, {})
+            if not isinstance(target, dict):
+                errors.append(f"override {dotted}: recipe.{key} is not an object")
+                break
+        else:
+            target[keys[-1]] = value
+    if errors:
+        raise RecipeError(*errors)
+    return recipe
+
+
+# ---------------------------------------------------------------------------
+# Validation.
+
+
+def _json_path(parts) -> str:
+    out = "recipe"
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+_TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string",
+               "boolean": "true or false", "object": "an object", "array": "a list"}
+
+
+def _format_schema_error(error) -> list[str]:
+    where = _json_path(error.absolute_path)
+    if error.validator == "additionalProperties":
+        known = error.schema.get("properties", {}).keys()
+        extras = [k for k in error.instance if k not in known]
+        return [f"{_json_path([*error.absolute_path, k])}: unknown key{_did_you_mean(k, known)}" for k in extras]
+    if error.validator == "required":
+        missing = error.message.split("'")[1]
+        return [f"{_json_path([*error.absolute_path, missing])}: required, missing"]
+    if error.validator in ("anyOf", "oneOf") and "errorMessage" in error.schema:
+        return [f"{where}: {error.schema['errorMessage']}"]
+    if error.validator == "type":
+        expected = error.validator_value
+        expected = [expected] if isinstance(expected, str) else expected
+        wanted = " or ".join(_TYPE_NAMES.get(t, t) for t in expected)
+        return [f"{where}: {json.dumps(error.instance)} is not {wanted}"]
+    if error.validator == "enum":
+        hint = ""
+        if isinstance(error.instance, str):
+            strings = [v for v in error.validator_value if isinstance(v, str)]
+            close = difflib.get_close_matches(error.instance, strings, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+        return [f"{where}: {json.dumps(error.instance)} is not one of {json.dumps(error.validator_value)}{hint}"]
+    return [f"{where}: {error.message}"]
+
+
+def schema_errors(recipe: dict) -> list[str]:
+    """Every schema violation, one line each, in document order."""
+    # NOTE: jsonschema imports rfc3987_syntax when it is installed (jupyter brings it),
+    # which spends ~1.6 s building a grammar; recipes use no `format`, so keep it out.
+    sys.modules.setdefault("rfc3987_syntax", None)
+    from jsonschema import Draft202012Validator
+
+    validator = Draft202012Validator(load_schema())
+    lines = []
+    for error in sorted(validator.iter_errors(recipe), key=lambda e: [str(p) for p in e.absolute_path]):
+        lines.extend(_format_schema_error(error))
+    return lines
+
+
+def fill_defaults(node: dict, instance: dict) -> dict:
+    """Fill every absent property that has a schema default; recurse into objects."""
+    out = dict(instance)
+    for key, sub in node.get("properties", {}).items():
+        if not isinstance(sub, dict):
+            continue
+        if key not in out and "default" in sub:
+            out[key] = json.loads(json.dumps(sub["default"]))
+        if sub.get("type") == "object" and "properties" in sub:
+            out[key] = fill_defaults(sub, out.get(key, {}))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Semantic checks (beyond what the schema can say) and spec building.
+
+
+def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[str]]:
+    """Derive the batch triple DeepSpeed style; errors show the arithmetic."""
+    micro = batch.get("micro_batch_per_rank")
+    accum = batch.get("grad_accum_steps")
+    total = batch.get("global_batch")
+    w = world_size
+    if micro is not None and accum is not None and total is not None:
+        if micro * accum * w != total:
+            return None, [f"recipe.batch: global_batch {total} != micro_batch_per_rank {micro} * "
+                          f"grad_accum_steps {accum} * world_size {w} = {micro * accum * w}"]
+    elif micro is not None and total is not None:
+        if total % (micro * w):
+            return None, [f"recipe.batch: global_batch {total} is not divisible by micro_batch_per_rank {micro} "
+                          f"* world_size {w} = {micro * w}"]
+        accum = total // (micro * w)
+    elif accum is not None and total is not None:
+        if total % (accum * w):
+            return None, [f"recipe.batch: global_batch {total} is not divisible by grad_accum_steps {accum} "
+                          f"* world_size {w} = {accum * w}"]
+        micro = total // (accum * w)
+    elif total is not None:
+        if total % w:
+            return None, [f"recipe.batch: global_batch {total} is not divisible by world_size {w}"]
+        accum, micro = 1, total // w
+    else:
+        accum = accum or 1
+        total = micro * accum * w
+    return BatchSpec(micro, accum, total, w), []
+
+
+def _model_spec(model: dict, data: dict, recipe_dir: Path | None) -> tuple[ModelSpec | None, list[str]]:
+    errors = []
+    family = model["family"]
+    explicit = ("n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size")
+    if family == "gpt2":
+        for key in ("n_kv_head", "intermediate_size"):
+            if key in model:
+                errors.append(f"recipe.model.{key}: only llama models have this key (family is gpt2)")
+    pretrained = None
+    if "pretrained" in model:
+        clash = [k for k in ("size", *explicit) if k in model]
+        if clash:
+            errors.append(f"recipe.model.pretrained: excludes {', '.join(clash)} (the folder's config.json sets the shape)")
+        pretrained = Path(model["pretrained"])
+        if recipe_dir is not None and not pretrained.is_absolute():
+            pretrained = recipe_dir / pretrained
+        if not (pretrained / "config.json").is_file():
+            errors.append(f"recipe.model.pretrained: {pretrained}: no config.json there")
+    shape = {"n_kv_head": None, "intermediate_size": None, **SHAPES[family][model["size"]]}
+    shape.update({k: model[k] for k in explicit if k in model})
+    n_kv_head = shape["n_kv_head"] or shape["n_head"]
+    if shape["n_embd"] % shape["n_head"]:
+        errors.append(f"recipe.model: n_embd {shape['n_embd']} is not divisible by n_head {shape['n_head']}")
+    if shape["n_head"] % n_kv_head:
+        errors.append(f"recipe.model: n_head {shape['n_head']} is not divisible by n_kv_head {n_kv_head}")
+    max_positions = model.get("max_positions", data["seq_len"])
+    if max_positions < data["seq_len"]:
+        errors.append(f"recipe.model.max_positions: {max_positions} is shorter than data.seq_len {data['seq_len']}")
+    if errors:
+        return None, errors
+    return ModelSpec(
+        family=family, size=model["size"], n_layer=shape["n_layer"], n_embd=shape["n_embd"],
+        n_head=shape["n_head"], n_kv_head=n_kv_head,
+        intermediate_size=shape["intermediate_size"] or 4 * shape["n_embd"],
+        max_positions=max_positions, vocab_size=data["vocab_size"], pretrained=pretrained,
+        dropout=float(model["dropout"]), activation_checkpointing=model["activation_checkpointing"],
+    ), []
+
+
+def _training_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[int, list[str]]:
+    if "max_steps" in training:
+        return int(training["max_steps"]), []
+    steps = math.ceil(training["epochs"] * data["num_samples"] / batch.global_batch)
+    return max(steps, 1), []
+
+
+def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]:
+    errors = []
+    sched = r["scheduler"]
+    if sched["type"] != "constant":
+        if sched["warmup_num_steps"] >= max_steps:
+            errors.append(f"recipe.scheduler.warmup_num_steps: {sched['warmup_num_steps']} is not shorter than the run "
+                          f"({max_steps} optimizer steps)")
+        total = sched.get("total_num_steps")
+        if total is not None and total <= sched["warmup_num_steps"]:
+            errors.append(f"recipe.scheduler.total_num_steps: {total} must exceed warmup_num_steps "
+                          f"{sched['warmup_num_steps']}")
+    if r["zero"]["offload_optimizer"] != "none" and r["zero"]["stage"] < 1:
+        errors.append("recipe.zero.offload_optimizer: 'cpu' needs zero.stage >= 1 (stage is 0)")
+    data, training = r["data"], r["training"]
+    if training["eval_batches"] > 0 and data["eval_samples"] < batch.micro_batch_per_rank:
+        errors.append(f"recipe.data.eval_samples: {data['eval_samples']} is fewer than one micro batch "
+                      f"({batch.micro_batch_per_rank}); add samples or set training.eval_batches to 0")
+    if data["num_samples"] < batch.global_batch:
+        errors.append(f"recipe.data.num_samples: {data['num_samples']} is fewer than one global batch "
+                      f"({batch.global_batch})")
+    if r["precision"]["dtype"] != "fp16" and "fp16" in r.get("_given_precision", {}):
+        errors.append("recipe.precision.fp16: loss scaling applies only to precision.dtype 'fp16'")
+    return errors
+
+
+def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | None = None,
+                 default_name: str = "recipe") -> Recipe:
+    """Validate a merged recipe dict and build the typed `Recipe`; raises RecipeError with every problem."""
+    errors = schema_errors(raw)
+    if errors:
+        raise RecipeError(*errors)
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    r = fill_defaults(load_schema(), raw)
+    r["_given_precision"] = raw.get("precision", {})
+    recipe_dir = source.parent if source is not None else None
+    errors = []
+    model, model_errors = _model_spec(r["model"], r["data"], recipe_dir)
+    batch, batch_errors = resolve_batch(r["batch"], world_size)
+    errors += model_errors + batch_errors
+    max_steps = 0
+    if batch is not None:
+        max_steps, step_errors = _training_steps(r["training"], r["data"], batch)
+        errors += step_errors + _check_cross_section(r, batch, max_steps)
+    del r["_given_precision"]
+    if errors:
+        raise RecipeError(*errors)
+
+    name = r.get("name") or default_name
+    canonical = json.dumps(r, sort_keys=True, separators=(",", ":"))
+    p, s, t, lg = r["precision"], r["scheduler"], r["training"], r["logging"]
+    return Recipe(
+        name=name,
+        description=r.get("description", ""),
+        source=source,
+        resolved=r,
+        hash=hashlib.sha256(canonical.encode()).hexdigest()[:12],
+        model=model,
+        data=DataSpec(**r["data"]),
+        batch=batch,
+        precision=PrecisionSpec(dtype=p["dtype"], fp16=LossScaleSpec(**p["fp16"])),
+        zero=ZeroSpec(**r["zero"]),
+        optimizer=OptimizerSpec(**{**r["optimizer"], "betas": tuple(r["optimizer"]["betas"])}),
+        scheduler=SchedulerSpec(**{**s, "total_num_steps": s.get("total_num_steps", max_steps)}),
+        training=TrainingSpec(max_steps=max_steps, **{k: v for k, v in t.items() if k not in ("max_steps", "epochs")}),
+        logging=LoggingSpec(console=lg["console"], tensorboard=lg["tensorboard"],
+                            wandb=WandbSpec(run_name=lg["wandb"].get("run_name"),
+                                            **{k: v for k, v in lg["wandb"].items() if k != "run_name"})),
+        checkpoint=CheckpointSpec(**r["checkpoint"]),
+        kernels=KernelsSpec(**r["kernels"]),
+    )
+
+
+def load_recipe(path_or_name: str | os.PathLike, overrides: list[str] | tuple = (), *,
+                world_size: int | None = None) -> Recipe:
+    """Load, extend, override, validate and type a recipe file (or a shipped recipe's name)."""
+    path = find_recipe_file(path_or_name)
+    raw = apply_overrides(_load_with_extends(path), list(overrides))
+    default_name = path.name[:-5] if path.name.endswith(".json") else path.name
+    return build_recipe(raw, source=path, world_size=world_size, default_name=default_name)
+
+
+def recipe_from_dict(raw: dict, overrides: list[str] | tuple = (), *, world_size: int | None = None,
+                     name: str = "recipe") -> Recipe:
+    """Build a Recipe from a dict (the Python API and tests); same checks as a file."""
+    raw = {k: v for k, v in raw.items() if k != "$schema"}
+    if "extends" in raw:
+        raise RecipeError("recipe.extends: only recipe files can extend (paths are relative to the file)")
+    return build_recipe(apply_overrides(raw, list(overrides)), world_size=world_size, default_name=name)

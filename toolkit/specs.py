@@ -1,0 +1,158 @@
+"""The typed, frozen specs a `Recipe` is made of: one per recipe section, each
+builder takes only its own. Built (and validated) by toolkit/recipe.py; the
+meaning and default of every field is in schemas/recipe.schema.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    size: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_kv_head: int
+    intermediate_size: int
+    max_positions: int
+    vocab_size: int
+    pretrained: Path | None
+    dropout: float
+    activation_checkpointing: bool
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    kind: str
+    seq_len: int
+    vocab_size: int
+    branching: int
+    num_samples: int
+    eval_samples: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    micro_batch_per_rank: int
+    grad_accum_steps: int
+    global_batch: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class LossScaleSpec:
+    loss_scale: float
+    initial_scale_power: int
+    loss_scale_window: int
+    hysteresis: int
+    consecutive_hysteresis: bool
+    min_loss_scale: float
+    max_overflows_at_min_scale: int
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    dtype: str
+    fp16: LossScaleSpec
+
+
+@dataclass(frozen=True)
+class ZeroSpec:
+    stage: int
+    offload_optimizer: str
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    prefetch_units: int
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    type: str
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    implementation: str
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    type: str
+    warmup_num_steps: int
+    warmup_type: str
+    warmup_min_lr: float
+    warmup_max_lr: float
+    total_num_steps: int
+    warmup_min_ratio: float
+    cos_min_ratio: float
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    max_steps: int
+    grad_clip: float
+    seed: int
+    eval_interval: int
+    eval_batches: int
+    log_interval: int
+    device: str
+
+
+@dataclass(frozen=True)
+class WandbSpec:
+    mode: str
+    project: str
+    run_name: str | None
+
+
+@dataclass(frozen=True)
+class LoggingSpec:
+    console: bool
+    tensorboard: bool
+    wandb: WandbSpec
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    dir: str
+    interval: int
+    keep_last: int
+    save_final: bool
+    resume: str
+
+
+@dataclass(frozen=True)
+class KernelsSpec:
+    adamw: str
+    layernorm: str
+    rmsnorm: str
+    bias_gelu: str
+    cross_entropy: str
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    source: Path | None
+    resolved: dict = field(repr=False)  # the validated recipe with every default filled in
+    hash: str
+    model: ModelSpec
+    data: DataSpec
+    batch: BatchSpec
+    precision: PrecisionSpec
+    zero: ZeroSpec
+    optimizer: OptimizerSpec
+    scheduler: SchedulerSpec
+    training: TrainingSpec
+    logging: LoggingSpec
+    checkpoint: CheckpointSpec
+    kernels: KernelsSpec
+
+    def to_json(self) -> str:
+        """The resolved recipe as written to <run_dir>/recipe.json."""
+        return json.dumps({**self.resolved, "name": self.name, "recipe_hash": self.hash}, indent=2) + "\n"
