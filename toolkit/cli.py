@@ -50,6 +50,22 @@ def _cmd_recipes(args) -> int:
     return 0
 
 
+def _cmd_tutorials(args) -> int:
+    from toolkit.tutorials import BUILD_COMMAND, TUTORIALS_DIR, build_all
+
+    stale = build_all(check=True)
+    if args.check:
+        for path in stale:
+            print(f"error: {path.relative_to(TUTORIALS_DIR.parent)}: stale, differs from its template; "
+                  f"rebuild with `{BUILD_COMMAND}`", file=sys.stderr)
+        if not stale:
+            print("tutorials: every notebook matches its template")
+        return EXIT_USER_ERROR if stale else 0
+    for path in build_all():
+        print(f"{path.relative_to(TUTORIALS_DIR.parent)}: {'updated' if path in stale else 'unchanged'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit", description="Declarative training recipes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -71,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("recipes", help="list the shipped recipes")
     p.set_defaults(func=_cmd_recipes)
+
+    p = sub.add_parser("tutorials", help="tutorial notebooks generated from tutorials/templates/")
+    tutorials = p.add_subparsers(dest="tutorials_command", required=True, metavar="ACTION")
+    p = tutorials.add_parser("build", help="render every template to tutorials/<name>.ipynb")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 2 naming the stale notebooks")
+    p.set_defaults(func=_cmd_tutorials)
     return parser
 
 

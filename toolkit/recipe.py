@@ -52,9 +52,41 @@ def find_recipe_file(name_or_path: str | os.PathLike) -> Path:
     raise RecipeError(f"{path}: recipe file not found (shipped recipes: `toolkit recipes`)")
 
 
+class _JsonObject(dict):
+    """A parsed JSON object that remembers the keys it saw more than once."""
+    duplicates: list
+
+
+def _object_keeping_duplicates(pairs) -> _JsonObject:
+    obj = _JsonObject(pairs)
+    seen: set = set()
+    obj.duplicates = [k for k, _ in pairs if k in seen or seen.add(k)]
+    return obj
+
+
+def _duplicate_key_errors(node, parts=()) -> list[str]:
+    """Each key given twice in one object; json.loads would silently keep the last."""
+    errors = []
+    if isinstance(node, _JsonObject):
+        errors += [f"{_json_path([*parts, k])}: duplicate key (the last one would win)" for k in node.duplicates]
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        errors += _duplicate_key_errors(value, (*parts, key))
+    return errors
+
+
+def _plain(node):
+    if isinstance(node, dict):
+        return {k: _plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return node
+
+
 def _read_json_object(path: Path) -> dict:
     try:
-        text = path.read_text(encoding="utf-8")
+        # NOTE: utf-8-sig also reads files that an editor saved with a byte-order mark.
+        text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise RecipeError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -62,12 +94,15 @@ def _read_json_object(path: Path) -> dict:
     if not text.strip():
         raise RecipeError(f"{path}: empty file, expected a JSON object")
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_object_keeping_duplicates)
     except json.JSONDecodeError as exc:
         raise RecipeError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
-    return data
+        raise RecipeError(f"{path}: expected a JSON object at the top level, got {_json_type(data)}")
+    duplicates = _duplicate_key_errors(data)
+    if duplicates:
+        raise RecipeError(*(f"{path}: {line}" for line in duplicates))
+    return _plain(data)
 
 
 def deep_merge(base: dict, child: dict) -> dict:
@@ -99,16 +134,6 @@ def _load_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     return deep_merge(_load_with_extends(base_path, (*chain, path)), data)
 
 
-def _subschema(path: list[str]) -> dict | None:
-    node = load_schema()
-    for key in path:
-        props = node.get("properties", {}) if isinstance(node, dict) else {}
-        if key not in props:
-            return None
-        node = props[key]
-    return node
-
-
 def _did_you_mean(key: str, known) -> str:
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     if close:
@@ -116,7 +141,8 @@ def _did_you_mean(key: str, known) -> str:
     return f" (expected one of: {', '.join(sorted(known))})"
 
 
-def _parse_override_value(dotted: str, raw: str, node: dict) -> Any:
+def _parse_override_value(raw: str, node: dict) -> Any:
+    """The override's text as the JSON type the schema wants there; raises ValueError naming that type."""
     kinds = node.get("type")
     if kinds is None and "enum" in node:
         kinds = sorted({_json_type(v) for v in node["enum"]})
@@ -128,7 +154,7 @@ def _parse_override_value(dotted: str, raw: str, node: dict) -> Any:
     except json.JSONDecodeError:
         if "string" in kinds:
             return raw
-        raise RecipeError(f"override {dotted}={raw}: expected {' or '.join(kinds)}, got {raw!r}") from None
+        raise ValueError(" or ".join(_TYPE_NAMES.get(k, k) for k in kinds)) from None
 
 
 def _json_type(value: Any) -> str:
@@ -138,35 +164,57 @@ def _json_type(value: Any) -> str:
         return "integer"
     if isinstance(value, float):
         return "number"
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, list):
+        return "array"
+    if value is None:
+        return "null"
     return "string"
 
 
+def _override_target(keys: list[str]) -> tuple[dict | None, str | None]:
+    """The schema node at `keys`, or None and a one-line reason naming the first key that is wrong."""
+    node = load_schema()
+    for depth, key in enumerate(keys):
+        where = _json_path(keys[:depth + 1])
+        if node.get("type") != "object" or "properties" not in node:
+            return None, f"{_json_path(keys[:depth])}: is not an object, so it has no key '{key}'"
+        known = node["properties"]
+        if key not in known:
+            reason = "empty key" if not key else f"unknown key{_did_you_mean(key, known)}"
+            return None, f"{where}: {reason}"
+        node = known[key]
+    return node, None
+
+
 def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
-    """Apply `key.path=value` overrides, each typed by the schema."""
+    """Apply `key.path=value` overrides, each typed by the schema; errors name `recipe.key.path`."""
     recipe = json.loads(json.dumps(recipe))
     errors = []
     for item in overrides:
         dotted, sep, raw = item.partition("=")
         if not sep or not dotted:
-            errors.append(f"override {item!r}: expected key.path=value")
+            errors.append(f"override {item!r}: expected key.path=value (e.g. optimizer.lr=3e-4)")
             continue
         keys = dotted.split(".")
-        node = _subschema(keys)
+        if keys[0] in ("extends", "$schema"):
+            errors.append(f"{_json_path(keys)}: cannot be overridden (override {item!r}); edit the recipe file")
+            continue
+        node, reason = _override_target(keys)
         if node is None:
-            parent = _subschema(keys[:-1]) or {}
-            known = parent.get("properties", {}).keys()
-            errors.append(f"override {dotted}: unknown key{_did_you_mean(keys[-1], known)}")
+            errors.append(f"{reason} (override {item!r})")
             continue
         try:
-            value = _parse_override_value(dotted, raw, node)
-        except RecipeError as exc:
-            errors.extend(exc.lines)
+            value = _parse_override_value(raw, node)
+        except ValueError as exc:
+            errors.append(f"{_json_path(keys)}: {raw!r} is not {exc} (override {item!r})")
             continue
         target = recipe
-        for key in keys[:-1]:
+        for depth, key in enumerate(keys[:-1]):
             target = target.setdefault(key, {})
             if not isinstance(target, dict):
-                errors.append(f"override {dotted}: recipe.{key} is not an object")
+                errors.append(f"{_json_path(keys[:depth + 1])}: is not an object in the recipe (override {item!r})")
                 break
         else:
             target[keys[-1]] = value
@@ -190,7 +238,7 @@ _TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a strin
                "boolean": "true or false", "object": "an object", "array": "a list"}
 
 
-def _format_schema_error(error) -> list[str]:
+def _format_schema_error(error, recipe: dict) -> list[str]:
     where = _json_path(error.absolute_path)
     if error.validator == "additionalProperties":
         known = error.schema.get("properties", {}).keys()
@@ -212,22 +260,76 @@ def _format_schema_error(error) -> list[str]:
             strings = [v for v in error.validator_value if isinstance(v, str)]
             close = difflib.get_close_matches(error.instance, strings, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else ""
+        if "then" in error.schema_path and list(error.absolute_path) == ["model", "size"]:
+            hint = f" (sizes of family {recipe['model'].get('family', 'gpt2')}){hint}"
         return [f"{where}: {json.dumps(error.instance)} is not one of {json.dumps(error.validator_value)}{hint}"]
     return [f"{where}: {error.message}"]
 
 
+def _non_finite_errors(node, parts=()) -> list[str]:
+    """NaN and Infinity: Python's JSON reader accepts them and JSON Schema ranges do not catch NaN."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return [f"{_json_path(parts)}: {node} is not a finite number"]
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    return [line for key, value in items for line in _non_finite_errors(value, (*parts, key))]
+
+
+def _document_order(recipe: dict, parts) -> list[int]:
+    """Where a JSON path sits in the recipe as written (key order), so errors read top to bottom."""
+    order, node = [], recipe
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            order.append(list(node).index(part))
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            order.append(part)
+        else:
+            order.append(len(node) if isinstance(node, (dict, list)) else 0)
+            break
+        node = node[part]
+    return order
+
+
+def _narrowest_enum_errors(errors: list) -> list:
+    """model.size fails both the list of all sizes and its family's list: keep only the family's."""
+    narrowest = {}
+    for error in errors:
+        if error.validator == "enum":
+            key = tuple(error.absolute_path)
+            if key not in narrowest or len(error.validator_value) < len(narrowest[key].validator_value):
+                narrowest[key] = error
+    return [e for e in errors if e.validator != "enum" or narrowest[tuple(e.absolute_path)] is e]
+
+
 def schema_errors(recipe: dict) -> list[str]:
     """Every schema violation, one line each, in document order."""
+    non_finite = _non_finite_errors(recipe)
+    if non_finite:
+        return non_finite
     # NOTE: jsonschema imports rfc3987_syntax when it is installed (jupyter brings it),
     # which spends ~1.6 s building a grammar; recipes use no `format`, so keep it out.
     sys.modules.setdefault("rfc3987_syntax", None)
     from jsonschema import Draft202012Validator
 
     validator = Draft202012Validator(load_schema())
+    errors = _narrowest_enum_errors(list(validator.iter_errors(recipe)))
     lines = []
-    for error in sorted(validator.iter_errors(recipe), key=lambda e: [str(p) for p in e.absolute_path]):
-        lines.extend(_format_schema_error(error))
+    for error in sorted(errors, key=lambda e: _document_order(recipe, e.absolute_path)):
+        lines.extend(_format_schema_error(error, recipe))
     return lines
+
+
+def _coerce_integers(node: dict, instance: Any) -> Any:
+    """JSON Schema counts 4.0 as an integer; make it the int 4 wherever the schema wants an integer."""
+    wants_int = node.get("type") == "integer" or (
+        "enum" in node and all(_json_type(v) == "integer" for v in node["enum"]))
+    if wants_int and isinstance(instance, float) and instance.is_integer():
+        return int(instance)
+    if isinstance(instance, dict):
+        props = node.get("properties", {})
+        return {k: _coerce_integers(props[k], v) if k in props else v for k, v in instance.items()}
+    if isinstance(instance, list) and isinstance(node.get("items"), dict):
+        return [_coerce_integers(node["items"], v) for v in instance]
+    return instance
 
 
 def fill_defaults(node: dict, instance: dict) -> dict:
@@ -277,7 +379,8 @@ def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[
     return BatchSpec(micro, accum, total, w), []
 
 
-def _model_spec(model: dict, data: dict, recipe_dir: Path | None) -> tuple[ModelSpec | None, list[str]]:
+def _model_spec(model: dict, given: dict, data: dict, recipe_dir: Path | None) -> tuple[ModelSpec | None, list[str]]:
+    """`model` has the schema defaults filled in; `given` is the model section as written."""
     errors = []
     family = model["family"]
     explicit = ("n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size")
@@ -287,7 +390,7 @@ def _model_spec(model: dict, data: dict, recipe_dir: Path | None) -> tuple[Model
                 errors.append(f"recipe.model.{key}: only llama models have this key (family is gpt2)")
     pretrained = None
     if "pretrained" in model:
-        clash = [k for k in ("size", *explicit) if k in model]
+        clash = [k for k in ("size", *explicit) if k in given]
         if clash:
             errors.append(f"recipe.model.pretrained: excludes {', '.join(clash)} (the folder's config.json sets the shape)")
         pretrained = Path(model["pretrained"])
@@ -319,8 +422,9 @@ def _model_spec(model: dict, data: dict, recipe_dir: Path | None) -> tuple[Model
 def _training_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[int, list[str]]:
     if "max_steps" in training:
         return int(training["max_steps"]), []
-    steps = math.ceil(training["epochs"] * data["num_samples"] / batch.global_batch)
-    return max(steps, 1), []
+    # An epoch is the whole global batches that fit (the stream drops the remainder).
+    steps_per_epoch = data["num_samples"] // batch.global_batch
+    return max(math.ceil(training["epochs"] * steps_per_epoch), 1), []
 
 
 def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]:
@@ -348,18 +452,32 @@ def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
     return errors
 
 
+def _world_size(world_size: int | None) -> tuple[int, list[str]]:
+    """The data-parallel world size: the argument, else $WORLD_SIZE (torchrun sets it), else 1."""
+    if world_size is None:
+        env = os.environ.get("WORLD_SIZE", "1")
+        try:
+            world_size = int(env)
+        except ValueError:
+            return 1, [f"WORLD_SIZE: {env!r} is not an integer"]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        return 1, [f"world size: {world_size!r} must be a positive integer (--world-size N, WORLD_SIZE)"]
+    return world_size, []
+
+
 def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | None = None,
                  default_name: str = "recipe") -> Recipe:
     """Validate a merged recipe dict and build the typed `Recipe`; raises RecipeError with every problem."""
-    errors = schema_errors(raw)
+    world_size, errors = _world_size(world_size)
+    errors += schema_errors(raw)
     if errors:
         raise RecipeError(*errors)
-    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    raw = _coerce_integers(load_schema(), raw)
     r = fill_defaults(load_schema(), raw)
     r["_given_precision"] = raw.get("precision", {})
     recipe_dir = source.parent if source is not None else None
     errors = []
-    model, model_errors = _model_spec(r["model"], r["data"], recipe_dir)
+    model, model_errors = _model_spec(r["model"], raw["model"], r["data"], recipe_dir)
     batch, batch_errors = resolve_batch(r["batch"], world_size)
     errors += model_errors + batch_errors
     max_steps = 0

@@ -1,0 +1,142 @@
+"""The training loop behind `toolkit run` and `toolkit.run(recipe)`: run
+directory, start-up table, accumulation through the engine, evaluation and
+logging cadence, summary. The engine (toolkit/engine.py) does the maths.
+
+Run directory contract: recipe.json (resolved recipe + hash), metrics.jsonl
+(one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s,
+elapsed_s, ...; evaluation lines carry eval_loss), tensorboard/, checkpoints/.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from toolkit.data import BatchStream, Dataset, eval_batches
+from toolkit.engine import Engine
+from toolkit.specs import Recipe
+from toolkit.tracking import build_trackers
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced."""
+    run_dir: Path
+    metrics: list[dict] = field(default_factory=list)
+
+    @property
+    def train_metrics(self) -> list[dict]:
+        return [m for m in self.metrics if "loss" in m]
+
+    @property
+    def eval_metrics(self) -> list[dict]:
+        return [m for m in self.metrics if "eval_loss" in m]
+
+    @property
+    def first_loss(self) -> float:
+        return self.train_metrics[0]["loss"]
+
+    @property
+    def final_loss(self) -> float:
+        return self.train_metrics[-1]["loss"]
+
+
+def default_run_dir(recipe: Recipe) -> Path:
+    """runs/<recipe-name>-<timestamp>."""
+    return Path("runs") / f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset) -> str:
+    """Everything that matters about the run, computed once and printed at start."""
+    b, m, d = recipe.batch, recipe.model, recipe.data
+    tokens_per_step = b.global_batch * d.seq_len
+    device = engine.device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    precision = {"fp32": "fp32", "bf16": "bf16 autocast, fp32 weights",
+                 "fp16": "fp16 autocast, fp32 weights, "
+                         + ("dynamic loss scale" if recipe.precision.fp16.loss_scale == 0 else "static loss scale")}
+    rows = [
+        ("recipe", f"{recipe.name} (hash {recipe.hash})"),
+        ("model", f"{m.family}-{m.size}: {engine.num_parameters / 1e6:.2f}M parameters, {m.n_layer} layers, "
+                  f"width {m.n_embd}, {m.n_head} heads" + (", activation checkpointing" if m.activation_checkpointing else "")),
+        ("data", f"{d.kind}: {d.num_samples} x {d.seq_len} tokens, vocab {d.vocab_size}, "
+                 f"loss floor ln({d.branching}) = {dataset.entropy_floor:.3f}"),
+        ("batch", f"global {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
+                  f"x world {b.world_size}; {tokens_per_step:,} tokens per step"),
+        ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
+        ("precision", precision[recipe.precision.dtype]),
+        ("zero", f"stage {recipe.zero.stage}, optimizer offload {recipe.zero.offload_optimizer}"),
+        ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
+                      f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
+        ("device", f"{device_name} ({device})"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
+
+
+def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = False) -> RunResult:
+    """Train a recipe to the end; returns the run directory and the logged metrics."""
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(recipe)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.json").write_text(recipe.to_json())
+
+    engine = Engine(recipe)
+    dataset = Dataset(recipe.data)
+    stream = BatchStream(dataset.train, recipe.batch, rank=0, seed=recipe.training.seed)
+    held_out = eval_batches(dataset.eval, recipe.batch, rank=0, count=recipe.training.eval_batches)
+    training = recipe.training
+    trackers = build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet, append=False,
+                              config=recipe.resolved)
+    if not quiet:
+        print(startup_table(recipe, engine, dataset), flush=True)
+        print(f"run dir | {run_dir}", flush=True)
+
+    result = RunResult(run_dir)
+    tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
+
+    def log(metrics: dict) -> None:
+        result.metrics.append(metrics)
+        trackers.log(metrics)
+
+    def evaluate(step: int) -> None:
+        if held_out:
+            log({"step": step, "eval_loss": engine.evaluate(held_out)})
+
+    start = window_start = time.perf_counter()
+    window_steps = 0
+    try:
+        while engine.global_step < training.max_steps:
+            step_result = engine.train_batch(stream.next_step())
+            step, window_steps = engine.global_step, window_steps + 1
+            if step % training.log_interval == 0 or step == training.max_steps:
+                now = time.perf_counter()
+                log({
+                    "step": step,
+                    "loss": step_result.loss,
+                    "lr": step_result.lr,
+                    "grad_norm": step_result.grad_norm,
+                    "loss_scale": step_result.loss_scale,
+                    "skipped_steps": engine.skipped_steps,
+                    "tokens_per_s": window_steps * tokens_per_step / (now - window_start),
+                    "elapsed_s": now - start,
+                })
+                window_start, window_steps = now, 0
+            if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
+                evaluate(step)
+        evaluate(engine.global_step)
+    finally:
+        trackers.close()
+    if not quiet:
+        wall = time.perf_counter() - start
+        train = result.train_metrics
+        summary = f"done: {engine.global_step} steps in {wall:.1f}s"
+        if train:
+            summary += f", loss {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}"
+        if result.eval_metrics:
+            summary += f", eval loss {result.eval_metrics[-1]['eval_loss']:.4f}"
+        print(summary + f" (floor {dataset.entropy_floor:.3f})", flush=True)
+    return result
