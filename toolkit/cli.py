@@ -25,6 +25,17 @@ def _cmd_validate(args) -> int:
     return 0
 
 
+def _cmd_estimate(args) -> int:
+    from toolkit.memory import format_estimate
+    from toolkit.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    print(format_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
+                          dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
+                          stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer))
+    return 0
+
+
 def _cmd_run(args) -> int:
     from toolkit.recipe import load_recipe
     from toolkit.train import run
@@ -76,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None, help="check the batch sizes for this many ranks")
     p.set_defaults(func=_cmd_validate)
 
+    p = sub.add_parser("estimate", help="memory per rank for ZeRO stages 0-3 and offload, before running")
+    p.add_argument("recipe", help="recipe file, or the name of a shipped recipe")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed by the schema")
+    p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default WORLD_SIZE or 1)")
+    p.add_argument("--device", default=None, help="GPU to check the fit against, e.g. H100-80GB, A100-40GB, RTX4090")
+    p.set_defaults(func=_cmd_estimate)
+
     p = sub.add_parser("run", help="train from a recipe")
     p.add_argument("recipe", help="recipe file, or the name of a shipped recipe")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed by the schema")
@@ -98,7 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `toolkit` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after options (`run R --run-dir D a.b=1`): argparse leaves them over.
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in rest):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = [*args.overrides, *rest]
     try:
         return args.func(args)
     except UserError as exc:
