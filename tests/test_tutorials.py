@@ -1,0 +1,79 @@
+"""The tutorial notebooks: committed files match their templates, and each is a
+clean, stably-identified notebook. (nbval executes them: `pytest --nbval-lax tutorials`.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from toolkit.errors import UserError
+from toolkit.tutorials import (KERNELSPEC, TEMPLATES_DIR, TUTORIALS_DIR, build_all, notebook_name, render_notebook,
+                               split_cells, template_paths)
+
+NOTEBOOKS = sorted(TUTORIALS_DIR.glob("*.ipynb"))
+
+
+def test_committed_notebooks_match_their_templates():
+    stale = build_all(check=True)
+    assert not stale, f"stale notebooks {[p.name for p in stale]}: rebuild with `toolkit tutorials build`"
+
+
+def test_every_notebook_has_a_template_and_every_template_a_notebook():
+    templates = {notebook_name(t) for t in template_paths()}
+    notebooks = {p.stem for p in NOTEBOOKS}
+    assert "01_quickstart" in templates
+    assert notebooks == templates
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_has_stable_ids_python3_kernel_and_no_outputs(path):
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    slug = path.stem.replace("_", "-")
+    assert nb["nbformat"] == 4 and nb["nbformat_minor"] >= 5
+    assert nb["metadata"]["kernelspec"] == KERNELSPEC
+    assert [cell["id"] for cell in nb["cells"]] == [f"{slug}-{i:02d}" for i in range(len(nb["cells"]))]
+    code = [cell for cell in nb["cells"] if cell["cell_type"] == "code"]
+    assert code, "a tutorial runs something"
+    for cell in code:
+        assert cell["outputs"] == [] and cell["execution_count"] is None, cell["id"]
+    assert path.read_text(encoding="utf-8").endswith("}\n")
+
+
+def test_rendering_twice_gives_identical_bytes():
+    for template in template_paths():
+        assert render_notebook(template) == render_notebook(template)
+
+
+def test_split_cells_cuts_at_marker_lines_and_trims_blank_lines():
+    text = "\n%% markdown\n# Title\n\n%% code\nx = 1\n%%code\n\ny = 2\n\n"
+    assert split_cells(text) == [("markdown", "# Title"), ("code", "x = 1"), ("code", "y = 2")]
+
+
+def test_split_cells_rejects_text_before_the_first_marker():
+    with pytest.raises(UserError, match=r"t\.md\.j2:2: text before the first"):
+        split_cells("\nstray\n%% code\nx = 1\n", "t.md.j2")
+
+
+def test_cli_check_exits_2_naming_the_stale_notebook(tmp_path, monkeypatch):
+    import toolkit.tutorials as tutorials
+    from toolkit.cli import main
+
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "01_demo.md.j2").write_text("%% markdown\n# {{ notebook }}\n%% code\nprint(1)\n")
+    monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
+    monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
+    assert main(["tutorials", "build", "--check"]) == 2
+    assert not (tmp_path / "01_demo.ipynb").exists()
+    assert main(["tutorials", "build"]) == 0
+    assert main(["tutorials", "build", "--check"]) == 0
+    (tmp_path / "01_demo.ipynb").write_text("{}\n")
+    assert main(["tutorials", "build", "--check"]) == 2
+
+
+def test_cli_check_stays_free_of_torch():
+    code = ("import sys; from toolkit.cli import main; rc = main(['tutorials', 'build', '--check']); "
+            "assert 'torch' not in sys.modules; sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=TEMPLATES_DIR.parent.parent, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
