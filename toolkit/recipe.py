@@ -269,7 +269,7 @@ def _format_schema_error(error, recipe: dict) -> list[str]:
 def _non_finite_errors(node, parts=()) -> list[str]:
     """NaN and Infinity: Python's JSON reader accepts them and JSON Schema ranges do not catch NaN."""
     if isinstance(node, float) and not math.isfinite(node):
-        return [f"{_json_path(parts)}: {node} is not a finite number"]
+        return [f"{_json_path(parts)}: {json.dumps(node)} is not a finite number"]
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     return [line for key, value in items for line in _non_finite_errors(value, (*parts, key))]
 
