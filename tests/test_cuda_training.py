@@ -1,0 +1,41 @@
+"""GPU: GPT-2 124M trains for a few hundred steps in bf16 and in fp16 (dynamic
+loss scaling) with the loss falling and never NaN. Figures (tokens/s, peak
+memory) go to $TOOLKIT_FIGURES (a JSONL file) when set, for the benchmark notes."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from toolkit.recipe import load_recipe
+from toolkit.train import run
+
+STEPS = 300
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gpt2_124m_trains_in_mixed_precision_on_gpu(dtype, tmp_path):
+    recipe = load_recipe("gpt2-124m", [
+        f"precision.dtype={dtype}", f"training.max_steps={STEPS}", "training.eval_interval=0",
+        "training.eval_batches=2", "training.log_interval=10", "batch.micro_batch_per_rank=8",
+        "batch.grad_accum_steps=1", "data.num_samples=4096", "scheduler.warmup_num_steps=30",
+        "logging.tensorboard=false", "checkpoint.save_final=false", "checkpoint.interval=0",
+    ])
+    torch.cuda.reset_peak_memory_stats()
+    result = run(recipe, run_dir=tmp_path, quiet=True)
+    train = result.train_metrics
+    losses = [m["loss"] for m in train]
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert losses[-1] < losses[0] - 2.0, (losses[0], losses[-1])
+    assert math.isfinite(result.eval_metrics[-1]["eval_loss"])
+    tokens_per_s = sum(m["tokens_per_s"] for m in train[len(train) // 2:]) / (len(train) - len(train) // 2)
+    figures = {"test": "gpt2-124m", "dtype": dtype, "steps": STEPS, "micro_batch": 8, "seq_len": 1024,
+               "first_loss": losses[0], "last_loss": losses[-1], "skipped_steps": train[-1]["skipped_steps"],
+               "tokens_per_s": round(tokens_per_s), "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+               "device": torch.cuda.get_device_name()}
+    print(figures)
+    if os.environ.get("TOOLKIT_FIGURES"):
+        with open(os.environ["TOOLKIT_FIGURES"], "a") as f:
+            f.write(json.dumps(figures) + "\n")
