@@ -45,6 +45,15 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from toolkit.export import export_hf
+
+    done = export_hf(args.run_dir, args.out_dir)
+    print(f"exported {done.checkpoint} (step {done.step}, recipe hash {done.recipe_hash}) -> {done.out_dir}: "
+          f"{', '.join(done.files)}")
+    return 0
+
+
 def _cmd_schema(args) -> int:
     from toolkit.resources import schema_path
 
@@ -99,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed by the schema")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<name>-<timestamp>)")
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model folder")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its latest checkpoint), or a step-NNNNNN dir")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="new or empty folder for config.json and model.safetensors")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema")
     p.set_defaults(func=_cmd_schema)

@@ -170,9 +170,15 @@ class Engine:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what state_dict() saved."""
+        """Restore what state_dict() saved; settings (betas, eps, weight decay, implementation) stay the recipe's."""
         self.model.load_state_dict(state["model"])
+        # NOTE: torch's Optimizer.load_state_dict replaces each param group's settings with
+        # the saved ones (fused/foreach flags included); keep the recipe's and take only the
+        # per-parameter state (moments, step). The schedule writes lr just below.
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])

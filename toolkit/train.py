@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
 from toolkit.data import BatchStream, Dataset, eval_batches
 from toolkit.engine import Engine
 from toolkit.specs import Recipe
@@ -82,6 +83,9 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     """Train a recipe to the end; returns the run directory and the logged metrics."""
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(recipe)
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpointer = Checkpointer(recipe, run_dir)
+    resumed = checkpointer.resume_point()  # before the run dir changes: a refused resume leaves it as it was
+    start_step = resumed.step if resumed is not None else 0
     (run_dir / "recipe.json").write_text(recipe.to_json())
 
     engine = Engine(recipe)
@@ -89,11 +93,19 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     stream = BatchStream(dataset.train, recipe.batch, rank=0, seed=recipe.training.seed)
     held_out = eval_batches(dataset.eval, recipe.batch, rank=0, count=recipe.training.eval_batches)
     training = recipe.training
-    trackers = build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet, append=False,
-                              config=recipe.resolved)
+    if resumed is not None:
+        checkpointer.restore(resumed, engine, stream)
+        truncate_metrics(run_dir / "metrics.jsonl", resumed.step)  # steps past the checkpoint are logged again
+    trackers = build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet,
+                              append=resumed is not None, config=recipe.resolved,
+                              wandb_run_id=resumed.wandb_run_id if resumed is not None else None)
     if not quiet:
         print(startup_table(recipe, engine, dataset), flush=True)
         print(f"run dir | {run_dir}", flush=True)
+        if resumed is not None:
+            print(f"resume  | {resumed.path} (step {resumed.step} of {training.max_steps})", flush=True)
+    if resumed is not None:
+        restore_rng_state(resumed.state["rng"])  # last before the loop, so nothing draws from them in between
 
     result = RunResult(run_dir)
     tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
@@ -127,7 +139,10 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
                 window_start, window_steps = now, 0
             if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
                 evaluate(step)
-        evaluate(engine.global_step)
+            checkpointer.after_step(engine, stream, trackers.wandb_run_id)
+        if engine.global_step > start_step:  # a checkpoint already at max_steps has nothing left to do
+            evaluate(engine.global_step)
+        checkpointer.finish(engine, stream, trackers.wandb_run_id)
     finally:
         trackers.close()
     if not quiet:

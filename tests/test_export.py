@@ -1,0 +1,114 @@
+"""toolkit/export.py and `toolkit export`: a run's checkpoint -> a Hugging Face
+folder that transformers loads on its own and that computes the trained logits."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from toolkit.checkpoint import latest_checkpoint, load_checkpoint
+from toolkit.cli import main
+from toolkit.engine import Engine
+from toolkit.errors import UserError
+from toolkit.export import export_hf
+from toolkit.models import build_config
+from toolkit.recipe import load_recipe
+from toolkit.train import run
+
+TINY = ["data.num_samples=64", "data.seq_len=32", "data.eval_samples=16", "batch.micro_batch_per_rank=8",
+        "scheduler.warmup_num_steps=1", "training.max_steps=3", "training.eval_batches=0", "logging.console=false",
+        "checkpoint.interval=2"]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def trained(request, tmp_path_factory):
+    """A 3-step run (checkpoints at steps 2 and 3) and its recipe."""
+    recipe = load_recipe("quickstart", [*TINY, f"model.family={request.param}"])
+    run_dir = tmp_path_factory.mktemp(f"run-{request.param}")
+    run(recipe, run_dir, quiet=True)
+    return recipe, run_dir
+
+
+def trained_logits(recipe, step_dir, tokens):
+    """Logits of the toolkit's own model with the checkpoint's weights."""
+    engine = Engine(recipe)
+    engine.load_state_dict(load_checkpoint(step_dir).state["engine"])
+    engine.model.eval()
+    with torch.no_grad():
+        return engine.model(input_ids=tokens).logits
+
+
+def test_export_round_trip_gives_the_trained_logits(trained, tmp_path):
+    recipe, run_dir = trained
+    out = tmp_path / "hf"
+    done = export_hf(run_dir, out)
+    assert done.step == 3 and done.files == ["config.json", "generation_config.json", "model.safetensors"]
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    tokens = torch.randint(0, recipe.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = hf(input_ids=tokens).logits
+    expected = trained_logits(recipe, latest_checkpoint(run_dir / "checkpoints"), tokens)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # and the weights are the trained ones, not a fresh initialisation
+    fresh = Engine(recipe).model.eval()
+    with torch.no_grad():
+        assert not torch.allclose(fresh(input_ids=tokens).logits, expected, atol=1e-3)
+    GenerationConfig.from_pretrained(out)  # transformers reads it
+
+
+def test_exported_config_is_the_recipes_config(trained, tmp_path):
+    recipe, run_dir = trained
+    export_hf(run_dir, tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    expected = build_config(recipe.model).to_dict()
+    for key in ("model_type", "vocab_size", "tie_word_embeddings", "n_layer", "n_embd", "n_head", "n_positions",
+                "num_hidden_layers", "hidden_size", "num_key_value_heads", "intermediate_size"):
+        assert written.get(key) == expected.get(key), key
+    assert written["use_cache"] is True  # training turned it off; generation wants it
+
+
+def test_tied_gpt2_head_is_written_once_and_tied_on_load(tmp_path):
+    recipe = load_recipe("quickstart", [*TINY, "checkpoint.interval=0"])
+    run(recipe, tmp_path / "run", quiet=True)
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+
+
+def test_export_of_a_given_step_dir_through_the_cli(trained, tmp_path, capsys):
+    recipe, run_dir = trained
+    step2 = run_dir / "checkpoints" / "step-000002"
+    capsys.readouterr()
+    assert main(["export", str(step2), str(tmp_path / "hf")]) == 0
+    assert "(step 2," in capsys.readouterr().out
+    tokens = torch.arange(32).unsqueeze(0) % recipe.model.vocab_size
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    with torch.no_grad():
+        got = hf(input_ids=tokens).logits
+    torch.testing.assert_close(got, trained_logits(recipe, step2, tokens), atol=1e-5, rtol=0)
+
+
+def test_export_refuses_a_non_empty_out_dir_in_one_line(trained, tmp_path, capsys):
+    _, run_dir = trained
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path / 'hf'}: exists and is not empty; export into a new or empty folder\n"
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["keep.txt"]
+
+
+def test_export_of_a_run_dir_without_checkpoints_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'run'}: no complete checkpoint") and err.count("\n") == 1
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(UserError, match="no such file or directory"):
+        export_hf(tmp_path / "missing", tmp_path / "hf")
