@@ -1,0 +1,147 @@
+// common.cuh: small device helpers shared by the toolkit's kernels.
+//
+// Plain CUDA only (no torch headers), so each .cu file compiles on its own with
+// `nvcc -c`. Conversions are explicit intrinsics because torch's extension build
+// defines __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launchers.h"
+
+namespace toolkit {
+
+// ---------------------------------------------------------------------------
+// Scalar conversions (math is always fp32)
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// ---------------------------------------------------------------------------
+// Packs: N consecutive elements moved with one (or two) wide memory instructions.
+// NOTE: alignment is capped at 16 bytes, the widest load; a 32-byte fp32 pack is
+// two LDG.128. Callers check `is_aligned` before taking the packed path.
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
+  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+__host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+template <typename T, int N>
+__host__ __device__ __forceinline__ int pack_alignment() {
+  return sizeof(T) * N > 16 ? 16 : sizeof(T) * N;
+}
+
+// ---------------------------------------------------------------------------
+// Reductions
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds 32 floats.
+// Starts and ends with a barrier, so back-to-back calls may share `scratch`.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+// Rows of a [rows, cols] fp32 partial-sum matrix summed into out[cols] (cast to T);
+// one thread per column, rows in a fixed order: deterministic.
+template <typename T>
+__global__ void sum_partials_kernel(const float* __restrict__ partial, T* __restrict__ out, int rows, int cols) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float acc = 0.f;
+  for (int r = 0; r < rows; ++r) acc += partial[(int64_t)r * cols + c];
+  out[c] = from_float<T>(acc);
+}
+
+template <typename T>
+inline cudaError_t launch_sum_partials(const float* partial, void* out, int rows, int cols, cudaStream_t stream) {
+  const int threads = 256;
+  sum_partials_kernel<T><<<(cols + threads - 1) / threads, threads, 0, stream>>>(partial, static_cast<T*>(out), rows, cols);
+  return cudaGetLastError();
+}
+
+inline cudaError_t launch_sum_partials_as(DType dtype, const float* partial, void* out, int rows, int cols,
+                                          cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32: return launch_sum_partials<float>(partial, out, rows, cols, stream);
+    case DType::kBFloat16: return launch_sum_partials<__nv_bfloat16>(partial, out, rows, cols, stream);
+    case DType::kFloat16: return launch_sum_partials<__half>(partial, out, rows, cols, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+inline int sm_count() {
+  int device = 0, count = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  return count > 0 ? count : 1;
+}
+
+}  // namespace toolkit
+
+// Dispatch a DType to a C++ type named by `NAME` inside the body.
+#define TOOLKIT_DISPATCH(DTYPE, NAME, ...)                          \
+  switch (DTYPE) {                                                  \
+    case ::toolkit::DType::kFloat32: {                              \
+      using NAME = float;                                           \
+      __VA_ARGS__;                                                  \
+      break;                                                        \
+    }                                                               \
+    case ::toolkit::DType::kBFloat16: {                             \
+      using NAME = __nv_bfloat16;                                   \
+      __VA_ARGS__;                                                  \
+      break;                                                        \
+    }                                                               \
+    case ::toolkit::DType::kFloat16: {                              \
+      using NAME = __half;                                          \
+      __VA_ARGS__;                                                  \
+      break;                                                        \
+    }                                                               \
+    default:                                                        \
+      return cudaErrorInvalidValue;                                 \
+  }
