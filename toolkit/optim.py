@@ -1,10 +1,10 @@
 """AdamW and the learning-rate schedule, built from `OptimizerSpec` and `SchedulerSpec`.
 
 What lives here: the decay / no-decay parameter groups, the choice of AdamW
-implementation (torch's foreach or fused AdamW today; the toolkit's own fused CUDA
-kernel plugs in at `choose_adamw`), and DeepSpeed's schedules (constant, WarmupLR,
-WarmupDecayLR, WarmupCosineLR) with DeepSpeed's formulas, as a pure function
-`lr_at` and a small stateful `Schedule`. What does not: gradient clipping, loss
+implementation (`choose_adamw`: the toolkit's fused CUDA kernel, toolkit/fused_adamw.py,
+when the run's kernels include it; torch's fused or foreach AdamW otherwise), and
+DeepSpeed's schedules (constant, WarmupLR, WarmupDecayLR, WarmupCosineLR) with
+DeepSpeed's formulas, as a pure function `lr_at` and a small stateful `Schedule`. What does not: gradient clipping, loss
 scaling and ZeRO partitioning of the optimizer state (precision.py, zero/).
 
 How the schedule lines up with optimizer steps (DeepSpeed's behaviour as run, from
@@ -56,25 +56,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 # AdamW
 
 def choose_adamw(implementation: str, device_type: str) -> str:
-    """The AdamW that runs for recipe.optimizer.implementation on this device: 'torch-fused' or 'torch'."""
-    # NOTE: the seam for the toolkit's own fused CUDA AdamW (kernels/, loaded by ops.py):
-    # when it lands, 'auto' and 'fused' on CUDA return its name here when ops.py reports
-    # it available, and build_optimizer constructs it. Until then torch's fused AdamW.
+    """The AdamW for recipe.optimizer.implementation on this device: 'toolkit-fused', 'torch-fused' or 'torch'."""
+    # NOTE: 'toolkit-fused' is kernels/fused_adamw.cu when the run's kernel choice
+    # (toolkit.ops.resolve, from recipe.kernels.adamw) loaded it; else torch's fused AdamW.
+    from toolkit import ops
+
     if implementation == "torch":
         return "torch"
     if device_type == "cuda":
-        return "torch-fused"
+        return "toolkit-fused" if ops.kernel_enabled("adamw") else "torch-fused"
     if implementation == "fused":
         raise UserError("recipe.optimizer.implementation: 'fused' needs a CUDA device; use 'auto' or 'torch'")
     return "torch"
 
 
 def build_optimizer(model: nn.Module, spec: OptimizerSpec, device_type: str) -> torch.optim.Optimizer:
-    """torch AdamW over `param_groups(model, spec.weight_decay)`, fused on CUDA unless implementation is 'torch'."""
+    """AdamW over `param_groups(model, spec.weight_decay)`: the toolkit's fused kernel or torch's fused AdamW on
+    CUDA, torch's default elsewhere or when implementation is 'torch'."""
     kind = choose_adamw(spec.implementation, device_type)
+    groups = param_groups(model, spec.weight_decay)
+    if kind == "toolkit-fused":
+        from toolkit.fused_adamw import FusedAdamW
+
+        return FusedAdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
     fused = {"fused": True} if kind == "torch-fused" else {}  # 'torch': torch's default (foreach where it can)
-    return torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=tuple(spec.betas),
-                             eps=spec.eps, weight_decay=spec.weight_decay, **fused)
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+                             weight_decay=spec.weight_decay, **fused)
 
 
 # ---------------------------------------------------------------------------

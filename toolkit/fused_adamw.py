@@ -1,0 +1,166 @@
+"""The toolkit's fused AdamW: a functional step over tensor lists or flat shards,
+the global gradient norm, and `FusedAdamW`, a torch Optimizer over them.
+
+`adamw_step` updates fp32 master parameters in one pass per call (kernels/
+fused_adamw.cu): gradient unscaling (and clipping) by `grad_scale`, an inf/NaN
+flag, decoupled weight decay, the Adam moments and, optionally, a bf16/fp16 copy
+of the updated parameters. A ZeRO flat shard is a list of one tensor. Without the
+CUDA extension (or for tensors it does not take) the same maths runs in torch.
+
+`FusedAdamW` keeps torch.optim.AdamW's parameter groups (lr, betas, eps,
+weight_decay) and state layout (step, exp_avg, exp_avg_sq), so its state dicts
+load into torch's AdamW and back. Its `grad_norm` makes the engine's overflow
+check, unscale and clip one read of the gradients instead of four passes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from toolkit import ops
+
+
+def _kernel_takes(params, grads, exp_avgs, exp_avg_sqs, lowp) -> bool:
+    tensors = [*params, *grads, *exp_avgs, *exp_avg_sqs, *(lowp or [])]
+    if not tensors or ops.loaded_extension("adamw") is None:
+        return False
+    device = params[0].device
+    return (all(t.is_cuda and t.device == device and t.is_contiguous() for t in tensors)
+            and all(t.dtype == torch.float32 for t in (*params, *exp_avgs, *exp_avg_sqs))
+            and len({g.dtype for g in grads}) == 1 and grads[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (not lowp or (len({t.dtype for t in lowp}) == 1 and lowp[0].dtype in (torch.bfloat16, torch.float16))))
+
+
+@torch.no_grad()
+def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], *,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+               grad_scale: float = 1.0, grad_scale_tensor: Tensor | None = None, lowp: list[Tensor] | None = None,
+               skip: Tensor | None = None, nonfinite: Tensor | None = None) -> None:
+    """One AdamW step in place, torch.optim.AdamW's maths in fp32, `step` counted from 1.
+
+    Gradients are multiplied by grad_scale (and by grad_scale_tensor, a CUDA float, if given);
+    elements with a non-finite gradient are left unchanged and set nonfinite (int32 [1]) to 1;
+    nothing happens where skip (int32 [1]) is non-zero; lowp receives bf16/fp16 copies.
+    """
+    bias_correction1 = 1.0 - beta1 ** step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    if _kernel_takes(params, grads, exp_avgs, exp_avg_sqs, lowp):
+        ops.loaded_extension("adamw").adamw_step(
+            params, grads, exp_avgs, exp_avg_sqs, list(lowp or []), lr, beta1, beta2, eps, weight_decay,
+            bias_correction1, bias_correction2_sqrt, grad_scale, grad_scale_tensor, skip, nonfinite)
+        return
+    if skip is not None and bool(skip.reshape(-1)[0] != 0):
+        return
+    scale = grad_scale * (float(grad_scale_tensor.reshape(-1)[0]) if grad_scale_tensor is not None else 1.0)
+    any_bad = False
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        g32 = g.float() * scale
+        finite = torch.isfinite(g32)
+        any_bad = any_bad or not bool(finite.all())
+        p32 = p.float()
+        new_p = p32 - lr * weight_decay * p32
+        new_m = beta1 * m.float() + (1.0 - beta1) * g32
+        new_v = beta2 * v.float() + (1.0 - beta2) * g32 * g32
+        denom = new_v.sqrt() / bias_correction2_sqrt + eps
+        new_p = new_p - (lr / bias_correction1) * new_m / denom
+        p.copy_(torch.where(finite, new_p, p32))
+        m.copy_(torch.where(finite, new_m, m.float()))
+        v.copy_(torch.where(finite, new_v, v.float()))
+        if lowp:
+            lowp[i].copy_(p)
+    if any_bad and nonfinite is not None:
+        nonfinite.fill_(1)
+
+
+@torch.no_grad()
+def global_grad_norm(grads: list[Tensor], grad_scale: float = 1.0, max_norm: float = 0.0,
+                     nonfinite: Tensor | None = None) -> Tensor:
+    """float32 [2]: the L2 norm of all grad_scale * grads, and the AdamW gradient multiplier
+    grad_scale * min(1, max_norm / (norm + 1e-6)) (no clipping when max_norm <= 0). One read of the gradients."""
+    grads = [g for g in grads if g is not None]
+    if grads and len({(g.device, g.dtype) for g in grads}) == 1 and ops.loaded_extension("adamw") is not None \
+            and grads[0].is_cuda and grads[0].dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and all(g.is_contiguous() for g in grads):
+        return ops.loaded_extension("adamw").grad_norm(grads, grad_scale, max_norm, nonfinite)
+    device = grads[0].device if grads else torch.device("cpu")
+    sumsq = torch.zeros((), dtype=torch.float64, device=device)
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    for g in grads:
+        scaled = g.float() * grad_scale
+        bad |= ~torch.isfinite(scaled).all()
+        sumsq += scaled.double().pow(2).sum()
+    norm = sumsq.sqrt().float()
+    clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else torch.ones_like(norm)
+    if nonfinite is not None:
+        nonfinite.copy_(torch.maximum(nonfinite, bad.to(nonfinite.dtype)))
+    return torch.stack([norm, grad_scale * clip]).float()
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's semantics, one fused kernel launch per parameter group (CUDA), torch maths elsewhere."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._grad_scale = 1.0  # what the next step() multiplies gradients by (set by grad_norm)
+
+    @torch.no_grad()
+    def grad_norm(self, grad_scale: float = 1.0, max_norm: float = 0.0) -> tuple[float, bool]:
+        """(global norm of grad_scale * grads, any inf/NaN), one read of the gradients and one host sync.
+
+        The next step() multiplies the gradients by grad_scale and the clip coefficient for max_norm
+        (torch.nn.utils.clip_grad_norm_'s), so the caller neither unscales nor clips them itself.
+        """
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            self._grad_scale = grad_scale
+            return 0.0, False
+        flag = torch.zeros(1, dtype=torch.int32, device=grads[0].device)
+        by_kind: dict = {}
+        for g in grads:
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        if len(by_kind) == 1:
+            norm_t = global_grad_norm(grads, grad_scale, 0.0, flag)[0]
+        else:  # mixed dtypes: norms per kind, combined
+            norms = torch.stack([global_grad_norm(gs, grad_scale, 0.0, flag)[0].to(flag.device) for gs in by_kind.values()])
+            norm_t = norms.double().pow(2).sum().sqrt().float()
+        norm, bad = torch.stack([norm_t.to(flag.device).float(), flag[0].float()]).tolist()
+        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and math.isfinite(norm) else 1.0
+        self._grad_scale = grad_scale * clip
+        return norm, bool(bad) or not math.isfinite(norm)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step over every parameter with a gradient (scaled as the last grad_norm() said)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, self._grad_scale = self._grad_scale, 1.0
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            buckets: dict = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedAdamW does not support sparse gradients")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if state["step"].device.type != "cpu":  # loaded from torch's fused AdamW: keep the count on the host
+                    state["step"] = state["step"].detach().to("cpu", torch.float32)
+                state["step"] += 1
+                key = (p.device, p.grad.dtype, int(state["step"].item()))
+                bucket = buckets.setdefault(key, ([], [], [], []))
+                for lst, t in zip(bucket, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                    lst.append(t)
+            for (_, _, step), (params, grads, exp_avgs, exp_avg_sqs) in buckets.items():
+                adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                           eps=group["eps"], weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)
+        return loss
