@@ -54,6 +54,16 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_generate(args) -> int:
+    from toolkit.generate import check_sampling_args, describe, generate_text, load_generator
+
+    check_sampling_args(args.max_new_tokens, args.temperature, args.top_k)
+    gen = load_generator(args.path, args.tokenizer)
+    print(describe(gen), file=sys.stderr, flush=True)
+    print(generate_text(gen, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
 def _cmd_schema(args) -> int:
     from toolkit.resources import schema_path
 
@@ -113,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its latest checkpoint), or a step-NNNNNN dir")
     p.add_argument("out_dir", metavar="OUT_DIR", help="new or empty folder for config.json and model.safetensors")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("generate", help="sample text from a run's latest checkpoint (or an exported folder)")
+    p.add_argument("path", metavar="RUN_DIR", help="run directory (its latest checkpoint), a step-NNNNNN dir, "
+                                                   "or an exported Hugging Face folder")
+    p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample at most (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0: all (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: RUN_DIR/tokenizer, or the "
+                                                     "exported folder itself)")
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema")
     p.set_defaults(func=_cmd_schema)

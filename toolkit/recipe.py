@@ -246,7 +246,8 @@ def _format_schema_error(error, recipe: dict) -> list[str]:
         return [f"{_json_path([*error.absolute_path, k])}: unknown key{_did_you_mean(k, known)}" for k in extras]
     if error.validator == "required":
         missing = error.message.split("'")[1]
-        return [f"{_json_path([*error.absolute_path, missing])}: required, missing"]
+        why = f" ({error.schema['errorMessage']})" if "errorMessage" in error.schema else ""
+        return [f"{_json_path([*error.absolute_path, missing])}: required, missing{why}"]
     if error.validator in ("anyOf", "oneOf") and "errorMessage" in error.schema:
         return [f"{where}: {error.schema['errorMessage']}"]
     if error.validator == "type":
@@ -332,8 +333,20 @@ def _coerce_integers(node: dict, instance: Any) -> Any:
     return instance
 
 
+def _matching_branches(node: dict, instance: dict) -> list[dict]:
+    """The `then` schemas of `allOf: [{if, then}]` whose `if` the instance satisfies."""
+    from jsonschema import Draft202012Validator
+
+    return [branch["then"] for branch in node.get("allOf", ())
+            if "if" in branch and "then" in branch and Draft202012Validator(branch["if"]).is_valid(instance)]
+
+
 def fill_defaults(node: dict, instance: dict) -> dict:
-    """Fill every absent property that has a schema default; recurse into objects."""
+    """Fill every absent property that has a schema default; recurse into objects.
+
+    Defaults inside `allOf: [{if, then}]` apply when the `if` holds once the plain defaults
+    are in (data.kind synthetic fills vocab_size, kind jsonl fills field, ...).
+    """
     out = dict(instance)
     for key, sub in node.get("properties", {}).items():
         if not isinstance(sub, dict):
@@ -342,6 +355,10 @@ def fill_defaults(node: dict, instance: dict) -> dict:
             out[key] = json.loads(json.dumps(sub["default"]))
         if sub.get("type") == "object" and "properties" in sub:
             out[key] = fill_defaults(sub, out.get(key, {}))
+    for then in _matching_branches(node, out):
+        for key, sub in then.get("properties", {}).items():
+            if key not in out and isinstance(sub, dict) and "default" in sub:
+                out[key] = json.loads(json.dumps(sub["default"]))
     return out
 
 
@@ -379,7 +396,8 @@ def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[
     return BatchSpec(micro, accum, total, w), []
 
 
-def _model_spec(model: dict, given: dict, data: dict, recipe_dir: Path | None) -> tuple[ModelSpec | None, list[str]]:
+def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
+                recipe_dir: Path | None) -> tuple[ModelSpec | None, list[str]]:
     """`model` has the schema defaults filled in; `given` is the model section as written."""
     errors = []
     family = model["family"]
@@ -414,14 +432,81 @@ def _model_spec(model: dict, given: dict, data: dict, recipe_dir: Path | None) -
         family=family, size=model["size"], n_layer=shape["n_layer"], n_embd=shape["n_embd"],
         n_head=shape["n_head"], n_kv_head=n_kv_head,
         intermediate_size=shape["intermediate_size"] or 4 * shape["n_embd"],
-        max_positions=max_positions, vocab_size=data["vocab_size"], pretrained=pretrained,
+        max_positions=max_positions, vocab_size=vocab_size, pretrained=pretrained,
         dropout=float(model["dropout"]), activation_checkpointing=model["activation_checkpointing"],
     ), []
+
+
+def _keys_read_elsewhere(data_schema: dict, key: str) -> list[str]:
+    """The conditions under which the data section reads `key` (from the schema's if/then branches)."""
+    conditions = []
+    for branch in data_schema.get("allOf", ()):
+        then = branch.get("then", {})
+        if key in then.get("properties", {}) or key in then.get("required", ()):
+            parts = [f"data.{k} {'/'.join(v['enum']) if 'enum' in v else v['const']}"
+                     for k, v in branch["if"]["properties"].items()]
+            conditions.append(" and ".join(parts))
+    return conditions
+
+
+def _data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSpec | None, list[str]]:
+    """`data` has the schema defaults filled in; `given` is the data section as written.
+
+    Each key is read only under the conditions the schema's if/then branches name (kind
+    synthetic reads branching, kind jsonl reads field, ...); a key given where nothing
+    reads it is an error, never silently ignored. Paths get their ${variables} expanded
+    and the files they name must exist (toolkit/corpus.py).
+    """
+    schema = load_schema()["properties"]["data"]
+    branched = {k for then in (b.get("then", {}) for b in schema.get("allOf", ()))
+                for k in (*then.get("properties", {}), *then.get("required", ()))}
+    read = set(schema["properties"]) - branched
+    for then in _matching_branches(schema, data):
+        read.update(then.get("properties", {}), then.get("required", ()))
+    errors = [f"recipe.data.{key}: not read with data.kind {data['kind']}"
+              + (f" and data.tokenizer {data['tokenizer']}" if data["kind"] != "synthetic" else "")
+              + f" (read when {'; or when '.join(_keys_read_elsewhere(schema, key))})"
+              for key in given if key not in read]
+    if errors:
+        return None, errors
+    kind, common = data["kind"], dict(kind=data["kind"], seq_len=data["seq_len"], seed=data["seed"])
+    if kind == "synthetic":
+        return DataSpec(**common, vocab_size=data["vocab_size"], branching=data["branching"],
+                        num_samples=data["num_samples"], eval_samples=data["eval_samples"]), []
+
+    from toolkit.corpus import expand_path, list_files
+    from toolkit.tokenizer import BYTE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE, pretrained_vocab_size
+
+    try:
+        paths = tuple(expand_path(p, f"recipe.data.paths[{i}]", recipe_dir) for i, p in enumerate(data["paths"]))
+        exclude = tuple(data["exclude"])
+        list_files(paths, exclude)
+        cache_dir = Path(expand_path(data["cache_dir"], "recipe.data.cache_dir", recipe_dir))
+        tokenizer_path = None
+        if data["tokenizer"] == "byte":
+            vocab_size = BYTE_VOCAB_SIZE
+        elif data["tokenizer"] == "bpe":
+            vocab_size = data["vocab_size"]
+            if vocab_size < MIN_BPE_VOCAB_SIZE:
+                return None, [f"recipe.data.vocab_size: {vocab_size} is below {MIN_BPE_VOCAB_SIZE}, the 256 bytes and "
+                              "<|endoftext|> a byte-level BPE starts from plus one merge"]
+        else:
+            tokenizer_path = Path(expand_path(data["tokenizer_path"], "recipe.data.tokenizer_path", recipe_dir))
+            vocab_size = pretrained_vocab_size(tokenizer_path, "recipe.data.tokenizer_path")
+    except UserError as exc:
+        return None, exc.lines
+    return DataSpec(**common, vocab_size=vocab_size, paths=paths, exclude=exclude, field=data.get("field"),
+                    column=data.get("column"), errors=data["errors"], tokenizer=data["tokenizer"],
+                    tokenizer_path=tokenizer_path, validation_fraction=float(data["validation_fraction"]),
+                    cache_dir=cache_dir), []
 
 
 def _training_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[int, list[str]]:
     if "max_steps" in training:
         return int(training["max_steps"]), []
+    if data["kind"] != "synthetic":
+        return 0, [f"recipe.training.epochs: needs data.kind synthetic (a {data['kind']} corpus's sequence count is "
+                   "known only once it is tokenized); give training.max_steps"]
     # An epoch is the whole global batches that fit (the stream drops the remainder).
     steps_per_epoch = data["num_samples"] // batch.global_batch
     return max(math.ceil(training["epochs"] * steps_per_epoch), 1), []
@@ -441,10 +526,12 @@ def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
     if r["zero"]["offload_optimizer"] != "none" and r["zero"]["stage"] < 1:
         errors.append("recipe.zero.offload_optimizer: 'cpu' needs zero.stage >= 1 (stage is 0)")
     data, training = r["data"], r["training"]
-    if training["eval_batches"] > 0 and data["eval_samples"] < batch.micro_batch_per_rank:
+    if data["kind"] != "synthetic":
+        pass  # a real corpus's sizes are checked when it is read (toolkit/data.py)
+    elif training["eval_batches"] > 0 and data["eval_samples"] < batch.micro_batch_per_rank:
         errors.append(f"recipe.data.eval_samples: {data['eval_samples']} is fewer than one micro batch "
                       f"({batch.micro_batch_per_rank}); add samples or set training.eval_batches to 0")
-    if data["num_samples"] < batch.global_batch:
+    if data["kind"] == "synthetic" and data["num_samples"] < batch.global_batch:
         errors.append(f"recipe.data.num_samples: {data['num_samples']} is fewer than one global batch "
                       f"({batch.global_batch})")
     if r["precision"]["dtype"] != "fp16" and "fp16" in r.get("_given_precision", {}):
@@ -476,8 +563,8 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
     r = fill_defaults(load_schema(), raw)
     r["_given_precision"] = raw.get("precision", {})
     recipe_dir = source.parent if source is not None else None
-    errors = []
-    model, model_errors = _model_spec(r["model"], raw["model"], r["data"], recipe_dir)
+    data, errors = _data_spec(r["data"], raw["data"], recipe_dir)
+    model, model_errors = _model_spec(r["model"], raw["model"], r["data"], data.vocab_size if data else 2, recipe_dir)
     batch, batch_errors = resolve_batch(r["batch"], world_size)
     errors += model_errors + batch_errors
     max_steps = 0
@@ -498,7 +585,7 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
         resolved=r,
         hash=hashlib.sha256(canonical.encode()).hexdigest()[:12],
         model=model,
-        data=DataSpec(**r["data"]),
+        data=data,
         batch=batch,
         precision=PrecisionSpec(dtype=p["dtype"], fp16=LossScaleSpec(**p["fp16"])),
         zero=ZeroSpec(**r["zero"]),

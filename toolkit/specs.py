@@ -28,11 +28,22 @@ class ModelSpec:
 class DataSpec:
     kind: str
     seq_len: int
-    vocab_size: int
-    branching: int
-    num_samples: int
-    eval_samples: int
+    vocab_size: int  # the model's vocabulary: synthetic tokens, or the tokenizer's size
     seed: int
+    # synthetic only (0 for real text)
+    branching: int = 0
+    num_samples: int = 0
+    eval_samples: int = 0
+    # text, jsonl, parquet only: paths with ${variables} expanded, absolute
+    paths: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    field: str | None = None
+    column: str | None = None
+    errors: str = "strict"
+    tokenizer: str | None = None
+    tokenizer_path: Path | None = None
+    validation_fraction: float = 0.0
+    cache_dir: Path | None = None
 
 
 @dataclass(frozen=True)

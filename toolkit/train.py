@@ -64,8 +64,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset) -> str:
         ("recipe", f"{recipe.name} (hash {recipe.hash})"),
         ("model", f"{m.family}-{m.size}: {engine.num_parameters / 1e6:.2f}M parameters, {m.n_layer} layers, "
                   f"width {m.n_embd}, {m.n_head} heads" + (", activation checkpointing" if m.activation_checkpointing else "")),
-        ("data", f"{d.kind}: {d.num_samples} x {d.seq_len} tokens, vocab {d.vocab_size}, "
-                 f"loss floor ln({d.branching}) = {dataset.entropy_floor:.3f}"),
+        ("data", dataset.describe()),
         ("batch", f"global {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
                   f"x world {b.world_size}; {tokens_per_step:,} tokens per step"),
         ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
@@ -89,7 +88,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     (run_dir / "recipe.json").write_text(recipe.to_json())
 
     engine = Engine(recipe)
-    dataset = Dataset(recipe.data)
+    dataset = Dataset(recipe.data, run_dir=run_dir, log=None if quiet else print)
     stream = BatchStream(dataset.train, recipe.batch, rank=0, seed=recipe.training.seed)
     held_out = eval_batches(dataset.eval, recipe.batch, rank=0, count=recipe.training.eval_batches)
     training = recipe.training
@@ -153,5 +152,5 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
             summary += f", loss {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}"
         if result.eval_metrics:
             summary += f", eval loss {result.eval_metrics[-1]['eval_loss']:.4f}"
-        print(summary + f" (floor {dataset.entropy_floor:.3f})", flush=True)
+        print(summary + f" ({dataset.loss_reference()})", flush=True)
     return result

@@ -1,0 +1,440 @@
+"""Real-text data: tokenizer round trips (byte-level and BPE) on multi-byte text,
+packing with end-of-text separators, the split by documents, rank sharding with
+every sequence once per epoch, resume to the identical next batch, the token
+cache, path variables, the model's vocabulary, and a one-line error with exit
+code 2 for each bad input. Corpora are tiny files written to tmp_path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import REPO
+from toolkit.cli import main as cli_main
+from toolkit.corpus import PATH_VARIABLES, list_files
+from toolkit.data import BatchStream, Dataset, PackedSequences, TokenCorpus, eval_batches, in_validation
+from toolkit.errors import UserError
+from toolkit.recipe import RecipeError, load_recipe, load_schema, recipe_from_dict
+from toolkit.specs import BatchSpec
+from toolkit.tokenizer import BYTE_VOCAB_SIZE, EOT, byte_tokenizer, load_tokenizer_folder, train_bpe
+
+MULTIBYTE = "naïve café ☕ — 日本語のテキスト, emoji 🎉🐍, Ελληνικά, \t tabs and  spaces\n<|endoftext|> stays text\n"
+
+
+def python_like_docs(n: int) -> list[str]:
+    """Small distinct documents with some structure (and multi-byte characters)."""
+    return [f"def function_{i}(x, y={i}):\n    \"\"\"Döcstring №{i} ✓\"\"\"\n    return x * {i} + y  # {'é' * (i % 3)}\n"
+            for i in range(n)]
+
+
+def write_corpus(folder: Path, docs: list[str], suffix: str = ".txt") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, doc in enumerate(docs):
+        (folder / f"doc{i:03d}{suffix}").write_text(doc, encoding="utf-8")
+    return folder
+
+
+def text_recipe(tmp_path: Path, data: dict | None = None, **sections) -> dict:
+    """A tiny real-text recipe; data keys override the defaults here."""
+    return {
+        "model": {"family": "gpt2", "size": "tiny"},
+        "data": {"kind": "text", "paths": [str(tmp_path / "corpus" / "*.txt")], "seq_len": 16,
+                 "cache_dir": str(tmp_path / "cache"), "validation_fraction": 0.2, **(data or {})},
+        "batch": {"micro_batch_per_rank": 2},
+        "training": {"max_steps": 4, "eval_interval": 0, "eval_batches": 1, "log_interval": 1},
+        **sections,
+    }
+
+
+def dataset_for(tmp_path: Path, data: dict | None = None, docs: list[str] | None = None, **sections) -> Dataset:
+    write_corpus(tmp_path / "corpus", docs if docs is not None else python_like_docs(40))
+    return Dataset(recipe_from_dict(text_recipe(tmp_path, data, **sections)).data)
+
+
+# ---------------------------------------------------------------------------
+# Tokenizers.
+
+
+def test_byte_tokenizer_round_trips_multibyte_text_and_ids_are_the_utf8_bytes():
+    tok = byte_tokenizer()
+    ids = tok.encode(MULTIBYTE)
+    assert ids == list(MULTIBYTE.encode("utf-8"))          # the literal <|endoftext|> stays bytes
+    assert tok.decode(ids) == MULTIBYTE
+    assert [list(a) for a in tok.encode_batch([MULTIBYTE, "x"])] == [ids, [ord("x")]]  # the fast path agrees
+    assert (tok.vocab_size, tok.eot_id, tok.decode([tok.eot_id])) == (BYTE_VOCAB_SIZE, 256, EOT)
+
+
+def test_bpe_tokenizer_round_trips_multibyte_text_it_was_not_trained_on():
+    tok = train_bpe(python_like_docs(50), vocab_size=400)
+    assert 300 < tok.vocab_size <= 400 and tok.eot_id == 0  # a small corpus may run out of merges first
+    unseen = MULTIBYTE + "def f():\n    return 'ünïcödé'\n"
+    ids = tok.encode(unseen)
+    assert tok.decode(ids) == unseen
+    assert EOT not in [tok.tokenizer.id_to_token(i) for i in ids]   # text never becomes the separator
+    assert [list(a) for a in tok.encode_batch([unseen])] == [ids]
+    assert len(tok.encode(python_like_docs(1)[0])) < len(python_like_docs(1)[0].encode()) / 2  # it learned merges
+
+
+def test_saved_tokenizer_folder_loads_back_and_in_transformers(tmp_path):
+    tok = train_bpe(python_like_docs(30), vocab_size=300)
+    tok.save(tmp_path / "tok")
+    again = load_tokenizer_folder(tmp_path / "tok")
+    assert (again.kind, again.eot_id, again.encode(MULTIBYTE)) == ("bpe", tok.eot_id, tok.encode(MULTIBYTE))
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True)
+    assert hf.eos_token_id == tok.eot_id
+    assert hf.decode(hf("def f(): return 'é'")["input_ids"]) == "def f(): return 'é'"
+
+
+# ---------------------------------------------------------------------------
+# Packing, splitting, the token cache.
+
+
+def test_packing_joins_documents_with_end_of_text_and_cuts_overlapping_windows(tmp_path):
+    docs = ["first doc ✓", "second", "third document here", "4th"]
+    ds = dataset_for(tmp_path, {"validation_fraction": 0, "seq_len": 8}, docs=docs)
+    stream = np.asarray(ds.corpus.train)
+    expected = []
+    for doc in docs:  # file order, each document followed by end-of-text
+        expected += [*doc.encode("utf-8"), 256]
+    assert stream.tolist() == expected
+    assert ds.corpus.meta["train_documents"] == 4 and ds.corpus.meta["valid_documents"] == 0
+    assert len(ds.train) == (len(expected) - 1) // 8
+    batch = ds.train[torch.arange(len(ds.train))]
+    assert batch.dtype == torch.int64 and batch.shape == (len(ds.train), 9)
+    for i in range(len(ds.train)):
+        assert batch[i].tolist() == expected[i * 8:i * 8 + 9]   # neighbours share one token
+    assert torch.equal(batch[1:, 0], batch[:-1, -1])
+
+
+def test_validation_split_is_by_whole_documents_seeded_and_stable(tmp_path):
+    docs = python_like_docs(60)
+    ds = dataset_for(tmp_path, {"validation_fraction": 0.25}, docs=docs)
+    held = [d for d in docs if in_validation(d, 0.25, 0)]
+    assert 5 < len(held) < 25
+    meta = ds.corpus.meta
+    assert (meta["valid_documents"], meta["train_documents"]) == (len(held), len(docs) - len(held))
+    assert [d for d in docs if in_validation(d, 0.25, 1)] != held          # data.seed picks another split
+    assert [d for d in docs[::-1] if in_validation(d, 0.25, 0)] == held[::-1]  # by content, not position
+
+
+def test_validation_stream_holds_exactly_the_held_out_documents(tmp_path):
+    docs = python_like_docs(60)
+    ds = dataset_for(tmp_path, {"validation_fraction": 0.25}, docs=docs)
+    held = [d for d in docs if in_validation(d, 0.25, 0)]
+    expected = []
+    for doc in held:
+        expected += [*doc.encode("utf-8"), 256]
+    assert np.asarray(ds.corpus.valid).tolist() == expected
+    kept = [d for d in docs if d not in held]
+    assert len(ds.corpus.train) == sum(len(d.encode()) + 1 for d in kept)
+
+
+def test_token_cache_is_reused_and_keyed_by_file_bytes_and_settings(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", python_like_docs(20))
+    spec = recipe_from_dict(text_recipe(tmp_path)).data
+    first = TokenCorpus(spec)
+    again = TokenCorpus(spec)
+    assert first.built and not again.built and first.dir == again.dir
+    assert isinstance(again.train, np.memmap)
+    other_split = TokenCorpus(recipe_from_dict(text_recipe(tmp_path, {"validation_fraction": 0.3})).data)
+    assert other_split.dir != first.dir
+    (corpus / "doc000.txt").write_text("changed text", encoding="utf-8")
+    changed = TokenCorpus(spec)
+    assert changed.built and changed.dir != first.dir
+
+
+def test_bpe_is_trained_once_cached_and_saved_into_the_run_dir(tmp_path):
+    write_corpus(tmp_path / "corpus", python_like_docs(40))
+    recipe = recipe_from_dict(text_recipe(tmp_path, {"tokenizer": "bpe", "vocab_size": 300}))
+    assert recipe.model.vocab_size == 300
+    lines = []
+    ds = Dataset(recipe.data, run_dir=tmp_path / "run", log=lines.append)
+    assert any("trained a BPE tokenizer" in line for line in lines)
+    saved = load_tokenizer_folder(tmp_path / "run" / "tokenizer")
+    assert saved.encode(MULTIBYTE) == ds.tokenizer.encode(MULTIBYTE)
+    lines.clear()
+    Dataset(recipe.data, log=lines.append)
+    assert lines == []  # tokenizer and tokens both from the cache
+    assert len(list((tmp_path / "cache").glob("bpe-*"))) == 1
+
+
+# ---------------------------------------------------------------------------
+# Sharding and resume.
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_never_share_a_sequence_and_only_the_last_partial_batch_is_left_out(world):
+    seq_len, n = 8, 53
+    sequences = PackedSequences(np.arange(n * seq_len + 1, dtype=np.uint16), seq_len)  # sequence i starts at i * 8
+    batch = BatchSpec(2, 3, 6 * world, world)
+    streams = [BatchStream(sequences, batch, rank=r, seed=7) for r in range(world)]
+    steps = streams[0].steps_per_epoch
+    assert steps == n // batch.global_batch >= 2
+    for _ in range(2):
+        per_rank = [[int(row[0]) // seq_len for _ in range(steps) for mb in s.next_step() for row in mb]
+                    for s in streams]
+        seen = [i for rank in per_rank for i in rank]
+        assert len(seen) == len(set(seen)) == steps * batch.global_batch   # no overlap within or across ranks
+        assert all(len(rank) == steps * batch.micro_batch_per_rank * batch.grad_accum_steps for rank in per_rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_sequence_is_seen_exactly_once_per_epoch_when_the_batch_divides_the_corpus(world):
+    seq_len, n = 8, 48
+    sequences = PackedSequences(np.arange(n * seq_len + 1, dtype=np.uint16), seq_len)  # sequence i starts at i * 8
+    batch = BatchSpec(3, 2, 6 * world, world)
+    streams = [BatchStream(sequences, batch, rank=r, seed=11) for r in range(world)]
+    epochs = []
+    for _ in range(2):
+        starts = [int(row[0]) // seq_len for _ in range(streams[0].steps_per_epoch) for s in streams
+                  for mb in s.next_step() for row in mb]
+        assert sorted(starts) == list(range(n))
+        epochs.append(starts)
+    assert epochs[0] != epochs[1]  # each epoch has its own order
+
+
+def test_resume_from_a_saved_position_gives_the_identical_next_batch(tmp_path):
+    ds = dataset_for(tmp_path, {"validation_fraction": 0, "seq_len": 8})
+    batch = BatchSpec(2, 2, 8, 2)
+    for stop in (1, 3, 2 * BatchStream(ds.train, batch, 0, 5).steps_per_epoch + 1):  # mid-epoch, later epochs
+        for rank in (0, 1):
+            uninterrupted = BatchStream(ds.train, batch, rank=rank, seed=5)
+            for _ in range(stop):
+                uninterrupted.next_step()
+            state = json.loads(json.dumps(uninterrupted.state_dict()))   # as a checkpoint stores it
+            assert all(type(v) is int for v in state.values())
+            expected = uninterrupted.next_step()
+            resumed = BatchStream(Dataset(ds.spec).train, batch, rank=rank, seed=5)  # a new process: cache reload
+            resumed.load_state_dict(state)
+            got = resumed.next_step()
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_resume_refuses_a_position_saved_for_other_data(tmp_path):
+    ds = dataset_for(tmp_path, {"validation_fraction": 0, "seq_len": 8})
+    stream = BatchStream(ds.train, BatchSpec(2, 1, 2, 1), rank=0, seed=0)
+    with pytest.raises(UserError, match="the corpus or its tokenizer changed"):
+        stream.load_state_dict({"epoch": 0, "step_in_epoch": 1, "sequences": len(ds.train) + 1})
+
+
+def test_resumed_real_data_run_continues_with_the_same_losses(tmp_path):
+    write_corpus(tmp_path / "corpus", python_like_docs(40))
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps(text_recipe(tmp_path, training={"max_steps": 4, "eval_interval": 0,
+                                                                  "eval_batches": 0, "log_interval": 1},
+                                              checkpoint={"interval": 2})))
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli_main(["run", str(recipe), "--run-dir", str(full)]) == 0
+    assert cli_main(["run", str(recipe), "--run-dir", str(part), "training.max_steps=2"]) == 0
+    assert cli_main(["run", str(recipe), "--run-dir", str(part)]) == 0
+
+    def losses(run):
+        return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "loss" in m}
+    assert losses(part) == losses(full)
+
+
+def test_eval_batches_spread_over_the_validation_split_and_repeat(tmp_path):
+    ds = dataset_for(tmp_path, {"validation_fraction": 0.3, "seq_len": 8})
+    batch = BatchSpec(2, 1, 2, 1)
+    first, again = eval_batches(ds.eval, batch, 0, 3), eval_batches(Dataset(ds.spec).eval, batch, 0, 3)
+    assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, again))
+    starts = [row[0].item() for mb in first for row in mb]
+    assert len(set(starts)) > 1
+
+
+# ---------------------------------------------------------------------------
+# Recipes: kinds, defaults, variables, vocabulary.
+
+
+def test_quickstart_resolves_to_exactly_the_synthetic_keys():
+    data = load_recipe("quickstart").resolved["data"]
+    assert set(data) == {"kind", "seq_len", "vocab_size", "branching", "num_samples", "eval_samples", "seed"}
+
+
+def test_real_kinds_fill_their_own_defaults(tmp_path):
+    write_corpus(tmp_path / "corpus", python_like_docs(3), suffix=".jsonl")
+    raw = text_recipe(tmp_path, {"kind": "jsonl", "paths": [str(tmp_path / "corpus" / "*.jsonl")]})
+    del raw["data"]["validation_fraction"], raw["data"]["cache_dir"]
+    data = recipe_from_dict(raw).resolved["data"]
+    assert {k: data[k] for k in ("field", "errors", "tokenizer", "validation_fraction", "exclude", "cache_dir")} == {
+        "field": "text", "errors": "strict", "tokenizer": "byte", "validation_fraction": 0.05, "exclude": [],
+        "cache_dir": "${cache}/toolkit"}
+    assert "vocab_size" not in data and "branching" not in data
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"branching": 3}, "recipe.data.branching: not read with data.kind text and data.tokenizer byte "
+                       "(read when data.kind synthetic)"),
+    ({"vocab_size": 300}, "recipe.data.vocab_size: not read with data.kind text and data.tokenizer byte"),
+    ({"field": "body"}, "recipe.data.field: not read with data.kind text and data.tokenizer byte "
+                        "(read when data.kind jsonl)"),
+    ({"tokenizer": "bpe"}, "recipe.data.vocab_size: required, missing (data.tokenizer bpe trains"),
+    ({"tokenizer": "bpe", "vocab_size": 100}, "recipe.data.vocab_size: 100 is below 258"),
+    ({"tokenizer": "pretrained"}, "recipe.data.tokenizer_path: required, missing"),
+    ({"paths": ["${nope}/x.txt"]}, "recipe.data.paths[0]: unknown path variable ${nope}"),
+    ({"validation_fraction": 0.9}, "recipe.data.validation_fraction: 0.9 is greater than the maximum of 0.5"),
+])
+def test_data_section_mistakes_name_their_json_path(tmp_path, data, message):
+    write_corpus(tmp_path / "corpus", python_like_docs(3))
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(text_recipe(tmp_path, data))
+    assert len(info.value.lines) == 1 and info.value.lines[0].startswith(message), info.value.lines
+
+
+def test_real_data_needs_max_steps_not_epochs(tmp_path):
+    write_corpus(tmp_path / "corpus", python_like_docs(3))
+    with pytest.raises(RecipeError, match=r"recipe\.training\.epochs: needs data\.kind synthetic"):
+        recipe_from_dict(text_recipe(tmp_path, training={"epochs": 1}))
+
+
+def test_synthetic_rejects_real_text_keys():
+    with pytest.raises(RecipeError, match=r"recipe\.data\.paths: not read with data\.kind synthetic \(read when "
+                                          r"data\.kind text/jsonl/parquet\)"):
+        load_recipe("quickstart", ["data.paths=[\"x\"]"])
+
+
+def test_model_vocabulary_follows_the_tokenizer(tmp_path):
+    write_corpus(tmp_path / "corpus", python_like_docs(30))
+    assert recipe_from_dict(text_recipe(tmp_path)).model.vocab_size == 257
+    assert recipe_from_dict(text_recipe(tmp_path, {"tokenizer": "bpe", "vocab_size": 512})).model.vocab_size == 512
+    tok = train_bpe(python_like_docs(30), vocab_size=320)
+    tok.save(tmp_path / "hf-tok")
+    pretrained = recipe_from_dict(text_recipe(tmp_path, {"tokenizer": "pretrained", "tokenizer_path": str(tmp_path / "hf-tok")}))
+    assert pretrained.model.vocab_size == tok.vocab_size > 257
+
+
+def test_path_variables_expand_and_relative_paths_follow_the_recipe_file(tmp_path):
+    write_corpus(tmp_path / "corpus", python_like_docs(3))
+    raw = text_recipe(tmp_path, {"paths": ["corpus/*.txt", "${python_stdlib}/json/__init__.py"],
+                                 "cache_dir": "${recipe_dir}/cache"})
+    path = tmp_path / "recipes" / "r.json"
+    path.parent.mkdir()
+    raw["data"]["paths"][0] = "../corpus/*.txt"
+    path.write_text(json.dumps(raw))
+    spec = load_recipe(path).data
+    assert spec.paths == (str(tmp_path / "corpus" / "*.txt"),
+                          os.path.join(sysconfig.get_paths()["stdlib"], "json", "__init__.py"))
+    assert spec.cache_dir == tmp_path / "recipes" / "cache"
+    assert load_recipe(path).resolved["data"]["paths"][1] == "${python_stdlib}/json/__init__.py"  # hash: as written
+
+
+def test_every_path_variable_is_documented_in_the_schema_and_readme():
+    data = load_schema()["properties"]["data"]
+    readme = (REPO / "README.md").read_text()
+    for name in PATH_VARIABLES:
+        assert "${" + name + "}" in data["description"] and "${" + name + "}" in readme, name
+
+
+def test_python_stdlib_recipe_names_about_12_mb_of_sources_without_tests():
+    spec = load_recipe("python-stdlib").data
+    files = list_files(spec.paths, spec.exclude)
+    size = sum(f.stat().st_size for f in files)
+    assert 5e6 < size < 40e6 and len(files) > 300
+    assert not [f for f in files if "/test/" in f.as_posix() or f.name.startswith("test_")]
+    assert spec.tokenizer == "bpe" and spec.validation_fraction > 0
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs: one line, exit code 2, through the CLI.
+
+
+def run_error(tmp_path, capsys, raw: dict, *overrides: str) -> str:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    code = cli_main(["run", str(path), "--run-dir", str(tmp_path / "run"), *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in err if line.startswith("error:")]
+    assert code == 2 and len(err) == 1, err
+    return err[0]
+
+
+def test_missing_file_is_one_line(tmp_path, capsys):
+    line = run_error(tmp_path, capsys, text_recipe(tmp_path, {"paths": [str(tmp_path / "nope.txt")]}))
+    assert line == f"error: recipe.data.paths[0]: {tmp_path / 'nope.txt'}: no such file"
+
+
+def test_glob_that_matches_nothing_is_one_line(tmp_path, capsys):
+    line = run_error(tmp_path, capsys, text_recipe(tmp_path, {"paths": [str(tmp_path / "x" / "**" / "*.md")]}))
+    assert line.endswith("the glob matches no file") and "recipe.data.paths[0]" in line
+
+
+def test_empty_corpus_is_one_line(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus", ["", "", ""])
+    assert run_error(tmp_path, capsys, text_recipe(tmp_path)) == (
+        "error: recipe.data.paths: the 3 file(s) hold no text (empty corpus)")
+
+
+def test_non_utf8_bytes_say_where_and_offer_replace(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus", python_like_docs(30))
+    (corpus / "doc005.txt").write_bytes(b"line one\nline two \xff\xfe bad\n")
+    line = run_error(tmp_path, capsys, text_recipe(tmp_path))
+    assert line == (f"error: {corpus / 'doc005.txt'}:2: not UTF-8 (byte 0xff at offset 18); "
+                    "fix the file or set data.errors to 'replace'")
+    ds = Dataset(recipe_from_dict(text_recipe(tmp_path, {"errors": "replace"})).data)
+    assert ds.corpus.meta["train_documents"] + ds.corpus.meta["valid_documents"] == 30
+
+
+def test_jsonl_line_that_is_not_json_names_file_and_line(tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    path = tmp_path / "corpus" / "a.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": oops}\n', encoding="utf-8")
+    raw = text_recipe(tmp_path, {"kind": "jsonl", "paths": [str(path)]})
+    assert run_error(tmp_path, capsys, raw).startswith(f"error: {path}:4: not valid JSON: ")
+
+
+def test_jsonl_line_without_the_field_names_file_and_line(tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    path = tmp_path / "corpus" / "a.jsonl"
+    path.write_text('{"text": "ok"}\n{"body": "no text", "id": 2}\n', encoding="utf-8")
+    raw = text_recipe(tmp_path, {"kind": "jsonl", "paths": [str(path)]})
+    assert run_error(tmp_path, capsys, raw) == f"error: {path}:2: no field 'text' (fields: body, id); set data.field"
+
+
+def test_jsonl_reads_the_named_field(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    path = tmp_path / "corpus" / "a.jsonl"
+    docs = python_like_docs(12)
+    path.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+    spec = recipe_from_dict(text_recipe(tmp_path, {"kind": "jsonl", "field": "body", "paths": [str(path)],
+                                                   "validation_fraction": 0, "seq_len": 8})).data
+    stream = np.asarray(Dataset(spec).corpus.train).tolist()
+    assert stream == [t for d in docs for t in [*d.encode(), 256]]
+
+
+def test_parquet_reads_the_named_column_and_names_a_missing_one(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "corpus").mkdir()
+    path = tmp_path / "corpus" / "a.parquet"
+    docs = python_like_docs(12)
+    pq.write_table(pa.table({"content": docs, "n": list(range(12))}), path)
+    good = text_recipe(tmp_path, {"kind": "parquet", "column": "content", "paths": [str(path)],
+                                  "validation_fraction": 0, "seq_len": 8})
+    stream = np.asarray(Dataset(recipe_from_dict(good).data).corpus.train).tolist()
+    assert stream == [t for d in docs for t in [*d.encode(), 256]]
+    bad = text_recipe(tmp_path, {"kind": "parquet", "paths": [str(path)]})
+    assert run_error(tmp_path, capsys, bad) == f"error: {path}: no column 'text' (columns: content, n); set data.column"
+
+
+def test_corpus_too_small_for_one_sequence_is_one_line(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus", ["tiny", "text"])
+    line = run_error(tmp_path, capsys, text_recipe(tmp_path, {"validation_fraction": 0, "seq_len": 64}))
+    assert line == ("error: recipe.data.paths: the training split holds 10 tokens, fewer than one sequence "
+                    "(data.seq_len + 1 = 65); add text or lower data.seq_len")
+
+
+def test_corpus_too_small_for_one_global_batch_is_one_line(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus", ["a few words here", "and there"])
+    line = run_error(tmp_path, capsys, text_recipe(tmp_path, {"validation_fraction": 0, "seq_len": 4},
+                                                   batch={"micro_batch_per_rank": 8}))
+    assert line.startswith("error: recipe.data: the training data holds 6 sequences, fewer than one global batch (8)")

@@ -1,0 +1,143 @@
+"""`toolkit generate`: sample text from a trained run's latest checkpoint (or a
+step dir, or an exported Hugging Face folder) with the run's tokenizer.
+
+Sampling is the plain autoregressive loop: temperature-scaled softmax over the
+last position's logits, optionally restricted to the top k, with the KV cache;
+past the model's context the window slides (the cache is rebuilt from the last
+max_positions tokens). Generation stops at <|endoftext|> or after N new tokens.
+Reading checkpoints lives in toolkit/checkpoint.py, the model rebuild in
+toolkit/export.py, tokenizers in toolkit/tokenizer.py.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer_folder
+
+
+@dataclass
+class Generator:
+    """A model ready to sample from, its tokenizer, and where both came from."""
+    model: torch.nn.Module
+    tokenizer: TextTokenizer
+    source: str
+    max_positions: int
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _run_tokenizer_dir(step_dir: Path) -> Path:
+    """<run_dir>/tokenizer for <run_dir>/<checkpoint.dir>/step-NNNNNN."""
+    return step_dir.parent.parent / "tokenizer"
+
+
+def _tokenizer(folder: Path, source: Path) -> TextTokenizer:
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise UserError(f"{source}: no tokenizer at {folder} (runs on synthetic data have none; runs on text save "
+                        "theirs in <run_dir>/tokenizer/); pass --tokenizer FOLDER")
+    return load_tokenizer_folder(folder, where="tokenizer")
+
+
+def load_generator(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Generator:
+    """The model of a run dir (latest checkpoint), checkpoints dir, step dir or exported HF folder, with its tokenizer."""
+    path = Path(path)
+    if path.is_dir() and _is_hf_folder(path):
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{path}: cannot load the model: {str(exc).strip().splitlines()[0]}") from None
+        tokenizer = _tokenizer(Path(tokenizer_dir) if tokenizer_dir else path, path)
+        source = str(path)
+    else:
+        from toolkit.checkpoint import find_checkpoint, load_checkpoint
+        from toolkit.export import build_hf_model
+
+        step_dir = find_checkpoint(path)
+        ckpt = load_checkpoint(step_dir)
+        tokenizer = _tokenizer(Path(tokenizer_dir) if tokenizer_dir else _run_tokenizer_dir(step_dir), path)
+        model = build_hf_model(ckpt)
+        source = f"{step_dir} (step {ckpt.step})"
+    config = model.config
+    max_positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 1024
+    vocab = config.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise UserError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab}; "
+                        "is it the run's tokenizer?")
+    return Generator(model.eval(), tokenizer, source, max_positions)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    """One token id from last-position logits: greedy at temperature 0, else softmax(logits / T) over the top k."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate_ids(gen: Generator, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, seed: int = 0, stop_at_eot: bool = True) -> list[int]:
+    """The new token ids after `prompt_ids` (an empty prompt starts after <|endoftext|>)."""
+    ids = list(prompt_ids) or [gen.tokenizer.eot_id]
+    rng = torch.Generator().manual_seed(seed)
+    # NOTE: transformers 5 names the KV cache `cache` (argument and output); 4.x `past_key_values`.
+    cache_name = "cache" if "cache" in inspect.signature(gen.model.forward).parameters else "past_key_values"
+    new: list[int] = []
+    past = None
+    for _ in range(max_new_tokens):
+        if past is None:  # (re)build the cache from the window that fits the model
+            out = gen.model(input_ids=torch.tensor([ids[-gen.max_positions:]]), use_cache=True)
+        else:
+            out = gen.model(input_ids=torch.tensor([[ids[-1]]]), use_cache=True, **{cache_name: past})
+        past = out.get(cache_name)
+        token = sample_next(out.logits[0, -1], temperature, top_k, rng)
+        if stop_at_eot and token == gen.tokenizer.eot_id:
+            break
+        ids.append(token)
+        new.append(token)
+        if len(ids) > gen.max_positions:  # the next position would not fit: slide the window
+            past = None
+    return new
+
+
+def generate_text(gen: Generator, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                  seed: int = 0) -> str:
+    """The prompt followed by its sampled continuation."""
+    prompt_ids = gen.tokenizer.encode(prompt)
+    new = generate_ids(gen, prompt_ids, max_new_tokens, temperature, top_k, seed)
+    # NOTE: decode prompt and continuation together: a BPE or byte token may complete a character.
+    return gen.tokenizer.decode(prompt_ids + new)
+
+
+def check_sampling_args(max_new_tokens: int, temperature: float, top_k: int) -> None:
+    """One line per bad sampling argument."""
+    problems = []
+    if max_new_tokens < 1:
+        problems.append(f"--max-new-tokens: {max_new_tokens} must be at least 1")
+    if not temperature >= 0:
+        problems.append(f"--temperature: {temperature} must be 0 (greedy) or more")
+    if top_k < 0:
+        problems.append(f"--top-k: {top_k} must be 0 (off) or more")
+    if problems:
+        raise UserError(*problems)
+
+
+def describe(gen: Generator) -> str:
+    """One line: where the model and tokenizer came from."""
+    n = sum(p.numel() for p in gen.model.parameters())
+    return (f"model {gen.source}: {n / 1e6:.2f}M parameters, context {gen.max_positions}; tokenizer "
+            f"{gen.tokenizer.kind}, {gen.tokenizer.vocab_size} tokens")

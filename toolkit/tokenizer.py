@@ -1,0 +1,155 @@
+"""Tokenizers for real text, all `tokenizers.Tokenizer` objects with one
+end-of-text token that separates packed documents:
+
+- `byte`: ids are the UTF-8 bytes (0-255), <|endoftext|> is 256; nothing to train.
+- `bpe`: a byte-level BPE (GPT-2's pre-tokenizer) trained with the `tokenizers`
+  library on the training documents, up to data.vocab_size tokens.
+- `pretrained`: a local Hugging Face tokenizer folder (its tokenizer.json).
+
+Each is saved into the run dir as a Hugging Face tokenizer folder (tokenizer.json,
+tokenizer_config.json) that `toolkit generate` and `AutoTokenizer` load. Caching
+the trained BPE and the token ids lives in toolkit/data.py. No torch here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from toolkit.errors import UserError
+
+EOT = "<|endoftext|>"
+BYTE_VOCAB_SIZE = 257  # 256 bytes + <|endoftext|>
+# NOTE: the byte alphabet plus the end-of-text token; a BPE needs at least one merge on top.
+MIN_BPE_VOCAB_SIZE = BYTE_VOCAB_SIZE + 1
+CONFIG_FILE, TOKENIZER_FILE = "tokenizer_config.json", "tokenizer.json"
+# Names a pretrained tokenizer may give its end-of-text token when its config names none.
+_EOT_CANDIDATES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters (the ByteLevel pre-tokenizer's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` with its end-of-text id, and what kind it is."""
+
+    def __init__(self, tokenizer, eot_id: int, kind: str):
+        self.tokenizer, self.eot_id, self.kind = tokenizer, eot_id, kind
+        # A document that contains the literal text "<|endoftext|>" stays text: only packing inserts the separator.
+        self.tokenizer.encode_special_tokens = True
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eot_token(self) -> str:
+        return self.tokenizer.id_to_token(self.eot_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no separators added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list:
+        """Token ids of each text, as numpy arrays (uint8 for byte, else int64); batched in Rust."""
+        import numpy as np
+
+        if self.kind == "byte":  # NOTE: the fast path: ids are the bytes (tests check it matches the tokenizer)
+            return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.array(e.ids, dtype=np.int64) for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` (special tokens included; invalid UTF-8 becomes U+FFFD)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, folder: Path) -> Path:
+        """Write a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save(str(folder / TOKENIZER_FILE))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eot_token,
+                  "bos_token": self.eot_token, "unk_token": None, "toolkit_kind": self.kind}
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        return folder
+
+
+def byte_tokenizer() -> TextTokenizer:
+    """Byte-level: id = byte value, <|endoftext|> = 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT])
+    return TextTokenizer(tok, tok.token_to_id(EOT), "byte")
+
+
+def train_bpe(documents: Iterable[str], vocab_size: int) -> TextTokenizer:
+    """A byte-level BPE trained on `documents`; <|endoftext|> is id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(documents, trainer)
+    return TextTokenizer(tok, tok.token_to_id(EOT), "bpe")
+
+
+def _eot_of_folder(folder: Path, tok) -> int:
+    config_path = folder / CONFIG_FILE
+    name = None
+    if config_path.is_file():
+        try:
+            name = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
+        except ValueError as exc:
+            raise UserError(f"{config_path}: malformed JSON: {exc}") from None
+        if isinstance(name, dict):  # an AddedToken written out
+            name = name.get("content")
+    for candidate in ([name] if name else []) + list(_EOT_CANDIDATES):
+        token_id = tok.token_to_id(candidate)
+        if token_id is not None:
+            return token_id
+    raise UserError(f"{folder}: the tokenizer has no end-of-text token (no eos_token in {CONFIG_FILE}, none of "
+                    f"{', '.join(_EOT_CANDIDATES)}); packing needs one to separate documents")
+
+
+def load_tokenizer_folder(folder: Path, where: str = "recipe.data.tokenizer_path") -> TextTokenizer:
+    """A Hugging Face tokenizer folder (tokenizer.json; eos_token from tokenizer_config.json)."""
+    from tokenizers import Tokenizer
+
+    folder = Path(folder)
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        raise UserError(f"{where}: {folder}: no {TOKENIZER_FILE} there (save a fast tokenizer with "
+                        "AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise UserError(f"{where}: {path}: cannot load: {str(exc).splitlines()[0]}") from None
+    kind = "pretrained"
+    config_path = folder / CONFIG_FILE
+    if config_path.is_file():
+        try:
+            kind = json.loads(config_path.read_text(encoding="utf-8")).get("toolkit_kind", kind)
+        except ValueError:
+            pass
+    return TextTokenizer(tok, _eot_of_folder(folder, tok), kind)
+
+
+def pretrained_vocab_size(folder: Path, where: str) -> int:
+    """The vocabulary (added tokens included) of a tokenizer folder, for the model's embedding."""
+    return load_tokenizer_folder(folder, where).vocab_size
