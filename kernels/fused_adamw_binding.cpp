@@ -16,10 +16,14 @@ using toolkit::check_launch;
 using toolkit::DType;
 using toolkit::dtype_of;
 
-void check_tensor(const at::Tensor& t, const at::Tensor& like, const char* what) {
-  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), what, " must be on ", like.device());
-  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
-  TORCH_CHECK(t.numel() == like.numel(), what, " has ", t.numel(), " elements, the parameter ", like.numel());
+bool is_float_type(const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
+}
+
+// Tensors the kernel takes: on `like`'s device, contiguous, as many elements as the parameter.
+bool takes(const at::Tensor& t, const at::Tensor& like, const at::Tensor& param) {
+  return t.is_cuda() && t.device() == like.device() && t.is_contiguous() && t.numel() == param.numel();
 }
 
 // The table (tensors, then num_tensors + 1 chunk prefix sums) in device memory.
@@ -66,7 +70,8 @@ int* optional_flag(const c10::optional<at::Tensor>& t, const at::Tensor& like, c
   return t->data_ptr<int>();
 }
 
-void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+// Returns false, touching nothing, when a tensor is not one the kernel takes (the caller falls back to torch).
+bool adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                 const std::vector<at::Tensor>& lowps, double lr, double beta1, double beta2, double eps,
                 double weight_decay, double bias_correction1, double bias_correction2_sqrt, double grad_scale,
@@ -76,34 +81,32 @@ void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
               "adamw_step: params, grads, exp_avgs and exp_avg_sqs must have the same length");
   TORCH_CHECK(lowps.empty() || lowps.size() == n, "adamw_step: lowps must be empty or one per parameter");
-  if (n == 0) return;
+  if (n == 0) return true;
   const at::Tensor& first = params[0];
-  const DType grad_dtype = dtype_of(grads[0], "grad");
-  const DType lowp_dtype = lowps.empty() ? DType::kFloat32 : dtype_of(lowps[0], "lowp");
-  TORCH_CHECK(lowps.empty() || lowp_dtype != DType::kFloat32, "adamw_step: the low-precision copy must be bf16 or fp16");
+  if (!first.is_cuda() || !is_float_type(grads[0]) || (!lowps.empty() && !is_float_type(lowps[0]))) return false;
+  const at::ScalarType grad_type = grads[0].scalar_type();
+  const at::ScalarType lowp_type = lowps.empty() ? at::kBFloat16 : lowps[0].scalar_type();
+  if (lowp_type == at::kFloat) return false;
   std::vector<AdamWTensor> entries;
   entries.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK(p.scalar_type() == at::kFloat, "adamw_step: parameters must be float32 (master weights)");
-    check_tensor(p, first, "param");
-    check_tensor(grads[i], p, "grad");
-    check_tensor(exp_avgs[i], p, "exp_avg");
-    check_tensor(exp_avg_sqs[i], p, "exp_avg_sq");
-    TORCH_CHECK(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat,
-                "adamw_step: optimizer state must be float32");
-    TORCH_CHECK(dtype_of(grads[i], "grad") == grad_dtype, "adamw_step: every gradient in one call must share a dtype");
+    if (p.scalar_type() != at::kFloat || !takes(p, first, p) || !takes(grads[i], first, p) ||
+        !takes(exp_avgs[i], first, p) || !takes(exp_avg_sqs[i], first, p) || grads[i].scalar_type() != grad_type ||
+        exp_avgs[i].scalar_type() != at::kFloat || exp_avg_sqs[i].scalar_type() != at::kFloat)
+      return false;
     void* lowp = nullptr;
     if (!lowps.empty()) {
-      check_tensor(lowps[i], p, "lowp");
-      TORCH_CHECK(dtype_of(lowps[i], "lowp") == lowp_dtype, "adamw_step: every lowp copy in one call must share a dtype");
+      if (!takes(lowps[i], first, p) || lowps[i].scalar_type() != lowp_type) return false;
       lowp = lowps[i].data_ptr();
     }
     if (p.numel() == 0) continue;
     entries.push_back({p.data_ptr<float>(), grads[i].data_ptr(), exp_avgs[i].data_ptr<float>(),
                        exp_avg_sqs[i].data_ptr<float>(), lowp, p.numel()});
   }
-  if (entries.empty()) return;
+  if (entries.empty()) return true;
+  const DType grad_dtype = dtype_of(grads[0], "grad");
+  const DType lowp_dtype = lowps.empty() ? DType::kBFloat16 : dtype_of(lowps[0], "lowp");
   const c10::cuda::CUDAGuard guard(first.device());
   const Table table = upload(entries, first.device());
   toolkit::AdamWHyper h{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
@@ -115,20 +118,22 @@ void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                                      optional_flag(skip, first, "skip"), optional_flag(nonfinite, first, "nonfinite"),
                                      toolkit::current_stream()),
                "adamw");
+  return true;
 }
 
-// Returns float32 [2]: the global L2 norm of grad_scale * grads and the AdamW gradient multiplier.
+// Returns float32 [2]: the global L2 norm of grad_scale * grads and the AdamW gradient multiplier;
+// an empty tensor, launching nothing, when a gradient is not one the kernel takes.
 at::Tensor grad_norm(const std::vector<at::Tensor>& grads, double grad_scale, double max_norm,
                      const c10::optional<at::Tensor>& nonfinite) {
   TORCH_CHECK(!grads.empty(), "grad_norm: no gradients");
   const at::Tensor& first = grads[0];
-  const DType grad_dtype = dtype_of(first, "grad");
+  if (!first.is_cuda() || !is_float_type(first)) return at::Tensor();
   std::vector<AdamWTensor> entries;
   for (const at::Tensor& g : grads) {
-    TORCH_CHECK(g.is_cuda() && g.device() == first.device() && g.is_contiguous(), "grad_norm: gradients must be contiguous on ", first.device());
-    TORCH_CHECK(dtype_of(g, "grad") == grad_dtype, "grad_norm: every gradient in one call must share a dtype");
+    if (!takes(g, first, g) || g.scalar_type() != first.scalar_type()) return at::Tensor();
     if (g.numel() > 0) entries.push_back({nullptr, g.data_ptr(), nullptr, nullptr, nullptr, g.numel()});
   }
+  const DType grad_dtype = dtype_of(first, "grad");
   const c10::cuda::CUDAGuard guard(first.device());
   at::Tensor out = at::empty({2}, first.options().dtype(at::kFloat));
   Table table;
@@ -147,7 +152,7 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& grads, double grad_scale, do
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "toolkit fused AdamW (kernels/fused_adamw.cu)";
-  m.def("adamw_step", &adamw_step, "Multi-tensor fused AdamW step (in place)", py::arg("params"), py::arg("grads"),
+  m.def("adamw_step", &adamw_step, "Multi-tensor fused AdamW step (in place); False if it cannot take the tensors", py::arg("params"), py::arg("grads"),
         py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("lowps"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("bias_correction1"),
         py::arg("bias_correction2_sqrt"), py::arg("grad_scale"), py::arg("grad_scale_dev") = py::none(),

@@ -22,15 +22,9 @@ from torch import Tensor
 from toolkit import ops
 
 
-def _kernel_takes(params, grads, exp_avgs, exp_avg_sqs, lowp) -> bool:
-    tensors = [*params, *grads, *exp_avgs, *exp_avg_sqs, *(lowp or [])]
-    if not tensors or ops.loaded_extension("adamw") is None:
-        return False
-    device = params[0].device
-    return (all(t.is_cuda and t.device == device and t.is_contiguous() for t in tensors)
-            and all(t.dtype == torch.float32 for t in (*params, *exp_avgs, *exp_avg_sqs))
-            and len({g.dtype for g in grads}) == 1 and grads[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and (not lowp or (len({t.dtype for t in lowp}) == 1 and lowp[0].dtype in (torch.bfloat16, torch.float16))))
+def _extension(first: Tensor):
+    """The adamw extension when `first` is a CUDA tensor and it is loaded (it checks the rest itself)."""
+    return ops.loaded_extension("adamw") if first.is_cuda else None
 
 
 @torch.no_grad()
@@ -46,10 +40,12 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     """
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    if _kernel_takes(params, grads, exp_avgs, exp_avg_sqs, lowp):
-        ops.loaded_extension("adamw").adamw_step(
-            params, grads, exp_avgs, exp_avg_sqs, list(lowp or []), lr, beta1, beta2, eps, weight_decay,
-            bias_correction1, bias_correction2_sqrt, grad_scale, grad_scale_tensor, skip, nonfinite)
+    if not params:
+        return
+    module = _extension(params[0])
+    if module is not None and module.adamw_step(params, grads, exp_avgs, exp_avg_sqs, list(lowp or []), lr, beta1,
+                                                beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+                                                grad_scale, grad_scale_tensor, skip, nonfinite):
         return
     if skip is not None and bool(skip.reshape(-1)[0] != 0):
         return
@@ -80,10 +76,11 @@ def global_grad_norm(grads: list[Tensor], grad_scale: float = 1.0, max_norm: flo
     """float32 [2]: the L2 norm of all grad_scale * grads, and the AdamW gradient multiplier
     grad_scale * min(1, max_norm / (norm + 1e-6)) (no clipping when max_norm <= 0). One read of the gradients."""
     grads = [g for g in grads if g is not None]
-    if grads and len({(g.device, g.dtype) for g in grads}) == 1 and ops.loaded_extension("adamw") is not None \
-            and grads[0].is_cuda and grads[0].dtype in (torch.float32, torch.bfloat16, torch.float16) \
-            and all(g.is_contiguous() for g in grads):
-        return ops.loaded_extension("adamw").grad_norm(grads, grad_scale, max_norm, nonfinite)
+    module = _extension(grads[0]) if grads else None
+    if module is not None:
+        out = module.grad_norm(grads, grad_scale, max_norm, nonfinite)
+        if out.numel():
+            return out
     device = grads[0].device if grads else torch.device("cpu")
     sumsq = torch.zeros((), dtype=torch.float64, device=device)
     bad = torch.zeros((), dtype=torch.bool, device=device)
@@ -106,6 +103,7 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._grad_scale = 1.0  # what the next step() multiplies gradients by (set by grad_norm)
+        self._step_cache: dict[int, tuple | None] = {}  # group index -> (parameter ids, shared step)
 
     @torch.no_grad()
     def grad_norm(self, grad_scale: float = 1.0, max_norm: float = 0.0) -> tuple[float, bool]:
@@ -140,27 +138,110 @@ class FusedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, self._grad_scale = self._grad_scale, 1.0
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self._state_of(p) for p in params]
+            steps = [state["step"] for state in states]
+            torch._foreach_add_(steps, 1.0)
+            step = self._group_step(index, params, steps)
             beta1, beta2 = group["betas"]
-            buckets: dict = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdamW does not support sparse gradients")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if state["step"].device.type != "cpu":  # loaded from torch's fused AdamW: keep the count on the host
-                    state["step"] = state["step"].detach().to("cpu", torch.float32)
-                state["step"] += 1
-                key = (p.device, p.grad.dtype, int(state["step"].item()))
-                bucket = buckets.setdefault(key, ([], [], [], []))
-                for lst, t in zip(bucket, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
-                    lst.append(t)
-            for (_, _, step), (params, grads, exp_avgs, exp_avg_sqs) in buckets.items():
-                adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                           eps=group["eps"], weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)
+            settings = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"], grad_scale=grad_scale)
+            if step is not None:  # the usual case: every parameter of the group at the same step
+                for bucket in self._by_grad_dtype(params, states):
+                    adamw_step(*bucket, step=step, **settings)
+                continue
+            for p, state in zip(params, states):  # parameters that skipped steps (no gradient then)
+                adamw_step([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], step=int(state["step"]),
+                           **settings)
         return loss
+
+    def _state_of(self, p: Tensor) -> dict:
+        if p.grad.is_sparse:
+            raise RuntimeError("FusedAdamW does not support sparse gradients")
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif state["step"].device.type != "cpu":  # loaded from torch's fused AdamW: count on the host
+            state["step"] = state["step"].detach().to("cpu", torch.float32)
+        return state
+
+    def _group_step(self, index: int, params: list[Tensor], steps: list[Tensor]) -> int | None:
+        """The group's step after this update when all its parameters share it, else None.
+
+        NOTE: reading every step tensor costs a few microseconds each; the shared value is cached per
+        group and trusted while the same parameters step together (load_state_dict clears the cache).
+        """
+        key = tuple(id(p) for p in params)
+        cached = self._step_cache.get(index)
+        if cached is not None and cached[0] == key:
+            self._step_cache[index] = (key, cached[1] + 1)
+            return cached[1] + 1
+        values = {int(s.item()) for s in steps}
+        step = values.pop() if len(values) == 1 else None
+        self._step_cache[index] = (key, step) if step is not None else None
+        return step
+
+    @staticmethod
+    def _by_grad_dtype(params, states):
+        buckets: dict = {}
+        for p, state in zip(params, states):
+            lists = buckets.setdefault((p.device, p.grad.dtype), ([], [], [], []))
+            for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                lst.append(t)
+        return list(buckets.values())
+
+    def load_state_dict(self, state_dict) -> None:
+        self._step_cache = {}
+        super().load_state_dict(state_dict)
+
+
+class OnePassStep:
+    """A ZeRO stage-0 strategy (toolkit/zero/ddp.py) whose step reads the gradients once.
+
+    The engine drives strategies with grads_overflow() -> scale_grads(1/scale) -> clip_grad_norm(max)
+    -> optimizer_step(): four passes over the gradients with torch AdamW. Over a FusedAdamW the first
+    call measures the norm and the inf/NaN flag in one pass, scale_grads and clip_grad_norm only
+    compute a multiplier on the host, and the fused step applies it. Everything else is the strategy's.
+    """
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._optimizer: FusedAdamW = strategy.optimizer
+        self._measured: tuple[float, bool] | None = None  # (norm of the gradients as they are, any inf/NaN)
+        self._factor = 1.0  # scale_grads factors so far
+
+    def __getattr__(self, name):
+        return getattr(self._strategy, name)
+
+    def _measure(self) -> tuple[float, bool]:
+        if self._measured is None:
+            self._measured = self._optimizer.grad_norm(1.0, 0.0)
+        return self._measured
+
+    def grads_overflow(self) -> bool:
+        """Any inf/NaN in the gradients (stage 0: identical on every rank after the all-reduce)."""
+        return self._measure()[1]
+
+    def scale_grads(self, factor: float) -> None:
+        """Deferred: the fused step multiplies by it."""
+        self._factor *= factor
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The norm of the scaled gradients; the clip coefficient joins the step's multiplier."""
+        norm = self._measure()[0] * self._factor
+        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and math.isfinite(norm) else 1.0
+        self._optimizer._grad_scale = self._factor * clip
+        return norm
+
+    def optimizer_step(self) -> None:
+        self._strategy.optimizer_step()
+        self._measured, self._factor = None, 1.0
+
+    def zero_grad(self) -> None:
+        self._strategy.zero_grad()
+        self._measured, self._factor = None, 1.0
