@@ -115,11 +115,18 @@ inline cudaError_t launch_sum_partials_as(DType dtype, const float* partial, voi
   return cudaErrorInvalidValue;
 }
 
+// Multiprocessors of the current device (cached per device; launchers size grids with it).
 inline int sm_count() {
-  int device = 0, count = 0;
+  static int cached[64] = {0};
+  int device = 0;
   cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-  return count > 0 ? count : 1;
+  if (device < 0 || device >= 64) device = 0;
+  if (cached[device] == 0) {
+    int count = 0;
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    cached[device] = count > 0 ? count : 1;
+  }
+  return cached[device];
 }
 
 }  // namespace toolkit

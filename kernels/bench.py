@@ -1,0 +1,255 @@
+"""Benchmark (not a test): the fused CUDA kernels against torch, on one GPU.
+
+Sections (each a table; `--only` picks some):
+  copy      device-to-device copy of 2 GiB: the bandwidth ceiling (bytes read + written)
+  adamw     one AdamW step over GPT-2 124M and 1.5B parameter sets (transformers' shapes,
+            wte tied), fp32 states: toolkit adamw_step (one call), FusedAdamW.step(),
+            torch AdamW fused=True and foreach=True; ms per step (median of repeats of
+            a timed loop, so host overhead counts), GB/s at 28 bytes per parameter, and
+            that as a share of the copy bandwidth
+  layers    LayerNorm (GPT-2 124M / 1.5B rows), RMSNorm (Llama 1B), bias + GELU (GPT-2
+            MLP), cross-entropy (GPT-2 vocab, bf16 logits) at micro batch 16 x 1024
+            tokens, forward and forward+backward: toolkit op vs torch eager vs
+            torch.compile of the same eager code; GB/s from the bytes each must move
+
+    python kernels/bench.py [--only copy,adamw,layers] [--markdown FILE]
+
+Timing: CUDA events around a loop of calls, after warm-up (and compilation), median
+of 5 repeats. Inputs are random, never zeros.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from toolkit import fused_ops, ops  # noqa: E402
+from toolkit.fused_adamw import FusedAdamW, adamw_step  # noqa: E402
+
+TOKENS = 16 * 1024  # micro batch 16 x sequence 1024
+LR, BETAS, EPS, WD = 6e-4, (0.9, 0.95), 1e-8, 0.1
+
+
+def time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> float:
+    """Median over repeats of (elapsed of `iters` back-to-back calls) / iters, in ms."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# copy
+
+def bench_copy() -> tuple[float, str]:
+    src = torch.randn(2**29, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), iters=10)
+    gbps = 2 * src.numel() * 4 / ms / 1e6
+    del src, dst
+    return gbps, table("Device-to-device copy (the bandwidth ceiling)", ["bytes moved", "ms", "GB/s"],
+                       [[f"{2 * 2**31 / 1e9:.2f} GB", f"{ms:.3f}", f"{gbps:.0f}"]])
+
+
+# ---------------------------------------------------------------------------
+# AdamW
+
+def gpt2_shapes(width: int, layers: int, vocab: int = 50257, positions: int = 1024) -> list[tuple[int, ...]]:
+    """transformers GPT2LMHeadModel parameter shapes (wte tied to lm_head: counted once)."""
+    shapes = [(vocab, width), (positions, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
+                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width), (width,)]
+    return shapes + [(width,), (width,)]
+
+
+def bench_adamw(copy_gbps: float) -> str:
+    rows = []
+    for label, shapes in (("GPT-2 124M", gpt2_shapes(768, 12)), ("GPT-2 1.5B", gpt2_shapes(1600, 48))):
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        n = sum(p.numel() for p in params)
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = lambda: [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]  # noqa: E731
+        iters = 20 if n < 5e8 else 5
+        variants = {}
+        state = [torch.zeros_like(p) for p in params], [torch.rand_like(p) * 1e-6 for p in params]
+        grads = [p.grad for p in params]
+        if ops.loaded_extension("adamw") is not None:
+            variants["toolkit adamw_step (one call)"] = lambda: adamw_step(
+                params, grads, state[0], state[1], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                weight_decay=WD, step=10)
+            lowp = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+            variants["toolkit adamw_step + bf16 copy (30 B/param)"] = lambda: adamw_step(
+                params, grads, state[0], state[1], lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                weight_decay=WD, step=10, lowp=lowp)
+            fused = FusedAdamW(groups(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+            variants["toolkit FusedAdamW.step()"] = fused.step
+        results = {}
+        for name, fn in variants.items():
+            results[name] = time_ms(fn, iters=iters)
+        del state, variants
+        if "toolkit FusedAdamW.step()" in results:
+            fused.state.clear()
+        for name, kwargs in (("torch AdamW fused=True", {"fused": True}), ("torch AdamW foreach=True", {"foreach": True})):
+            opt = torch.optim.AdamW(groups(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kwargs)
+            results[name] = time_ms(opt.step, iters=iters)
+            opt.state.clear()
+            del opt
+        torch.cuda.empty_cache()
+        torch_fused = results["torch AdamW fused=True"]
+        for name, ms in results.items():
+            per_param = 30 if "bf16 copy" in name else 28
+            gbps = n * per_param / ms / 1e6
+            rows.append([label, name, f"{ms:.3f}", f"{gbps:.0f}", f"{100 * gbps / copy_gbps:.0f}%",
+                         f"{torch_fused / ms:.2f}x"])
+        del params, grads
+        torch.cuda.empty_cache()
+    return table(f"AdamW step (fp32 params, grads, moments; 28 B/param; copy = {copy_gbps:.0f} GB/s)",
+                 ["parameters", "implementation", "ms", "GB/s", "of copy", "vs torch fused"], rows)
+
+
+# ---------------------------------------------------------------------------
+# Layers: toolkit op vs eager vs torch.compile
+
+def gelu_new(u):
+    return 0.5 * u * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * torch.pow(u, 3.0))))
+
+
+def layer_cases():
+    """(name, make_inputs, toolkit_fn, eager_fn, fwd_bytes, bwd_bytes)."""
+    bf16 = torch.bfloat16
+    cases = []
+    for label, width in (("GPT-2 124M", 768), ("GPT-2 1.5B", 1600)):
+        def make(width=width):
+            x = torch.randn(TOKENS, width, device="cuda", requires_grad=True)
+            w = (torch.rand(width, device="cuda") + 0.5).requires_grad_()
+            b = torch.randn(width, device="cuda", requires_grad=True)
+            return (x, w, b), torch.randn(TOKENS, width, device="cuda", dtype=bf16)
+        n = TOKENS * width
+        # NOTE: the autocast case: fp32 residual in, bf16 out (what the next matmul reads).
+        cases.append((f"LayerNorm {label} [{TOKENS}x{width}] fp32->bf16", make,
+                      lambda x, w, b: fused_ops.layer_norm(x, w, b, 1e-5, out_dtype=bf16),
+                      lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5).to(bf16),
+                      n * 6, n * 10))
+
+    def make_rms(width=2048):
+        x = torch.randn(TOKENS, width, device="cuda", requires_grad=True)
+        w = (torch.rand(width, device="cuda") + 0.5).requires_grad_()
+        return (x, w), torch.randn(TOKENS, width, device="cuda", dtype=bf16)
+
+    def hf_rms(x, w, eps=1e-6):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return (w * (x * torch.rsqrt(variance + eps))).to(bf16)
+
+    cases.append((f"RMSNorm Llama 1B [{TOKENS}x2048] fp32->bf16", make_rms,
+                  lambda x, w: fused_ops.rms_norm(x, w, 1e-6, out_dtype=bf16), hf_rms, TOKENS * 2048 * 6,
+                  TOKENS * 2048 * 10))
+    for label, width in (("GPT-2 124M", 3072), ("GPT-2 1.5B", 6400)):
+        def make_gelu(width=width):
+            h = torch.randn(TOKENS, width, device="cuda", dtype=bf16, requires_grad=True)
+            b = torch.randn(width, device="cuda", requires_grad=True)
+            return (h, b), torch.randn(TOKENS, width, device="cuda", dtype=bf16)
+        n = TOKENS * width
+        cases.append((f"bias+GELU {label} [{TOKENS}x{width}] bf16", make_gelu, fused_ops.bias_gelu,
+                      lambda h, b: gelu_new(h + b.to(h.dtype)), n * 4, n * 6))
+
+    def make_ce(vocab=50257):
+        logits = (torch.randn(TOKENS, vocab, device="cuda") * 2).to(bf16).requires_grad_()
+        targets = torch.randint(0, vocab, (TOKENS,), device="cuda")
+        return (logits, targets), None
+
+    n = TOKENS * 50257
+    cases.append((f"cross-entropy GPT-2 [{TOKENS}x50257] bf16 logits", make_ce, fused_ops.cross_entropy,
+                  lambda logits, t: F.cross_entropy(logits.float(), t), n * 2, n * 4))
+    return cases
+
+
+def bench_layers(copy_gbps: float) -> str:
+    rows = []
+    for name, make, toolkit_fn, eager_fn, fwd_bytes, bwd_bytes in layer_cases():
+        inputs, dy = make()
+        grads_of = [t for t in inputs if t.requires_grad]
+        torch._dynamo.reset()
+        started = time.perf_counter()
+        compiled_fn = torch.compile(eager_fn)
+        impls = {"toolkit": toolkit_fn, "torch eager": eager_fn, "torch.compile": compiled_fn}
+        for impl, fn in impls.items():
+            def forward(fn=fn):
+                with torch.no_grad():
+                    fn(*inputs)
+
+            def forward_backward(fn=fn):
+                out = fn(*inputs)
+                torch.autograd.grad(out, grads_of, dy if dy is not None else None)
+
+            fwd_ms = time_ms(forward)
+            both_ms = time_ms(forward_backward)
+            rows.append([name, impl, f"{fwd_ms:.3f}", f"{fwd_bytes / fwd_ms / 1e6:.0f}",
+                         f"{both_ms:.3f}", f"{(fwd_bytes + bwd_bytes) / both_ms / 1e6:.0f}",
+                         f"{100 * (fwd_bytes + bwd_bytes) / both_ms / 1e6 / copy_gbps:.0f}%"])
+        print(f"  {name}: done in {time.perf_counter() - started:.0f}s (compile included)", flush=True)
+        del inputs, dy, grads_of
+        torch.cuda.empty_cache()
+    return table(f"Layers, forward and forward+backward (GB/s from the bytes each must move; copy = "
+                 f"{copy_gbps:.0f} GB/s)", ["case", "implementation", "fwd ms", "fwd GB/s", "fwd+bwd ms",
+                                            "fwd+bwd GB/s", "fwd+bwd of copy"], rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="copy,adamw,layers")
+    parser.add_argument("--markdown", default=None, help="also write the tables to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+        return 2
+    only = set(args.only.split(","))
+    statuses = ops.build_all()
+    header = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+              f"kernels: {', '.join(f'{s.name} {s.state}' for s in statuses)}\n")
+    print(header, flush=True)
+    out = [header]
+    copy_gbps, text = bench_copy()
+    out.append(text)
+    print(text, flush=True)
+    if "adamw" in only:
+        text = bench_adamw(copy_gbps)
+        out.append(text)
+        print(text, flush=True)
+    if "layers" in only:
+        text = bench_layers(copy_gbps)
+        out.append(text)
+        print(text, flush=True)
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call for the fused kernels: build them, run their tests, benchmark them.
+# Everything lands under $OUT (machine.txt, build.txt, tests.txt, bench.md, bench.txt).
+# Run from the repository root on the GPU machine, with the wheels of
+# ../shared/tools/gpu-wheels carried in .whl:
+#     bash kernels/gpu_check.sh [build|tests|bench|e2e ...]   (default: build tests bench)
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TOOLKIT_KERNELS_CACHE=/tmp/toolkit-kernels
+stages=${*:-build tests bench}
+start=$SECONDS
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+  echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST-unset}; nvcc: $(nvcc --version | tail -1)"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/machine.txt"
+for stage in $stages; do
+  echo "=== $stage (t=$((SECONDS - start))s)"
+  case $stage in
+    build)
+      { time timeout 240 python3 -m toolkit build-kernels; python3 -m toolkit doctor; } 2>&1 | tee "$OUT/build.txt"
+      cat /tmp/toolkit-kernels/*/build.log > "$OUT/build-logs.txt" 2>/dev/null ;;
+    tests)
+      timeout 270 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_kernels_cuda.py \
+        tests/test_kernels.py 2>&1 | tee "$OUT/tests.txt" | tail -60 ;;
+    bench)
+      timeout 300 python3 kernels/bench.py --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;
+    e2e)
+      timeout 400 python3 kernels/bench_e2e.py --markdown "$OUT/e2e.md" 2>&1 | tee "$OUT/e2e.txt" ;;
+  esac
+done
+echo "=== done (t=$((SECONDS - start))s)"

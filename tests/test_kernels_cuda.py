@@ -1,0 +1,286 @@
+"""Fused kernels on a GPU, each against a float64 torch reference on fresh random inputs of
+many shapes (tiny, odd, not a multiple of the vector width, misaligned, large) in fp32,
+bf16 and fp16. Outputs are poisoned (the allocator's blocks filled with NaN) before each
+run, and every output must be finite: an element the kernel never wrote cannot pass.
+Bars: relative error ||out - ref|| / ||ref|| < 1e-5 in fp32, < 1e-2 in bf16 / fp16."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toolkit import fused_ops, ops
+from toolkit.fused_adamw import FusedAdamW, adamw_step, global_grad_norm
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    statuses = ops.build_all()
+    missing = [s.describe() for s in statuses if not s.active]
+    assert not missing, "\n".join(missing)
+
+
+def poison(*like: tuple) -> None:
+    """Fill the caching allocator's free blocks of these (shape, dtype) sizes with NaN (0xFF bytes)."""
+    blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape, dtype in like for _ in range(3)]
+    del blocks
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    assert out64.shape == ref64.shape
+    assert torch.isfinite(out64).all(), "an output element is NaN/inf (unwritten or wrong)"
+    denominator = ref64.norm()
+    return float((out64 - ref64).norm() / denominator) if denominator > 0 else float((out64 - ref64).norm())
+
+
+def randn(shape, dtype, misaligned=False):
+    """Random values; misaligned=True returns a contiguous view starting one element into its storage."""
+    if not misaligned:
+        return torch.randn(shape, device="cuda").to(dtype)
+    flat = torch.randn(math.prod(shape) + 1, device="cuda").to(dtype)
+    return flat[1:].view(shape)
+
+
+# ---------------------------------------------------------------------------
+# LayerNorm / RMSNorm
+
+NORM_SHAPES = [(1, 1), (3, 7), (5, 768), (17, 1000), (9, 1001), (64, 1600), (2, 3, 2048), (4099, 1024),
+               (8, 8192), (33, 771)]
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
+def test_norm_forward_and_backward_match_float64(shape, dtype, rms):
+    misaligned = shape[-1] % 2 == 1
+    x = randn(shape, dtype, misaligned).requires_grad_()
+    cols = shape[-1]
+    w = (torch.randn(cols, device="cuda") * 0.5 + 1).requires_grad_()
+    b = None if rms else torch.randn(cols, device="cuda").requires_grad_()
+    dy = randn(shape, dtype)
+    poison((shape, dtype), ((math.prod(shape) // cols,), torch.float32))
+    y = fused_ops.rms_norm(x, w, 1e-6) if rms else fused_ops.layer_norm(x, w, b, 1e-5)
+    y.backward(dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = None if rms else b.detach().double().requires_grad_()
+    y64 = fused_ops.rms_norm(x64, w64, 1e-6) if rms else fused_ops.layer_norm(x64, w64, b64, 1e-5)
+    y64.backward(dy.double())
+    tol = TOL[dtype]
+    assert y.dtype == dtype and rel_err(y, y64) < tol
+    assert rel_err(x.grad, x64.grad) < tol
+    # dw / db sum fp32 values over rows: fp32 precision even for 16-bit inputs (judged on the same inputs)
+    assert rel_err(w.grad, w64.grad) < max(tol, 1e-5)
+    if not rms:
+        assert rel_err(b.grad, b64.grad) < max(tol, 1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_norm_writes_the_autocast_dtype_directly(out_dtype):
+    x, w, b = randn((300, 768), torch.float32), torch.randn(768, device="cuda"), torch.randn(768, device="cuda")
+    y = fused_ops.layer_norm(x, w, b, 1e-5, out_dtype=out_dtype)
+    assert y.dtype == out_dtype
+    assert rel_err(y, F.layer_norm(x.double(), (768,), w.double(), b.double(), 1e-5)) < 1e-2
+    assert torch.equal(y, fused_ops.layer_norm(x, w, b, 1e-5).to(out_dtype))  # one rounding, as autocast's cast
+
+
+# ---------------------------------------------------------------------------
+# bias + GELU
+
+GELU_SHAPES = [(1, 1), (3, 7), (16, 3072), (37, 1000), (129, 3073), (5, 9, 256), (2048, 6400)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", GELU_SHAPES, ids=str)
+def test_bias_gelu_forward_and_backward_match_float64(shape, dtype):
+    cols = shape[-1]
+    h = randn(shape, dtype, misaligned=cols % 2 == 1).requires_grad_()
+    bias = torch.randn(cols, device="cuda").requires_grad_()
+    dy = randn(shape, dtype)
+    poison((shape, dtype))
+    y = fused_ops.bias_gelu(h, bias)
+    y.backward(dy)
+    h64, b64 = h.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    u = h64 + b64
+    y64 = 0.5 * u * (1.0 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u.pow(3))))  # HF gelu_new
+    y64.backward(dy.double())
+    tol = TOL[dtype]
+    assert y.dtype == dtype and rel_err(y, y64) < tol
+    assert rel_err(h.grad, h64.grad) < tol
+    assert rel_err(bias.grad, b64.grad) < max(tol, 1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Cross-entropy
+
+CE_SHAPES = [(1, 2), (3, 7), (16, 50257), (64, 50304), (7, 1000), (5, 129), (2048, 50257)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", CE_SHAPES, ids=str)
+def test_cross_entropy_forward_and_backward_match_float64(shape, dtype):
+    rows, vocab = shape
+    logits = (randn(shape, dtype, misaligned=rows % 2 == 1).float() * 3).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    if rows > 2:
+        targets[1::3] = -100
+    poison((shape, dtype), ((rows,), torch.float32))
+    loss = fused_ops.cross_entropy(logits, targets)
+    loss.backward()
+    l64 = logits.detach().double().requires_grad_()
+    ref = F.cross_entropy(l64, targets)
+    ref.backward()
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - ref.item()) / abs(ref.item()) < 1e-5  # fp32 maths on the same inputs
+    assert logits.grad.dtype == dtype and rel_err(logits.grad, l64.grad) < TOL[dtype]
+
+
+def test_cross_entropy_all_rows_ignored_gives_zero_loss_and_gradient():
+    logits = randn((4, 33), torch.bfloat16).requires_grad_()
+    loss = fused_ops.cross_entropy(logits, torch.full((4,), -100, device="cuda"))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(logits.grad) == 0
+
+
+# ---------------------------------------------------------------------------
+# AdamW
+
+ADAMW_SIZES = [[1], [3, 4097], [4096, 4096 * 3], [5, 65537, 1_000_003], [38_597_376, 768, 2_359_296, 768]]
+SETTINGS = dict(lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def adamw_float64(p, g, m, v, step, grad_scale):
+    """torch.optim.AdamW's maths in float64."""
+    p, g, m, v = (t.double() for t in (p, g, m, v))
+    g = g * grad_scale
+    lr, b1, b2, eps, wd = (SETTINGS[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = v.sqrt() / math.sqrt(1 - b2 ** step) + eps
+    return p - lr / (1 - b1 ** step) * m / denom, m, v
+
+
+@pytest.mark.parametrize("lowp_dtype", [None, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("grad_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", ADAMW_SIZES, ids=lambda s: f"{len(s)}x{max(s)}")
+def test_adamw_step_matches_float64(sizes, grad_dtype, lowp_dtype):
+    misaligned = len(sizes) == 2  # odd offsets: the element-wise path
+    params = [randn((n,), torch.float32, misaligned) for n in sizes]
+    grads = [randn((n,), grad_dtype, misaligned) for n in sizes]
+    exp_avgs = [randn((n,), torch.float32, misaligned) * 0.1 for n in sizes]
+    exp_avg_sqs = [randn((n,), torch.float32, misaligned).abs() * 0.01 for n in sizes]
+    lowp = [torch.full((n,), float("nan"), dtype=lowp_dtype, device="cuda") for n in sizes] if lowp_dtype else None
+    before = [t.clone() for t in params]
+    expected = [adamw_float64(p, g, m, v, step=7, grad_scale=0.25)
+                for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs)]
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    adamw_step(params, grads, exp_avgs, exp_avg_sqs, step=7, grad_scale=0.25, lowp=lowp, nonfinite=flag, **SETTINGS)
+    assert flag.item() == 0
+    for i, (p_ref, m_ref, v_ref) in enumerate(expected):
+        assert rel_err(params[i], p_ref) < 1e-5
+        assert rel_err(params[i] - before[i], p_ref - before[i].double()) < 1e-5  # the update itself
+        assert rel_err(exp_avgs[i], m_ref) < 1e-5 and rel_err(exp_avg_sqs[i], v_ref) < 1e-5
+        if lowp:
+            assert torch.equal(lowp[i], params[i].to(lowp_dtype))
+
+
+def test_adamw_nonfinite_gradients_are_flagged_and_left_unchanged():
+    n = 3 * 4096 + 5
+    p, g = randn((n,), torch.float32), randn((n,), torch.float32)
+    g[10], g[5000], g[n - 1] = float("inf"), float("nan"), float("-inf")
+    m, v = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    before, flag = p.clone(), torch.zeros(1, dtype=torch.int32, device="cuda")
+    adamw_step([p], [g], [m], [v], step=1, nonfinite=flag, **SETTINGS)
+    assert flag.item() == 1
+    bad = torch.zeros(n, dtype=torch.bool, device="cuda")
+    bad[[10, 5000, n - 1]] = True
+    assert torch.equal(p[bad], before[bad]) and torch.count_nonzero(m[bad]) == 0
+    assert torch.all(p[~bad] != before[~bad])
+
+
+def test_adamw_skip_flag_leaves_everything_unchanged():
+    p = randn((70_000,), torch.float32)
+    before = p.clone()
+    adamw_step([p], [randn((70_000,), torch.float32)], [torch.zeros_like(p)], [torch.zeros_like(p)], step=1,
+               skip=torch.ones(1, dtype=torch.int32, device="cuda"), **SETTINGS)
+    assert torch.equal(p, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_global_grad_norm_matches_float64_and_flags_overflow(dtype):
+    grads = [randn((n,), dtype) for n in (1, 4097, 1_000_003, 77)]
+    out = global_grad_norm(grads, grad_scale=0.5, max_norm=1.0)
+    ref = math.sqrt(sum(float((g.double() * 0.5).pow(2).sum()) for g in grads))
+    assert abs(out[0].item() - ref) / ref < 1e-5
+    assert abs(out[1].item() - 0.5 / (ref + 1e-6)) / (0.5 / ref) < 1e-5
+    grads[2][123] = float("nan")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    global_grad_norm(grads, nonfinite=flag)
+    assert flag.item() == 1
+
+
+def test_fused_adamw_tracks_torch_fused_adamw_on_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from toolkit.optim import param_groups
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, bos_token_id=None,
+                        eos_token_id=None)
+    a = GPT2LMHeadModel(config).cuda()
+    b = GPT2LMHeadModel(config).cuda()
+    b.load_state_dict(a.state_dict())
+    settings = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(param_groups(a, 0.1), fused=True, **settings)
+    fused_opt = FusedAdamW(param_groups(b, 0.1), **settings)
+    for _ in range(5):
+        ids = torch.randint(0, 512, (4, 64), device="cuda")
+        for model, opt in ((a, torch_opt), (b, fused_opt)):
+            opt.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert rel_err(pb, pa) < 1e-5, name
+
+
+# ---------------------------------------------------------------------------
+# The engine with fused kernels (and torch.compile)
+
+def run_engine(overrides, steps=12):
+    from toolkit.engine import Engine
+    from toolkit.recipe import load_recipe
+
+    engine = Engine(load_recipe("quickstart", ["training.max_steps=50", "training.device=cuda", *overrides]))
+    generator = torch.Generator().manual_seed(0)
+    losses = [engine.train_batch([torch.randint(0, 256, (16, 65), generator=generator)]).loss for _ in range(steps)]
+    return engine, losses
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_engine_with_fused_kernels_trains_like_torch(dtype):
+    fused, fused_losses = run_engine([f"precision.dtype={dtype}"])
+    assert all(fused.kernels.active(n) for n in ("adamw", "layernorm", "bias_gelu", "cross_entropy"))
+    assert type(fused.optimizer).__name__ == "FusedAdamW"
+    _, torch_losses = run_engine([f"precision.dtype={dtype}"] + [f"kernels.{k}=off" for k in ops.KERNELS])
+    assert fused_losses[-1] < fused_losses[0]
+    for a, b in zip(fused_losses, torch_losses):
+        assert abs(a - b) < 0.02 * abs(b), (fused_losses, torch_losses)
+
+
+def test_engine_compiles_through_fused_kernels_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine, losses = run_engine(["precision.dtype=bf16", "training.compile=true"], steps=6)
+    assert engine.kernels.active("layernorm")
+    breaks = dict(counters["graph_break"])
+    print("graph breaks:", breaks or "none")
+    assert not [reason for reason in breaks if "toolkit" in reason or "custom" in reason.lower()], breaks
+    assert losses[-1] < losses[0]
