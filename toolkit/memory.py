@@ -1,10 +1,10 @@
-"""Memory per rank. Two sections: the analytic estimator (before a run: model states
-from the ZeRO paper's formulas, activations from Korthikanti et al. 2022, a device
-table and a fits verdict; what `toolkit estimate` prints) and, later, the runtime
-monitor (peaks, breakdown, timeline measured during a run).
+"""Memory per rank, before a run: the analytic estimator (model states from the ZeRO
+paper's formulas, activations from Korthikanti et al. 2022, a device table and a
+fits verdict; what `toolkit estimate` prints). What is measured during a run (model
+states counted from tensors, peaks per log window, memory.png) is the runtime
+monitor in toolkit/memory_monitor.py, which reuses `format_bytes` from here.
 
-The estimator section imports no torch: `toolkit estimate` answers in well under a
-second. Keep torch imports inside the monitor's functions.
+This module imports no torch: `toolkit estimate` answers in well under a second.
 """
 from __future__ import annotations
 

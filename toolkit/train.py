@@ -4,21 +4,24 @@ logging cadence, summary. The engine (toolkit/engine.py) does the maths.
 
 Run directory contract: recipe.json (resolved recipe + hash), metrics.jsonl
 (one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s,
-elapsed_s, ...; evaluation lines carry eval_loss), tensorboard/, checkpoints/.
+elapsed_s, mfu where the device's peak is known, the memory fields of
+toolkit/memory_monitor.py, ...; evaluation lines carry eval_loss), memory.png
+(the memory timeline), tensorboard/, checkpoints/.
 """
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import torch
-
 from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
 from toolkit.data import BatchStream, Dataset, eval_batches
 from toolkit.engine import Engine
+from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
+from toolkit.memory_monitor import MemoryMonitor
 from toolkit.specs import Recipe
 from toolkit.tracking import build_trackers
 
@@ -51,12 +54,12 @@ def default_run_dir(recipe: Recipe) -> Path:
     return Path("runs") / f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset) -> str:
+def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasis | None = None) -> str:
     """Everything that matters about the run, computed once and printed at start."""
     b, m, d = recipe.batch, recipe.model, recipe.data
     tokens_per_step = b.global_batch * d.seq_len
     device = engine.device
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size)
     precision = {"fp32": "fp32", "bf16": "bf16 autocast, fp32 weights",
                  "fp16": "fp16 autocast, fp32 weights, "
                          + ("dynamic loss scale" if recipe.precision.fp16.loss_scale == 0 else "static loss scale")}
@@ -72,7 +75,8 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset) -> str:
         ("zero", f"stage {recipe.zero.stage}, optimizer offload {recipe.zero.offload_optimizer}"),
         ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
                       f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
-        ("device", f"{device_name} ({device})"),
+        ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),
+        ("flops", mfu.describe_flops()),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
@@ -88,6 +92,10 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     (run_dir / "recipe.json").write_text(recipe.to_json())
 
     engine = Engine(recipe)
+    monitor = MemoryMonitor(engine)
+    mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size)
+    if mfu.peak_flops is None:
+        print(unknown_peak_warning(mfu.device_name, mfu.dtype), file=sys.stderr, flush=True)
     dataset = Dataset(recipe.data, run_dir=run_dir, log=None if quiet else print)
     stream = BatchStream(dataset.train, recipe.batch, rank=0, seed=recipe.training.seed)
     held_out = eval_batches(dataset.eval, recipe.batch, rank=0, count=recipe.training.eval_batches)
@@ -99,7 +107,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
                               append=resumed is not None, config=recipe.resolved,
                               wandb_run_id=resumed.wandb_run_id if resumed is not None else None)
     if not quiet:
-        print(startup_table(recipe, engine, dataset), flush=True)
+        print(startup_table(recipe, engine, dataset, mfu), flush=True)
         print(f"run dir | {run_dir}", flush=True)
         if resumed is not None:
             print(f"resume  | {resumed.path} (step {resumed.step} of {training.max_steps})", flush=True)
@@ -125,6 +133,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
             step, window_steps = engine.global_step, window_steps + 1
             if step % training.log_interval == 0 or step == training.max_steps:
                 now = time.perf_counter()
+                tokens_per_s = window_steps * tokens_per_step / (now - window_start)
                 log({
                     "step": step,
                     "loss": step_result.loss,
@@ -132,8 +141,10 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
                     "grad_norm": step_result.grad_norm,
                     "loss_scale": step_result.loss_scale,
                     "skipped_steps": engine.skipped_steps,
-                    "tokens_per_s": window_steps * tokens_per_step / (now - window_start),
+                    "tokens_per_s": tokens_per_s,
                     "elapsed_s": now - start,
+                    **({"mfu": mfu.mfu(tokens_per_s)} if mfu.peak_flops is not None else {}),
+                    **monitor.window_metrics(step),
                 })
                 window_start, window_steps = now, 0
             if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
@@ -144,6 +155,8 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
         checkpointer.finish(engine, stream, trackers.wandb_run_id)
     finally:
         trackers.close()
+        monitor.close()
+    memory_note = monitor.write_timeline(run_dir / "memory.png")
     if not quiet:
         wall = time.perf_counter() - start
         train = result.train_metrics
@@ -153,4 +166,5 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
         if result.eval_metrics:
             summary += f", eval loss {result.eval_metrics[-1]['eval_loss']:.4f}"
         print(summary + f" ({dataset.loss_reference()})", flush=True)
+        print(monitor.summary() + "\n" + memory_note, flush=True)
     return result
