@@ -334,6 +334,20 @@ def test_every_path_variable_is_documented_in_the_schema_and_readme():
         assert "${" + name + "}" in data["description"] and "${" + name + "}" in readme, name
 
 
+def test_recursive_globs_match_glob_glob_and_skip_excluded_folders(tmp_path):
+    import glob
+
+    for rel in ["a.py", "b.txt", "pkg/c.py", "pkg/deep/d.py", "pkg/test/t.py", ".hidden/h.py", "pkg/.e.py",
+                "site-packages/big/x.py"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    for pattern in ["**/*.py", "pkg/**/*.py", "**/d.py", "p?g/*.py", "**/[!a]*.py", "**/[a-c].py"]:
+        full = str(tmp_path / pattern)
+        assert [str(p) for p in list_files((full,), ())] == sorted(glob.glob(full, recursive=True)), pattern
+    kept = list_files((str(tmp_path / "**" / "*.py"),), ("*/site-packages/*", "*/test/*"))
+    assert [p.relative_to(tmp_path).as_posix() for p in kept] == ["a.py", "pkg/c.py", "pkg/deep/d.py"]
+
+
 def test_python_stdlib_recipe_names_about_12_mb_of_sources_without_tests():
     spec = load_recipe("python-stdlib").data
     files = list_files(spec.paths, spec.exclude)

@@ -65,13 +65,61 @@ def _excluded(path: str, exclude: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(posix, pattern) for pattern in exclude)
 
 
+def glob_regex(pattern: str) -> re.Pattern:
+    """A glob as a regex over whole paths: `**/` is any number of folders, `*` and `?` stay
+    inside one name, and (as in glob) no wildcard matches a name that starts with a dot."""
+    out, i, component_start = [], 0, True
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append(r"(?:(?!\.)[^/]*/)*")
+            i += 3
+            continue
+        c = pattern[i]
+        hidden_guard = r"(?!\.)" if component_start else ""
+        if c == "*":
+            out.append(hidden_guard + r"[^/]*")
+        elif c == "?":
+            out.append(hidden_guard + r"[^/]")
+        elif c == "[" and "]" in pattern[i + 2:]:
+            end = pattern.index("]", i + 2)
+            body = pattern[i + 1:end].replace("\\", "\\\\")
+            body = "^" + body[1:] if body.startswith("!") else "\\" + body if body.startswith("^") else body
+            out.append(hidden_guard + "[" + body + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        component_start = c == "/"
+        i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _recursive_glob(pattern: str, exclude: tuple[str, ...]) -> list[str]:
+    """Files matching a `**` glob; folders that an exclude pattern ending in `*` covers are not entered.
+
+    NOTE: glob.glob would walk all of site-packages under ${python_stdlib} (12,000 folders,
+    2 s) only for the exclude list to drop it; pruning makes listing the stdlib ~0.1 s.
+    """
+    root = pattern[:_GLOB_MAGIC.search(pattern).start()].rpartition("/")[0] or "/"
+    regex = glob_regex(pattern)
+    prunable = tuple(p for p in exclude if p.endswith("*"))
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")
+                         and not _excluded(os.path.join(folder, d) + "/", prunable)]
+        found += [path for path in (os.path.join(folder, n) for n in names) if regex.match(path)]
+    return sorted(found)
+
+
 def list_files(paths: tuple[str, ...], exclude: tuple[str, ...], where: str = "recipe.data") -> list[Path]:
     """The files `paths` (files or globs, `**` recursive) name, minus `exclude`, in a stable order."""
     files: dict[str, None] = {}
     for i, pattern in enumerate(paths):
         here = f"{where}.paths[{i}]"
         if _GLOB_MAGIC.search(pattern):
-            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+            if "**" in pattern:
+                matches = _recursive_glob(pattern, exclude)
+            else:
+                matches = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
             if not matches:
                 raise UserError(f"{here}: {pattern}: the glob matches no file")
         elif os.path.isdir(pattern):
