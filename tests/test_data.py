@@ -151,6 +151,18 @@ def test_token_cache_is_reused_and_keyed_by_file_bytes_and_settings(tmp_path):
     assert changed.built and changed.dir != first.dir
 
 
+def test_builders_started_together_tokenize_once(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    write_corpus(tmp_path / "corpus", python_like_docs(30))
+    spec = recipe_from_dict(text_recipe(tmp_path, {"tokenizer": "bpe", "vocab_size": 300})).data
+    with ThreadPoolExecutor(3) as pool:  # like ranks that start at once (the lock is a per-file flock)
+        corpora = list(pool.map(lambda _: TokenCorpus(spec), range(3)))
+    assert sorted(c.built for c in corpora) == [False, False, True]
+    assert len({c.dir for c in corpora}) == 1 and len(list((tmp_path / "cache").glob("bpe-*"))) == 1
+    assert not list((tmp_path / "cache").glob(".tmp-*"))
+
+
 def test_bpe_is_trained_once_cached_and_saved_into_the_run_dir(tmp_path):
     write_corpus(tmp_path / "corpus", python_like_docs(40))
     recipe = recipe_from_dict(text_recipe(tmp_path, {"tokenizer": "bpe", "vocab_size": 300}))

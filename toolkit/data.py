@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -90,6 +91,22 @@ def _publish(tmp: Path, final: Path) -> None:
             raise
 
 
+@contextmanager
+def _build_lock(final: Path) -> Iterator[None]:
+    """Held while checking for and building one cache entry: ranks that start together build it once."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent builders are still safe (_publish), only wasteful
+        yield
+        return
+    with open(final.parent / f".lock-{final.name}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _cache_dir(spec: DataSpec) -> Path:
     try:
         spec.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -109,14 +126,15 @@ def build_tokenizer(spec: DataSpec, files: list[Path], corpus_key: str, log: Cal
     key = _key({"bpe": spec.vocab_size, "corpus": corpus_key, "validation_fraction": spec.validation_fraction,
                 "seed": spec.seed, "tokenizers": tokenizers.__version__})
     folder = _cache_dir(spec) / f"bpe-{key}"
-    if (folder / "tokenizer.json").is_file():
-        return load_tokenizer_folder(folder)
-    start = time.perf_counter()
-    train_docs = (d for d in _documents(spec, files) if not in_validation(d, spec.validation_fraction, spec.seed))
-    tokenizer = train_bpe(train_docs, spec.vocab_size)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-bpe-{key}-", dir=folder.parent))
-    tokenizer.save(tmp)
-    _publish(tmp, folder)
+    with _build_lock(folder):
+        if (folder / "tokenizer.json").is_file():
+            return load_tokenizer_folder(folder)
+        start = time.perf_counter()
+        train_docs = (d for d in _documents(spec, files) if not in_validation(d, spec.validation_fraction, spec.seed))
+        tokenizer = train_bpe(train_docs, spec.vocab_size)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-bpe-{key}-", dir=folder.parent))
+        tokenizer.save(tmp)
+        _publish(tmp, folder)
     log(f"data    | trained a BPE tokenizer to {tokenizer.vocab_size} tokens in {time.perf_counter() - start:.1f}s "
         f"-> {folder}")
     return tokenizer
@@ -188,24 +206,28 @@ class TokenCorpus:
                          "eot": self.tokenizer.eot_id, "validation_fraction": spec.validation_fraction,
                          "seed": spec.seed})
         self.dir = _cache_dir(spec) / f"tokens-{self.key}"
-        self.built = not (self.dir / "meta.json").is_file()
-        if self.built:
-            start = time.perf_counter()
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-tokens-{self.key}-", dir=self.dir.parent))
-            try:
-                meta = _write_token_files(spec, self.files, self.tokenizer, tmp)
-                meta["tokenize_s"] = round(time.perf_counter() - start, 3)
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            _publish(tmp, self.dir)
-            log(f"data    | tokenized {len(self.files)} files in {meta['tokenize_s']:.1f}s -> {self.dir}")
+        with _build_lock(self.dir):
+            self.built = not (self.dir / "meta.json").is_file()
+            if self.built:
+                self._build(spec, log)
         self.meta = json.loads((self.dir / "meta.json").read_text())
         if self.meta["train_documents"] + self.meta["valid_documents"] == 0:
             raise UserError(f"recipe.data.paths: the {len(self.files)} file(s) hold no text (empty corpus)")
         self.train = _read_tokens(self.dir / "train.bin", self.meta["dtype"], self.meta["train_tokens"])
         self.valid = _read_tokens(self.dir / "valid.bin", self.meta["dtype"], self.meta["valid_tokens"])
+
+    def _build(self, spec: DataSpec, log: Callable[[str], None]) -> None:
+        start = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-tokens-{self.key}-", dir=self.dir.parent))
+        try:
+            meta = _write_token_files(spec, self.files, self.tokenizer, tmp)
+            meta["tokenize_s"] = round(time.perf_counter() - start, 3)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _publish(tmp, self.dir)
+        log(f"data    | tokenized {len(self.files)} files in {meta['tokenize_s']:.1f}s -> {self.dir}")
 
 
 class PackedSequences:
