@@ -20,8 +20,10 @@ then is `latest` replaced (temp file + rename). Readers ignore `.tmp-*` entries 
 trust complete step directories over the pointer: a crash between the rename and the
 pointer update leaves a complete, newer step directory, which wins.
 
-Not here yet: sharded (ZeRO) saving and resharding to another world size; the engine
-runs one process today, so a checkpoint holds the full, unsharded state.
+Several ranks (`save_distributed_checkpoint`): under ZeRO stages 1-3 each rank also
+writes zero-rank-RRRRR-of-WWWWW.safetensors into the same temp directory (per-parameter
+pieces, toolkit/zero/state.py, readable at any world size) and rank 0 writes the rest,
+with a manifest covering every file, and renames; at stage 0 rank 0 alone writes.
 """
 from __future__ import annotations
 
@@ -263,6 +265,62 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _write_pointer(ckpt_dir / LATEST_FILE, name)  # last: `latest` only ever names a complete checkpoint
+    return final
+
+
+def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, info, write_shard=None) -> Path:
+    """Every rank's part of one checkpoint: each writes its ZeRO shard (`write_shard(tmp_dir) -> file name`,
+    stage 1-3) into one temp dir, then rank 0 writes the state files and a manifest covering every file and
+    renames the directory into place (stage 0: rank 0 alone writes; the state is replicated)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    ckpt_dir, name = Path(ckpt_dir), step_dir_name(step)
+    final = ckpt_dir / name
+    box = [None]
+    if info.rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        box = [str(make_temp_dir(ckpt_dir, name))]
+    dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    report = None
+    try:
+        if write_shard is not None:
+            shard = write_shard(tmp)
+            _fsync_file(tmp / shard)
+            report = (shard, {"sha256": sha256_file(tmp / shard), "bytes": (tmp / shard).stat().st_size})
+    except Exception as exc:  # every rank must hear of it, or the others wait forever
+        report = ("error", f"rank {info.rank}: {type(exc).__name__}: {exc}")
+    reports = [None] * info.world_size
+    dist.all_gather_object(reports, report)
+    errors = [r[1] for r in reports if r is not None and r[0] == "error"]
+    if info.rank == 0:
+        try:
+            if errors:
+                raise RuntimeError(f"checkpoint step {step}: a rank could not write its shard: {errors[0]}")
+            skeleton, tensors = flatten_state(state)
+            save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
+            _fsync_file(tmp / TENSORS_FILE)
+            _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
+                                           **meta, "state": skeleton})
+            files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
+                     for f in (TENSORS_FILE, STATE_FILE)}
+            files.update({r[0]: r[1] for r in reports if r is not None})
+            _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
+                                              "files": files})
+            _fsync_dir(tmp)
+            if final.exists():
+                _remove_dir(final)
+            os.rename(tmp, final)
+            _fsync_dir(ckpt_dir)
+            _write_pointer(ckpt_dir / LATEST_FILE, name)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            dist.barrier()
+            raise
+    dist.barrier()  # rank 0 renamed (or cleaned up): the checkpoint is complete for everyone
+    if errors:
+        raise RuntimeError(f"checkpoint step {step}: a rank could not write its shard: {errors[0]}")
     return final
 
 
@@ -549,7 +607,7 @@ class Checkpointer:
     def restore(self, ckpt: Checkpoint, engine, stream) -> None:
         """Engine and data position as they were when `ckpt` was saved (the RNGs: `restore_rng_state`)."""
         try:
-            engine.load_state_dict(ckpt.state["engine"])
+            engine.load_state_dict(ckpt.state["engine"], checkpoint_dir=ckpt.path)
         except (RuntimeError, KeyError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"{ckpt.path}: the checkpoint does not fit this model: {first}") from None
@@ -572,8 +630,17 @@ class Checkpointer:
     def save(self, engine, stream, wandb_run_id: str | None) -> Path:
         """Save now, then delete stale and surplus checkpoints (only after the new one is complete)."""
         state = {"engine": engine.state_dict(), "stream": stream.state_dict(), "rng": capture_rng_state()}
-        path = save_checkpoint(self.dir, engine.global_step, state,
-                               checkpoint_meta(self.recipe, engine, wandb_run_id))
+        meta = checkpoint_meta(self.recipe, engine, wandb_run_id)
+        info = getattr(engine, "dist", None)
+        if info is not None and info.active:  # several ranks: ZeRO shards from each, the rest from rank 0
+            shards = engine.write_shard if engine.sharded_checkpoint else None
+            path = save_distributed_checkpoint(self.dir, engine.global_step, state, meta, info, shards)
+            self.last_saved_step = engine.global_step
+            if info.rank != 0:  # rank 0 alone deletes stale and surplus checkpoints
+                self._stale = []
+                return path
+        else:
+            path = save_checkpoint(self.dir, engine.global_step, state, meta)
         self.last_saved_step = engine.global_step
         for name in self._stale:
             if name != path.name and (self.dir / name).is_dir():

@@ -38,6 +38,13 @@ def _cmd_estimate(args) -> int:
 
 def _cmd_run(args) -> int:
     from toolkit.recipe import load_recipe
+
+    if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
+        from toolkit.zero.launch import launch_ranks
+
+        load_recipe(args.recipe, args.overrides, world_size=args.nproc)  # user mistakes: one line, here
+        rest = ["--run-dir", args.run_dir] if args.run_dir else []
+        return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, *rest])
     from toolkit.train import run
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -117,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe file, or the name of a shipped recipe")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed by the schema")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<name>-<timestamp>)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="launch N data-parallel ranks on this machine (torch.distributed.run; one per GPU, "
+                        "or CPU ranks over gloo); same as torchrun --nproc_per_node N -m toolkit run")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model folder")

@@ -3,13 +3,17 @@ micro batch `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`
 (the optimizer update happens at accumulation boundaries), or
 `engine.train_batch(micro_batches)` for one whole optimizer step.
 
-The engine owns the model, the optimizer, the schedule and the loss scaler.
-The loop (toolkit/train.py) owns data, logging and checkpoint cadence.
+The engine owns the model, the ZeRO strategy (toolkit/zero/: how gradients,
+optimizer states and parameters are split across ranks, and the AdamW that
+steps them), the schedule and the loss scaler; it joins the process group
+torchrun describes (one process needs none). The loop (toolkit/train.py) owns
+data, logging and checkpoint cadence.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +21,13 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.models import build_model, count_parameters
-from toolkit.optim import Schedule, build_optimizer
-from toolkit.precision import autocast_context, has_inf_or_nan, make_loss_scaler
+from toolkit.optim import Schedule
+from toolkit.precision import autocast_context, make_loss_scaler
 from toolkit.specs import Recipe
+from toolkit.zero import build_strategy
+from toolkit.zero.comm import init_distributed, select_cuda_device, sum_floats
+from toolkit.zero.state import (FullStateReader, ShardFilesReader, ordered_param_names, parameter_aliases,
+                                shard_file_name, write_shard)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -34,12 +42,6 @@ def pick_device(choice: str) -> torch.device:
 def refuse_unbuilt(recipe: Recipe) -> None:
     """Settings the schema allows but this version cannot honour yet: refuse, never ignore."""
     problems = []
-    if recipe.zero.stage > 0:
-        problems.append(f"recipe.zero.stage: {recipe.zero.stage} needs the ZeRO engine, which this version "
-                        "does not have yet; use stage 0")
-    if recipe.batch.world_size > 1:
-        problems.append(f"world size {recipe.batch.world_size}: multi-process training needs the ZeRO engine, "
-                        "which this version does not have yet; run one process")
     for name, mode in vars(recipe.kernels).items():
         if mode == "on":
             problems.append(f"recipe.kernels.{name}: 'on' but this version has no fused kernels yet; "
@@ -59,19 +61,22 @@ class StepResult:
 
 
 class Engine:
-    """Model + AdamW + schedule + mixed precision for one process."""
+    """Model + ZeRO strategy (AdamW inside) + schedule + mixed precision for this rank."""
 
     def __init__(self, recipe: Recipe, model: nn.Module | None = None):
         refuse_unbuilt(recipe)
         self.recipe = recipe
+        select_cuda_device(recipe.training.device)  # cuda:LOCAL_RANK under torchrun
         self.device = pick_device(recipe.training.device)
+        self.dist = init_distributed(recipe.batch.world_size, self.device)
         if recipe.precision.dtype == "fp16" and self.device.type == "cpu":
             raise UserError("recipe.precision.dtype: 'fp16' needs a CUDA device (CPUs lack fast fp16); use 'bf16'")
         torch.manual_seed(recipe.training.seed)
         self.model = (model if model is not None else build_model(recipe.model, recipe.training.seed)).to(self.device)
         self.model.train()
         self.num_parameters = count_parameters(self.model)
-        self.optimizer = build_optimizer(self.model, recipe.optimizer, self.device.type)
+        self.strategy = build_strategy(self.model, recipe, self.device, self.dist)
+        self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
         self.scheduler = Schedule(self.optimizer, recipe.scheduler, recipe.optimizer.lr)
         self.loss_scaler = make_loss_scaler(recipe.precision)
         self.grad_accum_steps = recipe.batch.grad_accum_steps
@@ -96,7 +101,9 @@ class Engine:
         """Accumulate gradients of loss / grad_accum_steps (times the loss scale in fp16)."""
         self._loss_sum += loss.detach().float()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self.strategy.begin_micro_step(boundary=self.micro_step + 1 >= self.grad_accum_steps)
         (loss * (scale / self.grad_accum_steps)).backward()
+        self.strategy.end_micro_step()  # gradients reduced (at the boundary, or every micro-step from stage 2)
         self.micro_step += 1
 
     def is_accumulation_boundary(self) -> bool:
@@ -107,25 +114,24 @@ class Engine:
         """Update the weights at an accumulation boundary (else do nothing and return None)."""
         if not self.is_accumulation_boundary():
             return None
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        strategy = self.strategy
         lr = self.current_lr  # the rate this update uses (the schedule then moves on)
         skipped = False
         scale = 1.0
         if self.loss_scaler is not None:
             scale = self.loss_scaler.scale
-            skipped = self.loss_scaler.update(has_inf_or_nan(p.grad for p in params))
+            skipped = self.loss_scaler.update(strategy.grads_overflow())  # the same verdict on every rank
             if not skipped:
-                torch._foreach_mul_([p.grad for p in params], 1.0 / scale)
+                strategy.scale_grads(1.0 / scale)
         grad_norm = float("nan")
         if not skipped:
-            clip = self.recipe.training.grad_clip
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf))
-            self.optimizer.step()
+            grad_norm = strategy.clip_grad_norm(self.recipe.training.grad_clip)  # global norm over all ranks
+            strategy.optimizer_step()
             self.scheduler.step()
         else:
             self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = float(self._loss_sum) / self.micro_step
+        strategy.zero_grad()
+        loss = self._mean_over_ranks(float(self._loss_sum) / self.micro_step)
         self._loss_sum, self.micro_step = 0.0, 0
         self.global_step += 1
         if not math.isfinite(loss) and self.loss_scaler is None:
@@ -149,7 +155,27 @@ class Engine:
             losses = [self(batch) for batch in batches]
         finally:
             self.model.train()
-        return float(torch.stack(losses).mean()) if losses else float("nan")
+        return self._mean_over_ranks(float(torch.stack(losses).mean()) if losses else float("nan"))
+
+    def _mean_over_ranks(self, value: float) -> float:
+        """The mean of a per-rank float over all ranks (the value itself for one process)."""
+        if not self.dist.active:
+            return value
+        return sum_floats([value], self.dist, self.device)[0] / self.dist.world_size
+
+    def offload_metrics(self) -> dict:
+        """mem_offload_bytes (CPU memory ZeRO-Offload holds on this rank) when offload is on, else nothing."""
+        if not self.strategy.offload:
+            return {}
+        return {"mem_offload_bytes": self.strategy.memory_bytes()["mem_offload_bytes"]}
+
+    def model_state_bytes(self):
+        """This rank's model-state bytes from live tensors (toolkit.memory_monitor's protocol)."""
+        from toolkit.memory_monitor import StateBytes
+
+        m = self.strategy.memory_bytes()
+        return StateBytes(params=m["mem_params_bytes"], grads=m["mem_grads_bytes"], optim=m["mem_optim_bytes"],
+                          master=m["mem_master_bytes"])
 
     @property
     def current_lr(self) -> float:
@@ -158,19 +184,71 @@ class Engine:
 
     # -- state for checkpoints -------------------------------------------------
 
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """True when each rank saves its own shard (ZeRO stages 1-3); stage 0 saves one replicated state."""
+        return self.strategy.stage > 0
+
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly (model, optimizer, schedule, scaler, counters)."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+        """Everything needed to continue exactly (model, optimizer, schedule, scaler, counters).
+
+        Stage 0: the model and torch optimizer state dicts. Stages 1-3: where the shards are
+        (`write_shard` writes this rank's), the model's buffers and tied-weight aliases.
+        """
+        counters = {
             "scheduler": self.scheduler.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
         }
+        if not self.sharded_checkpoint:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **counters}
+        world = self.dist.world_size
+        zero = {"stage": self.strategy.stage, "world_size": world, "step": self.strategy.optimizer_steps(),
+                "files": [shard_file_name(r, world) for r in range(world)], "aliases": parameter_aliases(self.model)}
+        return {"zero": zero, "buffers": persistent_buffers(self.model), **counters}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what state_dict() saved; settings (betas, eps, weight decay, implementation) stay the recipe's."""
+    def write_shard(self, directory) -> str:
+        """Write this rank's ZeRO shard file into `directory`; returns its name."""
+        name = shard_file_name(self.dist.rank, self.dist.world_size)
+        write_shard(Path(directory) / name, self.strategy.owned_pieces(), self.strategy.param_shapes())
+        return name
+
+    def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
+        """Restore what state_dict() saved, from any stage and world size (sharded checkpoints read their
+        shard files in `checkpoint_dir`); settings (betas, eps, weight decay, implementation) stay the recipe's."""
+        if "zero" in state or self.sharded_checkpoint:
+            self._load_model_states(state, checkpoint_dir)
+        else:
+            self._load_replicated(state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.global_step = int(state["global_step"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+    def _load_model_states(self, state: dict, checkpoint_dir) -> None:
+        """Weights and AdamW moments through a reader of per-parameter ranges (any stage, any world size)."""
+        if "zero" in state:
+            if checkpoint_dir is None:
+                raise ValueError("a ZeRO checkpoint needs checkpoint_dir (where its shard files are)")
+            reader = ShardFilesReader(checkpoint_dir, state["zero"]["files"], state["zero"]["step"])
+            buffers = state.get("buffers") or {}
+        else:
+            reader = FullStateReader(state["model"], state.get("optimizer"), ordered_param_names(self.model))
+            params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+            buffers = {k: v for k, v in state["model"].items() if k not in params}
+        try:
+            self.strategy.load_pieces(reader)
+        finally:
+            reader.close()
+        own = persistent_buffers(self.model)
+        with torch.no_grad():
+            for name, value in buffers.items():
+                if name in own:
+                    own[name].copy_(value)
+
+    def _load_replicated(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         # NOTE: torch's Optimizer.load_state_dict replaces each param group's settings with
         # the saved ones (fused/foreach flags included); keep the recipe's and take only the
@@ -179,11 +257,16 @@ class Engine:
         self.optimizer.load_state_dict(state["optimizer"])
         for group, own in zip(self.optimizer.param_groups, settings):
             group.update(own)
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.global_step = int(state["global_step"])
-        self.skipped_steps = int(state["skipped_steps"])
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers that its state_dict carries (non-persistent ones excluded)."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = buf
+    return out
 
 
 def initialize(recipe, model: nn.Module | None = None) -> Engine:

@@ -46,6 +46,16 @@ def hf_config(ckpt: Checkpoint):
     return config
 
 
+def checkpoint_model_state(ckpt: Checkpoint) -> dict:
+    """The whole model state dict: as saved (stage 0), or consolidated from the ZeRO shards (stages 1-3)."""
+    engine = ckpt.state["engine"]
+    if "zero" in engine:
+        from toolkit.zero.state import consolidated_model_state
+
+        return consolidated_model_state(engine, ckpt.path)
+    return engine["model"]
+
+
 def build_hf_model(ckpt: Checkpoint):
     """The checkpoint's weights in a transformers model, built on the meta device (no random init)."""
     from transformers import AutoModelForCausalLM
@@ -54,7 +64,7 @@ def build_hf_model(ckpt: Checkpoint):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
-        model.load_state_dict(ckpt.state["engine"]["model"], strict=True, assign=True)
+        model.load_state_dict(checkpoint_model_state(ckpt), strict=True, assign=True)
     except RuntimeError as exc:
         raise UserError(f"{ckpt.path}: the weights do not fit the stored model config: "
                         f"{str(exc).strip().splitlines()[0]}") from None

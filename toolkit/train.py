@@ -23,7 +23,8 @@ from toolkit.engine import Engine
 from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
 from toolkit.memory_monitor import MemoryMonitor
 from toolkit.specs import Recipe
-from toolkit.tracking import build_trackers
+from toolkit.tracking import Trackers, build_trackers
+from toolkit.zero.comm import barrier, broadcast_object, shutdown, start_process_group
 
 
 @dataclass
@@ -83,29 +84,42 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
 
 
 def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = False) -> RunResult:
-    """Train a recipe to the end; returns the run directory and the logged metrics."""
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(recipe)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Train a recipe to the end; returns the run directory and the logged metrics.
+
+    Under torchrun every rank calls this; rank 0 alone prints, logs and writes the run directory's
+    files (checkpoints: every rank writes its ZeRO shard), each rank trains on its slots of the data.
+    """
+    info = start_process_group(recipe.batch.world_size, recipe.training.device)
+    quiet = quiet or not info.is_main
+    run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier(info)
     checkpointer = Checkpointer(recipe, run_dir)
     resumed = checkpointer.resume_point()  # before the run dir changes: a refused resume leaves it as it was
     start_step = resumed.step if resumed is not None else 0
-    (run_dir / "recipe.json").write_text(recipe.to_json())
+    barrier(info)  # every rank has read the checkpoint before rank 0 touches the run dir
+    if info.is_main:
+        (run_dir / "recipe.json").write_text(recipe.to_json())
 
     engine = Engine(recipe)
     monitor = MemoryMonitor(engine)
     mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size)
-    if mfu.peak_flops is None:
+    if mfu.peak_flops is None and info.is_main:
         print(unknown_peak_warning(mfu.device_name, mfu.dtype), file=sys.stderr, flush=True)
     dataset = Dataset(recipe.data, run_dir=run_dir, log=None if quiet else print)
-    stream = BatchStream(dataset.train, recipe.batch, rank=0, seed=recipe.training.seed)
-    held_out = eval_batches(dataset.eval, recipe.batch, rank=0, count=recipe.training.eval_batches)
+    stream = BatchStream(dataset.train, recipe.batch, rank=info.rank, seed=recipe.training.seed)
+    held_out = eval_batches(dataset.eval, recipe.batch, rank=info.rank, count=recipe.training.eval_batches)
     training = recipe.training
     if resumed is not None:
         checkpointer.restore(resumed, engine, stream)
-        truncate_metrics(run_dir / "metrics.jsonl", resumed.step)  # steps past the checkpoint are logged again
-    trackers = build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet,
-                              append=resumed is not None, config=recipe.resolved,
-                              wandb_run_id=resumed.wandb_run_id if resumed is not None else None)
+        if info.is_main:
+            truncate_metrics(run_dir / "metrics.jsonl", resumed.step)  # steps past the checkpoint are logged again
+    trackers = Trackers([])  # ranks other than 0 log nothing
+    if info.is_main:
+        trackers = build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet,
+                                  append=resumed is not None, config=recipe.resolved,
+                                  wandb_run_id=resumed.wandb_run_id if resumed is not None else None)
     if not quiet:
         print(startup_table(recipe, engine, dataset, mfu), flush=True)
         print(f"run dir | {run_dir}", flush=True)
@@ -145,6 +159,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
                     "elapsed_s": now - start,
                     **({"mfu": mfu.mfu(tokens_per_s)} if mfu.peak_flops is not None else {}),
                     **monitor.window_metrics(step),
+                    **engine.offload_metrics(),
                 })
                 window_start, window_steps = now, 0
             if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
@@ -156,7 +171,8 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     finally:
         trackers.close()
         monitor.close()
-    memory_note = monitor.write_timeline(run_dir / "memory.png")
+    memory_note = monitor.write_timeline(run_dir / "memory.png") if info.is_main else ""
+    shutdown(info)
     if not quiet:
         wall = time.perf_counter() - start
         train = result.train_metrics

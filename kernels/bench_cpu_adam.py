@@ -1,0 +1,130 @@
+"""Benchmark (not a test): the toolkit's CPU Adam kernel against torch's CPU AdamW.
+
+One AdamW step over a GPT-2 124M-shaped parameter set (the tensors of
+transformers' GPT2LMHeadModel, 124,439,808 parameters, wte tied), fp32, on the
+CPU, timed as the median of --steps steps after --warmup steps:
+
+  toolkit cpu_adam   kernels/cpu_adam.cpp on one flat buffer (how ZeRO-Offload holds a shard)
+  toolkit per-tensor the same kernel called once per tensor (no flat buffer)
+  torch fused        torch.optim.AdamW(fused=True)   (torch's fastest CPU AdamW)
+  torch foreach      torch.optim.AdamW(foreach=True)
+  torch for-loop     torch.optim.AdamW() default on the CPU (single-tensor)
+
+    python kernels/bench_cpu_adam.py [--steps 10] [--threads N] [--skip-forloop]
+
+Prints one table (machine, threads, ms per step, GB/s of optimizer traffic at 28
+bytes per parameter, ratio to torch fused). Record it in kernels/BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from toolkit.zero.cpu_adam import cpu_adam_status, load_cpu_adam  # noqa: E402
+
+LR, BETAS, EPS, WD = 6e-4, (0.9, 0.95), 1e-8, 0.1
+
+
+def gpt2_124m_shapes() -> list[tuple[int, ...]]:
+    """Parameter shapes of GPT-2 124M (vocab 50257, 1024 positions, 12 x 768), wte counted once."""
+    v, t, h, n = 50257, 1024, 768, 12
+    shapes = [(v, h), (t, h)]
+    for _ in range(n):
+        shapes += [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)]
+    return shapes + [(h,), (h,)]
+
+
+def time_steps(step, steps: int, warmup: int) -> float:
+    """Median seconds per call of `step`."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def torch_adamw(shapes, **kind):
+    params = [torch.randn(s).requires_grad_() for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kind)
+    return opt.step
+
+
+def toolkit_flat(module, numel: int):
+    p, g, m, v = torch.randn(numel), torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    count = [0]
+
+    def step():
+        count[0] += 1
+        module.adamw_step(p, g, m, v, count[0], LR, BETAS[0], BETAS[1], EPS, WD)
+    return step
+
+
+def toolkit_per_tensor(module, shapes):
+    tensors = [(torch.randn(s), torch.randn(s), torch.zeros(s), torch.zeros(s)) for s in shapes]
+    count = [0]
+
+    def step():
+        count[0] += 1
+        for p, g, m, v in tensors:
+            module.adamw_step(p, g, m, v, count[0], LR, BETAS[0], BETAS[1], EPS, WD)
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
+    parser.add_argument("--skip-forloop", action="store_true", help="skip torch's slow single-tensor AdamW")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    module = load_cpu_adam()
+    if module is None:
+        sys.exit(f"the kernel did not build: {cpu_adam_status().detail}")
+    shapes = gpt2_124m_shapes()
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    torch.manual_seed(0)
+    runs = [("toolkit cpu_adam (flat)", lambda: toolkit_flat(module, numel)),
+            ("toolkit cpu_adam (per tensor)", lambda: toolkit_per_tensor(module, shapes)),
+            ("torch AdamW fused=True", lambda: torch_adamw(shapes, fused=True)),
+            ("torch AdamW foreach=True", lambda: torch_adamw(shapes, foreach=True))]
+    if not args.skip_forloop:
+        runs.append(("torch AdamW for-loop", lambda: torch_adamw(shapes, foreach=False)))
+    results = {}
+    for name, make in runs:
+        step = make()
+        results[name] = time_steps(step, args.steps, args.warmup)
+        del step
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} torch threads; {cpu_adam_status().line()}")
+    print(f"parameters: {numel:,} fp32 (GPT-2 124M shapes, {len(shapes)} tensors); "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
+    base = results["torch AdamW fused=True"]
+    print(f"{'implementation':<32} {'ms/step':>9} {'GB/s':>7} {'vs torch fused':>15}")
+    for name, seconds in results.items():
+        gbs = 28 * numel / seconds / 1e9  # read p, g, m, v (16 B), write p, m, v (12 B)
+        print(f"{name:<32} {seconds * 1e3:9.1f} {gbs:7.1f} {base / seconds:14.2f}x")
+
+
+if __name__ == "__main__":
+    main()

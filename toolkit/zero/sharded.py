@@ -1,0 +1,192 @@
+"""What ZeRO stages 1-3 share: a rank's shard of fp32 master weights, gradients
+and AdamW moments laid out by `ShardLayout`, and the optimizer-step half of the
+strategy interface (overflow check, unscale, global-norm clipping, AdamW,
+publishing the new weights), plus memory accounting and the shard's state.
+
+Subclasses (partition.py for stages 1-2, stage3.py) own the parameters' flat
+buffers, the backward hooks and collectives, and fill in:
+  `param_chunks[g]`  this rank's chunk of group g's parameters (model dtype)
+  `grad_chunks[g]`   this rank's reduced fp32 gradient chunk of group g
+and `after_step()` (stages 1-2 all-gather the new weights; stage 3 need not).
+
+Master weights are the parameter chunks themselves for fp32 training; they are
+a separate fp32 buffer for bf16/fp16 models and always for offload, where they
+live in (pinned when CUDA) CPU memory with the moments and the step runs on the
+CPU (kernels/cpu_adam.cpp).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from toolkit.zero.adamw import ShardedAdamW
+from toolkit.zero.comm import DistInfo, any_true, sum_floats
+from toolkit.zero.flat import FlatGroup, ShardLayout
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the storage behind each distinct tensor (a resized-away buffer counts 0)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+class ShardedStrategy:
+    """Base of stages 1-3: the shard's optimizer step and bookkeeping."""
+
+    stage = 1
+    zero_grads_on_device = True  # the model's .grad buffers hold the accumulation (stage 1)
+
+    def __init__(self, recipe, device: torch.device, info: DistInfo, groups: list[FlatGroup],
+                 param_dtype: torch.dtype):
+        self.recipe, self.device, self.info = recipe, device, info
+        self.groups = groups
+        self.layout = ShardLayout(groups, info.rank)
+        self.param_dtype = param_dtype
+        self.offload = recipe.zero.offload_optimizer == "cpu"
+        self.opt_device = torch.device("cpu") if self.offload else device
+        self.pin = self.offload and torch.cuda.is_available()
+        self.separate_master = self.offload or param_dtype != torch.float32
+        self.optimizer = ShardedAdamW(recipe.optimizer, self.layout.numel, self.opt_device,
+                                      offload=self.offload, pin=self.pin)
+        self.master: torch.Tensor | None = None
+        self.param_chunks: list[torch.Tensor] = []
+        self.grad_chunks: list[torch.Tensor] = []
+
+    # -- set-up the subclasses call once their buffers exist ---------------------
+
+    def _init_master(self) -> None:
+        """fp32 master copy of the parameter chunks (separate only when needed), and segment views."""
+        if self.separate_master:
+            self.master = torch.empty(self.layout.numel, dtype=torch.float32, device=self.opt_device,
+                                      pin_memory=self.pin)
+            for g, chunk in enumerate(self.param_chunks):
+                self.layout.chunk_of(self.master, g).copy_(chunk)
+            master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(self.groups))]
+        else:
+            master_chunks = self.param_chunks
+        self._master_chunks = master_chunks
+        self._segments = {
+            decay: ([*self.layout.segment_views(master_chunks, decay)],
+                    [*self.layout.flat_segment_views(self.optimizer.exp_avg, decay)],
+                    [*self.layout.flat_segment_views(self.optimizer.exp_avg_sq, decay)])
+            for decay in (True, False)}
+
+    # -- the step ----------------------------------------------------------------
+
+    def grads_overflow(self) -> bool:
+        """True on every rank when any rank's gradient shard holds an inf or NaN."""
+        local = False
+        for chunk in self.grad_chunks:
+            if not bool(torch.isfinite(chunk).all()):
+                local = True
+                break
+        return any_true(local, self.info, self.device)
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the gradient shard by `factor` (unscaling after fp16 loss scaling)."""
+        torch._foreach_mul_(self.grad_chunks, factor)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm over every rank's shard; scale the shard down to max_norm (torch's formula)."""
+        local = sum(float(torch.linalg.vector_norm(c, dtype=torch.float32)) ** 2 for c in self.grad_chunks)
+        total = math.sqrt(sum_floats([local], self.info, self.device)[0])
+        if max_norm > 0 and math.isfinite(max_norm):
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1
+            coef = min(max_norm / (total + 1e-6), 1.0)
+            torch._foreach_mul_(self.grad_chunks, coef)
+        return total
+
+    def optimizer_step(self) -> None:
+        """AdamW on this rank's shard, then every rank gets the new weights."""
+        grads = {decay: self.layout.segment_views(self.grad_chunks, decay) for decay in (True, False)}
+        params = {decay: self._segments[decay][0] for decay in (True, False)}
+        moments = {decay: self._segments[decay][1:] for decay in (True, False)}
+        self.optimizer.step(params, grads, moments)
+        if self.separate_master:
+            for chunk, master in zip(self.param_chunks, self._master_chunks):
+                chunk.copy_(master, non_blocking=self.pin)
+        self.after_step()
+
+    def after_step(self) -> None:
+        """Stages 1-2: all-gather the updated chunks (stage 3 gathers lazily)."""
+
+    def zero_grad(self) -> None:
+        """Clear the accumulated gradients for the next optimizer step."""
+        for chunk in self.grad_chunks:
+            chunk.zero_()
+
+    # -- checkpoint state (toolkit/zero/state.py) --------------------------------------
+
+    def owned_pieces(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
+        """(name, start, stop, {param, exp_avg, exp_avg_sq: view}) for each parameter piece this rank owns."""
+        pieces = []
+        for g, group in enumerate(self.groups):
+            lo, hi = group.chunk_range(self.info.rank)
+            m, v = (self.layout.chunk_of(t, g) for t in (self.optimizer.exp_avg, self.optimizer.exp_avg_sq))
+            for slot in group.slots:
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    sl = slice(a - lo, b - lo)
+                    pieces.append((slot.name, a - slot.offset, b - slot.offset,
+                                   {"param": self._master_chunks[g][sl], "exp_avg": m[sl], "exp_avg_sq": v[sl]}))
+        return pieces
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's shape by name."""
+        return {slot.name: slot.shape for group in self.groups for slot in group.slots}
+
+    def optimizer_steps(self) -> int:
+        """AdamW steps applied so far."""
+        return self.optimizer.step_count
+
+    @torch.no_grad()
+    def load_pieces(self, reader) -> None:
+        """Fill this rank's master weights and moments from any checkpoint reader, then publish the weights."""
+        for name, start, stop, views in self.owned_pieces():
+            for kind, view in views.items():
+                view.copy_(reader.read(kind, name, start, stop))
+        self.optimizer.step_count = reader.step
+        if self.separate_master:
+            for chunk, master in zip(self.param_chunks, self._master_chunks):
+                chunk.copy_(master)
+        self.after_step()
+
+    # -- accounting -------------------------------------------------------------------
+
+    def master_chunks(self) -> list[torch.Tensor]:
+        """fp32 master weights per group (this rank's chunk)."""
+        return self._master_chunks
+
+    def memory_bytes(self) -> dict:
+        """Model-state bytes this rank holds now, counted from live tensors.
+
+        mem_*: on the training device (master: the fp32 copy, when separate from the parameters);
+        mem_offload_bytes: what offload keeps in CPU memory (master, moments, gradient shard),
+        counted apart even when the training device is the CPU itself.
+        """
+        moments = [self.optimizer.exp_avg, self.optimizer.exp_avg_sq]
+        master = [self.master] if self.master is not None else []
+        offloaded = moments + master + self.offloaded_grad_tensors() if self.offload else []
+        return {"mem_params_bytes": tensor_bytes(self.param_tensors()),
+                "mem_grads_bytes": tensor_bytes(self.grad_tensors()),
+                "mem_optim_bytes": 0 if self.offload else tensor_bytes(moments),
+                "mem_master_bytes": 0 if self.offload else tensor_bytes(master),
+                "mem_offload_bytes": tensor_bytes(offloaded)}
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Live parameter buffers (subclasses)."""
+        raise NotImplementedError
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Live gradient buffers on the training device (subclasses)."""
+        raise NotImplementedError
+
+    def offloaded_grad_tensors(self) -> list[torch.Tensor]:
+        """Gradient buffers that offload keeps in CPU memory."""
+        return []
