@@ -29,7 +29,7 @@ def text_run(tmp_path_factory) -> Path:
                  "cache_dir": str(root / "cache"), "validation_fraction": 0.1},
         "batch": {"micro_batch_per_rank": 4},
         "optimizer": {"lr": 0.01},
-        "training": {"max_steps": 30, "eval_interval": 0, "eval_batches": 1, "log_interval": 10},
+        "training": {"max_steps": 12, "eval_interval": 0, "eval_batches": 1, "log_interval": 4},
     }
     (root / "r.json").write_text(json.dumps(recipe))
     assert cli_main(["run", str(root / "r.json"), "--run-dir", str(root / "run")]) == 0
@@ -41,7 +41,7 @@ def test_generate_prints_the_prompt_and_a_seeded_continuation(text_run, capsys):
     assert cli_main(args) == 0
     first = capsys.readouterr()
     assert first.out.startswith("def ") and len(first.out) > len("def \n")
-    assert "step-000030" in first.err and "tokenizer byte, 257 tokens" in first.err
+    assert "step-000012" in first.err and "tokenizer byte, 257 tokens" in first.err
     assert cli_main(args) == 0
     assert capsys.readouterr().out == first.out   # same seed, same text
     assert cli_main([*args[:-1], "4"]) == 0
