@@ -324,6 +324,17 @@ def test_model_vocabulary_follows_the_tokenizer(tmp_path):
     assert pretrained.model.vocab_size == tok.vocab_size > 257
 
 
+def test_pretrained_model_must_embed_the_tokenizers_vocabulary(tmp_path):
+    write_corpus(tmp_path / "corpus", python_like_docs(3))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 200}))
+    raw = text_recipe(tmp_path, model={"pretrained": str(tmp_path / "hf")})
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(raw)
+    assert info.value.lines == ["recipe.model.pretrained: the model embeds 200 token ids, fewer than the data's "
+                                "vocabulary of 257 (data.vocab_size or the tokenizer's)"]
+
+
 def test_path_variables_expand_and_relative_paths_follow_the_recipe_file(tmp_path):
     write_corpus(tmp_path / "corpus", python_like_docs(3))
     raw = text_recipe(tmp_path, {"paths": ["corpus/*.txt", "${python_stdlib}/json/__init__.py"],

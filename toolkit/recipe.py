@@ -396,6 +396,18 @@ def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[
     return BatchSpec(micro, accum, total, w), []
 
 
+def _pretrained_vocab_errors(config_path: Path, vocab_size: int) -> list[str]:
+    """A pretrained model must embed every id the data's tokenizer produces."""
+    try:
+        model_vocab = json.loads(config_path.read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError):
+        return []  # unreadable: models.py reports it when loading
+    if isinstance(model_vocab, int) and model_vocab < vocab_size:
+        return [f"recipe.model.pretrained: the model embeds {model_vocab} token ids, fewer than the data's "
+                f"vocabulary of {vocab_size} (data.vocab_size or the tokenizer's)"]
+    return []
+
+
 def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
                 recipe_dir: Path | None) -> tuple[ModelSpec | None, list[str]]:
     """`model` has the schema defaults filled in; `given` is the model section as written."""
@@ -416,6 +428,8 @@ def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
             pretrained = recipe_dir / pretrained
         if not (pretrained / "config.json").is_file():
             errors.append(f"recipe.model.pretrained: {pretrained}: no config.json there")
+        else:
+            errors += _pretrained_vocab_errors(pretrained / "config.json", vocab_size)
     shape = {"n_kv_head": None, "intermediate_size": None, **SHAPES[family][model["size"]]}
     shape.update({k: model[k] for k in explicit if k in model})
     n_kv_head = shape["n_kv_head"] or shape["n_head"]
