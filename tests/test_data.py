@@ -447,6 +447,20 @@ def test_jsonl_reads_the_named_field(tmp_path):
     assert stream == [t for d in docs for t in [*d.encode(), 256]]
 
 
+def test_jsonl_streams_lines_keeps_u2028_inside_strings_and_names_a_bad_byte(tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    path = tmp_path / "corpus" / "a.jsonl"
+    first = b'\xef\xbb\xbf{"text": "a\xe2\x80\xa8b"}\n'  # a byte-order mark, U+2028 inside a string
+    path.write_bytes(first + b'{"text": "ok"}\n{"text": "bad \xff"}\n')
+    raw = text_recipe(tmp_path, {"kind": "jsonl", "paths": [str(path)], "validation_fraction": 0, "seq_len": 2})
+    offset = len(first) + len(b'{"text": "ok"}\n') + len(b'{"text": "bad ')
+    assert run_error(tmp_path, capsys, raw) == (f"error: {path}:3: not UTF-8 (byte 0xff at offset {offset}); "
+                                                "fix the file or set data.errors to 'replace'")
+    raw["data"]["errors"] = "replace"
+    stream = np.asarray(Dataset(recipe_from_dict(raw).data).corpus.train).tolist()
+    assert stream == [*"a\u2028b".encode(), 256, *b"ok", 256, *"bad \ufffd".encode(), 256]
+
+
 def test_parquet_reads_the_named_column_and_names_a_missing_one(tmp_path, capsys):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -141,16 +141,17 @@ def list_files(paths: tuple[str, ...], exclude: tuple[str, ...], where: str = "r
 # which is what the validation split draws from.
 
 
-def _decode(data: bytes, errors: str, where: str) -> str:
+def _decode(data: bytes, errors: str, where: str, line: int = 1, offset: int = 0) -> str:
+    """UTF-8 text of `data`, which starts at `line` and byte `offset` of the file `where` names."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         if errors != "replace":
-            line = data.count(b"\n", 0, exc.start) + 1
-            raise UserError(f"{where}:{line}: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-                            "fix the file or set data.errors to 'replace'") from None
+            line += data.count(b"\n", 0, exc.start)
+            raise UserError(f"{where}:{line}: not UTF-8 (byte 0x{data[exc.start]:02x} at offset "
+                            f"{offset + exc.start}); fix the file or set data.errors to 'replace'") from None
         text = data.decode("utf-8", errors="replace")
-    return text[1:] if text.startswith("\ufeff") else text
+    return text[1:] if offset == 0 and text.startswith("\ufeff") else text
 
 
 def _json_type(value) -> str:
@@ -160,24 +161,32 @@ def _json_type(value) -> str:
 
 
 def _jsonl_documents(path: Path, field: str, errors: str) -> Iterator[str]:
-    text = _decode(path.read_bytes(), errors, str(path))
-    # NOTE: split on "\n" only: str.splitlines would also cut at U+2028, which JSON allows inside strings.
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{number}: not valid JSON: {exc.msg} (column {exc.colno})") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{path}:{number}: expected a JSON object with field '{field}', got {_json_type(record)}")
-        if field not in record:
-            known = ", ".join(list(record)[:8]) or "none"
-            raise UserError(f"{path}:{number}: no field '{field}' (fields: {known}); set data.field")
-        value = record[field]
-        if not isinstance(value, str):
-            raise UserError(f"{path}:{number}: field '{field}' is {_json_type(value)}, expected a string")
-        yield value
+    # NOTE: lines are cut at b"\n" as bytes (never inside a UTF-8 sequence), one at a time, so a
+    # large file streams; str.splitlines would also cut at U+2028, which JSON allows inside strings.
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decode(raw, errors, str(path), number, offset)
+            offset += len(raw)
+            if line.strip():
+                yield _jsonl_text(path, number, line, field)
+
+
+def _jsonl_text(path: Path, number: int, line: str, field: str) -> str:
+    """The `field` of one JSONL line, or a one-line error naming file and line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{number}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}:{number}: expected a JSON object with field '{field}', got {_json_type(record)}")
+    if field not in record:
+        known = ", ".join(list(record)[:8]) or "none"
+        raise UserError(f"{path}:{number}: no field '{field}' (fields: {known}); set data.field")
+    value = record[field]
+    if not isinstance(value, str):
+        raise UserError(f"{path}:{number}: field '{field}' is {_json_type(value)}, expected a string")
+    return value
 
 
 def _parquet_documents(path: Path, column: str, errors: str) -> Iterator[str]:
