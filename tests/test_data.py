@@ -461,6 +461,16 @@ def test_jsonl_streams_lines_keeps_u2028_inside_strings_and_names_a_bad_byte(tmp
     assert stream == [*"a\u2028b".encode(), 256, *b"ok", 256, *"bad \ufffd".encode(), 256]
 
 
+def test_jsonl_lone_surrogate_escape_is_one_line_or_replaced(tmp_path):
+    from toolkit.corpus import read_documents
+
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "ok \\ud83d half"}\n')
+    with pytest.raises(UserError, match=r"s\.jsonl:1: field 'text' holds a lone surrogate escape at character 3"):
+        list(read_documents("jsonl", path, field="text", column=None, errors="strict"))
+    assert list(read_documents("jsonl", path, field="text", column=None, errors="replace")) == ["ok ? half"]
+
+
 def test_parquet_reads_the_named_column_and_names_a_missing_one(tmp_path, capsys):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

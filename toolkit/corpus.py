@@ -169,10 +169,10 @@ def _jsonl_documents(path: Path, field: str, errors: str) -> Iterator[str]:
             line = _decode(raw, errors, str(path), number, offset)
             offset += len(raw)
             if line.strip():
-                yield _jsonl_text(path, number, line, field)
+                yield _jsonl_text(path, number, line, field, errors)
 
 
-def _jsonl_text(path: Path, number: int, line: str, field: str) -> str:
+def _jsonl_text(path: Path, number: int, line: str, field: str, errors: str) -> str:
     """The `field` of one JSONL line, or a one-line error naming file and line."""
     try:
         record = json.loads(line)
@@ -186,6 +186,13 @@ def _jsonl_text(path: Path, number: int, line: str, field: str) -> str:
     value = record[field]
     if not isinstance(value, str):
         raise UserError(f"{path}:{number}: field '{field}' is {_json_type(value)}, expected a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON can escape half a surrogate pair (\ud83d), which is no character
+        if errors != "replace":
+            raise UserError(f"{path}:{number}: field '{field}' holds a lone surrogate escape at character "
+                            f"{exc.start}; fix the file or set data.errors to 'replace'") from None
+        value = value.encode("utf-8", "replace").decode("utf-8")
     return value
 
 
