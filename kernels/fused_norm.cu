@@ -91,7 +91,7 @@ __device__ __forceinline__ float2 group_sum2(float a, float b, float2* scratch, 
 }
 
 template <typename T, typename O, bool kRms>
-__global__ void norm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ weight,
+__global__ void __launch_bounds__(1024) norm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ weight,
                                 const float* __restrict__ bias, O* __restrict__ y, float* __restrict__ mean,
                                 float* __restrict__ rstd, int64_t rows, int cols, float eps, int group, bool packed) {
   __shared__ float2 scratch[32];
@@ -127,8 +127,9 @@ __global__ void norm_fwd_kernel(const T* __restrict__ x, const float* __restrict
   }
 }
 
+// NOTE: launch bounds of 1024 threads (cols up to 8192 in one row group) cap registers at 64.
 template <typename G, typename T, bool kRms>
-__global__ void norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
+__global__ void __launch_bounds__(1024) norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
                                 const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
                                 float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows, int cols,
                                 int group, bool packed) {

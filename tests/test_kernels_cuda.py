@@ -41,11 +41,12 @@ def poison(*like: tuple) -> None:
     del blocks
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """||out - ref|| / max(||ref||, floor); floor is the size of terms that cancel in ref, where they do."""
     out64, ref64 = out.detach().double(), ref.detach().double()
     assert out64.shape == ref64.shape
     assert torch.isfinite(out64).all(), "an output element is NaN/inf (unwritten or wrong)"
-    denominator = ref64.norm()
+    denominator = max(ref64.norm(), torch.tensor(floor, dtype=torch.float64))
     return float((out64 - ref64).norm() / denominator) if denominator > 0 else float((out64 - ref64).norm())
 
 
@@ -84,7 +85,12 @@ def test_norm_forward_and_backward_match_float64(shape, dtype, rms):
     y64.backward(dy.double())
     tol = TOL[dtype]
     assert y.dtype == dtype and rel_err(y, y64) < tol
-    assert rel_err(x.grad, x64.grad) < tol
+    # NOTE: dx = rstd * (dy*w - mean(dy*w) - xhat * mean(dy*w*xhat)) cancels to ~0 when a row has one
+    # element (RMSNorm: xhat = +-1); judge it against the size of the terms that cancel.
+    _, _, rstd = fused_ops._norm_fwd_reference(x64.detach(), w64.detach(), None if rms else b64.detach(), 1e-6 if rms
+                                               else 1e-5, rms, torch.float64)
+    terms = float((rstd.unsqueeze(-1) * dy.double().reshape(-1, cols) * w64.detach()).norm())
+    assert rel_err(x.grad, x64.grad, floor=terms) < tol
     # dw / db sum fp32 values over rows: fp32 precision even for 16-bit inputs (judged on the same inputs)
     assert rel_err(w.grad, w64.grad) < max(tol, 1e-5)
     if not rms:
@@ -252,7 +258,7 @@ def test_fused_adamw_tracks_torch_fused_adamw_on_gpt2():
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, bos_token_id=None,
-                        eos_token_id=None)
+                        eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # same grads in both
     a = GPT2LMHeadModel(config).cuda()
     b = GPT2LMHeadModel(config).cuda()
     b.load_state_dict(a.state_dict())
@@ -305,4 +311,6 @@ def test_engine_compiles_through_fused_kernels_without_graph_breaks():
     breaks = dict(counters["graph_break"])
     print("graph breaks:", breaks or "none")
     assert not [reason for reason in breaks if "toolkit" in reason or "custom" in reason.lower()], breaks
-    assert losses[-1] < losses[0]
+    _, eager_losses = run_engine(["precision.dtype=bf16"], steps=6)
+    for a, b in zip(losses, eager_losses):
+        assert abs(a - b) < 0.02 * abs(b), (losses, eager_losses)

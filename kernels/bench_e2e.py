@@ -1,0 +1,138 @@
+"""Benchmark (not a test): GPT-2 training end to end on one GPU, the toolkit against plain PyTorch.
+
+GPT-2 (transformers, SDPA attention), sequence 1024, micro batch 16, bf16 autocast,
+AdamW, grad clip 1.0, random tokens; after 3 warm-up steps (compilation included),
+tokens/s over --steps optimizer steps, peak allocated memory and MFU:
+
+  toolkit fused           toolkit.Engine, recipe.kernels auto (fused LayerNorm, bias+GELU,
+                          cross-entropy, AdamW), eager
+  toolkit fallbacks       toolkit.Engine, recipe.kernels off (torch everywhere), eager
+  toolkit fused compiled  as the first, training.compile: true
+  plain eager             a hand-written loop: autocast, torch AdamW(fused=True),
+                          F.cross_entropy(logits.float()), clip_grad_norm_
+  plain compiled          the same with torch.compile(model)
+
+    python kernels/bench_e2e.py [--size 124m] [--steps 10] [--only name,name] [--markdown FILE]
+
+MFU = tokens/s x (6 N + 12 L d T) / 989.4e12 (nanoGPT's FLOPs per token with attention;
+H200 SXM dense bf16 peak from the datasheet; about 790e12 measured on random matrices).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_FLOPS = 989.4e12
+SEQ, MICRO = 1024, 16
+
+
+def flops_per_token(n_params: int, layers: int, width: int) -> float:
+    return 6 * n_params + 12 * layers * width * SEQ
+
+
+def run_toolkit(size: str, steps: int, overrides: list[str]):
+    from toolkit.engine import Engine
+    from toolkit.recipe import load_recipe
+
+    recipe = load_recipe("gpt2-124m", [f"model.size={size}", "batch.grad_accum_steps=1",
+                                       f"batch.micro_batch_per_rank={MICRO}", "training.device=cuda",
+                                       "training.max_steps=1000", *overrides])
+    engine = Engine(recipe)
+    return engine.model, lambda tokens: engine.train_batch([tokens]).loss, engine.kernels.describe()
+
+
+def run_plain(size: str, steps: int, compiled: bool):
+    from toolkit.models import build_model
+    from toolkit.optim import param_groups
+    from toolkit.recipe import load_recipe
+
+    spec = load_recipe("gpt2-124m", [f"model.size={size}"]).model
+    model = build_model(spec, seed=0).cuda().train()
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=True)
+    forward = torch.compile(model) if compiled else model
+
+    def step(tokens):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = forward(input_ids=tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return model, step, "torch"
+
+
+def measure(model, step, steps: int) -> dict:
+    vocab = model.config.vocab_size
+    batches = [torch.randint(0, vocab, (MICRO, SEQ + 1), device="cuda") for _ in range(4)]
+    started = time.perf_counter()
+    for i in range(3):
+        step(batches[i % 4])
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - started
+    torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for i in range(steps):
+        loss = step(batches[i % 4])
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    n_params = sum(p.numel() for p in model.parameters())
+    config = model.config
+    tokens_per_s = MICRO * SEQ * steps / elapsed
+    return {"tokens/s": tokens_per_s, "ms/step": 1e3 * elapsed / steps,
+            "mfu": tokens_per_s * flops_per_token(n_params, config.n_layer, config.n_embd) / PEAK_FLOPS,
+            "peak GiB": torch.cuda.max_memory_allocated() / 2**30, "warmup s": warmup_s, "loss": float(loss)}
+
+
+CONFIGS = {
+    "toolkit fused": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16"]),
+    "toolkit fallbacks": lambda size, steps: run_toolkit(
+        size, steps, ["precision.dtype=bf16"] + [f"kernels.{k}=off" for k in
+                                                 ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")]),
+    "plain eager": lambda size, steps: run_plain(size, steps, compiled=False),
+    "toolkit fused compiled": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16",
+                                                                           "training.compile=true"]),
+    "plain compiled": lambda size, steps: run_plain(size, steps, compiled=True),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="124m")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", default=",".join(CONFIGS))
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    header = (f"GPT-2 {args.size}, seq {SEQ}, micro batch {MICRO}, bf16, {args.steps} timed steps; "
+              f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    lines = [f"### End to end: {header}", "", "| config | kernels | tokens/s | ms/step | MFU | peak GiB | warm-up s |",
+             "|---|---|---|---|---|---|---|"]
+    print(header, flush=True)
+    for name in args.only.split(","):
+        torch._dynamo.reset()
+        model, step, kernels = CONFIGS[name](args.size, args.steps)
+        result = measure(model, step, args.steps)
+        row = (f"| {name} | {kernels} | {result['tokens/s']:,.0f} | {result['ms/step']:.1f} | "
+               f"{100 * result['mfu']:.1f}% | {result['peak GiB']:.1f} | {result['warmup s']:.0f} |")
+        print(row, f"loss {result['loss']:.3f}", flush=True)
+        lines.append(row)
+        del model, step
+        torch.cuda.empty_cache()
+        if args.markdown:
+            Path(args.markdown).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
