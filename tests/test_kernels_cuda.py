@@ -46,8 +46,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     out64, ref64 = out.detach().double(), ref.detach().double()
     assert out64.shape == ref64.shape
     assert torch.isfinite(out64).all(), "an output element is NaN/inf (unwritten or wrong)"
-    denominator = max(ref64.norm(), torch.tensor(floor, dtype=torch.float64))
-    return float((out64 - ref64).norm() / denominator) if denominator > 0 else float((out64 - ref64).norm())
+    error, denominator = float((out64 - ref64).norm()), max(float(ref64.norm()), floor)
+    return error / denominator if denominator > 0 else error
 
 
 def randn(shape, dtype, misaligned=False):
