@@ -2,7 +2,8 @@
 
 One AdamW step over a GPT-2 124M-shaped parameter set (the tensors of
 transformers' GPT2LMHeadModel, 124,439,808 parameters, wte tied), fp32, on the
-CPU, timed as the median of --steps steps after --warmup steps:
+CPU, timed as the median of --steps rounds (each round steps every implementation
+once, so machine noise hits all alike) after --warmup steps each:
 
   toolkit cpu_adam   kernels/cpu_adam.cpp on one flat buffer (how ZeRO-Offload holds a shard)
   toolkit per-tensor the same kernel called once per tensor (no flat buffer)
@@ -43,16 +44,19 @@ def gpt2_124m_shapes() -> list[tuple[int, ...]]:
     return shapes + [(h,), (h,)]
 
 
-def time_steps(step, steps: int, warmup: int) -> float:
-    """Median seconds per call of `step`."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_rounds(steps: dict, rounds: int, warmup: int) -> dict[str, float]:
+    """Median seconds per step of each implementation, the implementations interleaved round by round."""
+    # NOTE: interleaved, so a noisy neighbour or frequency change hits every implementation alike.
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def torch_adamw(shapes, **kind):
@@ -105,11 +109,8 @@ def main() -> None:
             ("torch AdamW foreach=True", lambda: torch_adamw(shapes, foreach=True))]
     if not args.skip_forloop:
         runs.append(("torch AdamW for-loop", lambda: torch_adamw(shapes, foreach=False)))
-    results = {}
-    for name, make in runs:
-        step = make()
-        results[name] = time_steps(step, args.steps, args.warmup)
-        del step
+    steps = {name: make() for name, make in runs}
+    results = time_rounds(steps, args.steps, args.warmup)
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -118,7 +119,7 @@ def main() -> None:
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
           f"{torch.get_num_threads()} torch threads; {cpu_adam_status().line()}")
     print(f"parameters: {numel:,} fp32 (GPT-2 124M shapes, {len(shapes)} tensors); "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+          f"median of {args.steps} interleaved rounds after {args.warmup} warm-up steps")
     base = results["torch AdamW fused=True"]
     print(f"{'implementation':<32} {'ms/step':>9} {'GB/s':>7} {'vs torch fused':>15}")
     for name, seconds in results.items():

@@ -61,8 +61,9 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
     tokens_per_step = b.global_batch * d.seq_len
     device = engine.device
     mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size)
-    precision = {"fp32": "fp32", "bf16": "bf16 autocast, fp32 weights",
-                 "fp16": "fp16 autocast, fp32 weights, "
+    weights = "fp32 weights" if recipe.zero.stage == 0 else "16-bit weights, fp32 master in the ZeRO shard"
+    precision = {"fp32": "fp32", "bf16": f"bf16 autocast, {weights}",
+                 "fp16": f"fp16 autocast, {weights}, "
                          + ("dynamic loss scale" if recipe.precision.fp16.loss_scale == 0 else "static loss scale")}
     rows = [
         ("recipe", f"{recipe.name} (hash {recipe.hash})"),
@@ -73,7 +74,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
                   f"x world {b.world_size}; {tokens_per_step:,} tokens per step"),
         ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
         ("precision", precision[recipe.precision.dtype]),
-        ("zero", f"stage {recipe.zero.stage}, optimizer offload {recipe.zero.offload_optimizer}"),
+        ("zero", engine.strategy.describe()),
         ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
                       f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
         ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),

@@ -56,6 +56,13 @@ class DataParallel:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    def describe(self) -> str:
+        """One line for the start-up table."""
+        size = max(f.numel() for f in self.flat_grads)
+        comm = (f"gradients all-reduced in {len(self.buckets)} bucket(s) of up to {size:,} elements, overlapped "
+                f"with the last micro-step's backward" if self.info.active else "one process, no communication")
+        return f"stage 0 (data parallel) over {self.info.world_size} rank(s): {comm}"
+
     # -- backward: bucketed all-reduce at the boundary -------------------------------
 
     def _reset_round(self) -> None:

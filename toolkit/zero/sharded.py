@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from toolkit.precision import has_inf_or_nan
 from toolkit.zero.adamw import ShardedAdamW
 from toolkit.zero.comm import DistInfo, any_true, sum_floats
 from toolkit.zero.flat import FlatGroup, ShardLayout
@@ -58,6 +59,23 @@ class ShardedStrategy:
         self.param_chunks: list[torch.Tensor] = []
         self.grad_chunks: list[torch.Tensor] = []
 
+    def describe(self) -> str:
+        """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
+        what = {1: "optimizer states", 2: "optimizer states + gradients", 3: "optimizer states + gradients + "
+                "parameters"}[self.stage]
+        master = "fp32 master separate" if self.separate_master else "fp32 weights are the master"
+        adam = self.optimizer.mode
+        if self.offload:
+            from toolkit.zero.cpu_adam import cpu_adam_status
+
+            status = cpu_adam_status()
+            adam = f"on the CPU: {status.name} {status.state}" + ("" if status.active else f" ({status.detail})")
+        return (f"stage {self.stage}: {what} sharded over {self.info.world_size} rank(s) "
+                f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
+                f"AdamW {adam}" + ("; offload: master, moments and step in CPU memory" if self.offload else ""))
+
+    group_kind = "buckets"
+
     # -- set-up the subclasses call once their buffers exist ---------------------
 
     def _init_master(self) -> None:
@@ -81,12 +99,7 @@ class ShardedStrategy:
 
     def grads_overflow(self) -> bool:
         """True on every rank when any rank's gradient shard holds an inf or NaN."""
-        local = False
-        for chunk in self.grad_chunks:
-            if not bool(torch.isfinite(chunk).all()):
-                local = True
-                break
-        return any_true(local, self.info, self.device)
+        return any_true(has_inf_or_nan(self.grad_chunks), self.info, self.device)
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradient shard by `factor` (unscaling after fp16 loss scaling)."""
@@ -94,7 +107,9 @@ class ShardedStrategy:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every rank's shard; scale the shard down to max_norm (torch's formula)."""
-        local = sum(float(torch.linalg.vector_norm(c, dtype=torch.float32)) ** 2 for c in self.grad_chunks)
+        # NOTE: one fused norm per chunk, summed on the shard's device: a single host sync per step.
+        norms = torch._foreach_norm([c for c in self.grad_chunks if c.numel()], 2.0)
+        local = float(torch.stack(norms).double().square().sum()) if norms else 0.0
         total = math.sqrt(sum_floats([local], self.info, self.device)[0])
         if max_norm > 0 and math.isfinite(max_norm):
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1

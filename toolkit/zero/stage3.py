@@ -63,6 +63,7 @@ class Stage3Strategy(ShardedStrategy):
     """ZeRO stage 3 over the process group in `info`."""
 
     stage = 3
+    group_kind = "units"
 
     def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
