@@ -131,3 +131,20 @@ def test_summary_reports_the_largest_window():
     monitor.window_metrics(1)
     monitor.timeline.append({**monitor.timeline[0], "step": 2, "mem_peak_bytes": 5 * 2**30})
     assert "memory | peak 5.0 GiB at step 2" in monitor.summary()
+
+
+@pytest.mark.cuda
+def test_cuda_run_logs_allocator_peaks_and_mfu(tmp_path):
+    from toolkit.flops import device_key
+    from toolkit.train import run
+
+    result = run(load_recipe("quickstart", [*TINY, "training.device=cuda", "training.log_interval=2"]), tmp_path,
+                 quiet=True)
+    known = device_key(torch.cuda.get_device_name()) is not None
+    for m in result.train_metrics:
+        states = sum(m[f"mem_{k}_bytes"] for k in ("params", "grads", "optim", "master"))
+        assert m["mem_reserved_peak_bytes"] >= m["mem_peak_bytes"] >= states > 0  # allocator peaks hold the states
+        assert m["rss_bytes"] > 0
+        assert ("mfu" in m) is known
+        if known:
+            assert 0 < m["mfu"] < 1

@@ -52,6 +52,8 @@ class ConsoleTracker:
         eta = elapsed / max(step, 1) * (self.total_steps - step) if step else float("nan")
         line = (f"step {step:>6}/{self.total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
                 f"{metrics['tokens_per_s'] / 1e3:8.1f}k tok/s | ETA {_fmt_duration(eta)}")
+        if "mfu" in metrics:
+            line += f" | MFU {metrics['mfu']:.1%}"
         if metrics.get("skipped"):
             line += f" | skipped (overflow, scale {metrics.get('loss_scale', 0):g})"
         self._print(line, final=not self.interactive or step == self.total_steps)
