@@ -35,7 +35,7 @@ BASE = {
     "batch": {"global_batch": 16},
     "optimizer": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "implementation": "torch"},
     "scheduler": {"type": "WarmupCosineLR", "warmup_num_steps": 3},
-    "training": {"max_steps": STEPS, "seed": 1234, "eval_interval": 0, "log_interval": 1, "grad_clip": 1.0},
+    "training": {"max_steps": STEPS, "seed": 1234, "eval_interval": 0, "log_interval": 1, "grad_clip": 0.5},
     "logging": {"console": False, "tensorboard": False, "wandb": {"mode": "disabled"}},
     "checkpoint": {"save_final": False},
 }
@@ -77,10 +77,24 @@ def _engine(world, overrides):
 
 
 def train(world, overrides, steps=STEPS):
-    """(engine, stream, losses) after `steps` optimizer steps."""
+    """(engine, stream, losses, grad norms) after `steps` optimizer steps."""
     _, engine, stream = _engine(world, overrides)
-    losses = [engine.train_batch(stream.next_step()).loss for _ in range(steps)]
-    return engine, stream, losses
+    results = [engine.train_batch(stream.next_step()) for _ in range(steps)]
+    return engine, stream, [r.loss for r in results], [r.grad_norm for r in results]
+
+
+def _checks_for_overflow(world):
+    """An inf in one rank's gradient shard makes every rank skip (stages 0 and 2)."""
+    seen = {}
+    for stage in (0, 2):
+        _, engine, stream = _engine(world, [f"zero.stage={stage}"])
+        engine.backward(engine(stream.next_step()[0]))
+        chunks = engine.strategy.flat_grads if stage == 0 else engine.strategy.grad_chunks
+        clean = engine.strategy.grads_overflow()
+        if engine.dist.rank == world - 1:
+            chunks[0][0] = float("inf")
+        seen[stage] = (clean, engine.strategy.grads_overflow())
+    return seen
 
 
 def _checks_for_stage2_micro_step(world):
@@ -135,8 +149,8 @@ def _rank_main(rank, world, port, out_dir, mode):
     results = {"memory": {}, "stage3_gathered_after_step": None}
     if mode == "full":
         for name, overrides in {**CONFIGS, **EXTRA}.items():
-            engine, _, losses = train(world, overrides)
-            results[name] = {"params": engine.strategy.full_parameters(), "losses": losses}
+            engine, _, losses, norms = train(world, overrides)
+            results[name] = {"params": engine.strategy.full_parameters(), "losses": losses, "grad_norms": norms}
             if name.endswith("accum1") and "offload" not in name and name.count("-") == 1:
                 results["memory"][engine.strategy.stage] = engine.strategy.memory_bytes()
             if name.endswith("offload-accum1"):
@@ -144,6 +158,7 @@ def _rank_main(rank, world, port, out_dir, mode):
             if name == "stage3-accum1":
                 results["stage3_gathered_after_step"] = engine.strategy.gathered_units()
         results["stage2_micro_step"] = _checks_for_stage2_micro_step(world)
+        results["overflow"] = _checks_for_overflow(world)
     _resharding(world, out_dir, results)
     torch.save(results, out_dir / f"rank{rank}-of-{world}-{mode}.pt")
     import torch.distributed as dist
@@ -188,8 +203,8 @@ def world2_resume(ckpt_dir, world4):
 
 @pytest.fixture(scope="module")
 def one_process():
-    engine, _, losses = train(1, ["zero.stage=0"])
-    return {"params": engine.strategy.full_parameters(), "losses": losses}
+    engine, _, losses, norms = train(1, ["zero.stage=0"])
+    return {"params": engine.strategy.full_parameters(), "losses": losses, "grad_norms": norms}
 
 
 def assert_params_close(got, want):
@@ -219,6 +234,9 @@ def test_zero_stage_matches_stage0_after_ten_steps(world, name, world2, world4):
     reference = ranks[0][f"stage0-accum{accum}"]
     assert_params_close(ranks[0][name]["params"], reference["params"])
     assert ranks[0][name]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    # clipping at 0.5 is active: the global norm over all shards decides it, on every rank alike
+    assert ranks[0][name]["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
+    assert max(reference["grad_norms"]) > BASE["training"]["grad_clip"]
     for other in ranks[1:]:  # every rank ends with the same whole parameters
         assert_params_close(other[name]["params"], ranks[0][name]["params"])
 
@@ -237,6 +255,12 @@ def test_bf16_zero_tracks_bf16_stage0(name, world2):
     assert all(torch.isfinite(torch.tensor(got)))
     assert got == pytest.approx(want, rel=2e-2)
     assert got[-1] < got[0] - 0.05  # and it learns
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_overflow_on_one_rank_makes_every_rank_skip(world, world2, world4):
+    for rank in {2: world2, 4: world4}[world]:
+        assert rank["overflow"] == {0: (False, True), 2: (False, True)}
 
 
 def test_stage2_keeps_only_its_gradient_shard_between_micro_steps(world4):
