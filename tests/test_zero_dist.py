@@ -83,6 +83,15 @@ def train(world, overrides, steps=STEPS):
     return engine, stream, [r.loss for r in results], [r.grad_norm for r in results]
 
 
+def _stage3_peak_units(world):
+    """Most units gathered at once while a 6-block model trains (root + computing + prefetched)."""
+    peaks = {}
+    for prefetch in (0, 1, 2):
+        engine, _, _, _ = train(world, ["zero.stage=3", "model.n_layer=6", f"zero.prefetch_units={prefetch}"], 2)
+        peaks[prefetch] = (engine.strategy.peak_gathered, len(engine.strategy.groups))
+    return peaks
+
+
 def _checks_for_overflow(world):
     """An inf in one rank's gradient shard makes every rank skip (stages 0 and 2)."""
     seen = {}
@@ -159,6 +168,7 @@ def _rank_main(rank, world, port, out_dir, mode):
                 results["stage3_gathered_after_step"] = engine.strategy.gathered_units()
         results["stage2_micro_step"] = _checks_for_stage2_micro_step(world)
         results["overflow"] = _checks_for_overflow(world)
+        results["stage3_peak_units"] = _stage3_peak_units(world)
     _resharding(world, out_dir, results)
     torch.save(results, out_dir / f"rank{rank}-of-{world}-{mode}.pt")
     import torch.distributed as dist
@@ -268,6 +278,12 @@ def test_stage2_keeps_only_its_gradient_shard_between_micro_steps(world4):
         seen = rank["stage2_micro_step"]
         assert seen["grads_alive"] == 0
         assert seen["grad_bytes"] == 4 * seen["shard_numel"]
+
+
+def test_stage3_gathers_the_root_plus_one_block_plus_the_prefetch_at_most(world2):
+    for prefetch, (peak, units) in world2[0]["stage3_peak_units"].items():
+        assert units == 7  # 6 blocks + the root
+        assert peak == 2 + prefetch  # root, the block computing, the blocks prefetched
 
 
 def test_stage3_holds_no_gathered_unit_after_a_step(world4):

@@ -95,6 +95,7 @@ class Stage3Strategy(ShardedStrategy):
         self.grad_chunks = [self.layout.chunk_of(self.grad_shard, g) for g in range(len(groups))]
         self._init_master()
         self.state = [GATHERED] * len(groups)
+        self.peak_gathered = 0  # most units holding whole parameters at once (root included)
         self._works: dict[int, object] = {}
         for g in range(len(groups)):
             self._release(g)
@@ -126,6 +127,7 @@ class Stage3Strategy(ShardedStrategy):
         else:
             full.copy_(chunk)
         self.state[g] = IN_FLIGHT
+        self.peak_gathered = max(self.peak_gathered, self.gathered_units())
 
     def _gather(self, g: int) -> None:
         self._gather_async(g)
