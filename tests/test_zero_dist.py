@@ -57,6 +57,7 @@ EXTRA = {
     "stage0-actckpt-accum1": ["zero.stage=0", "model.activation_checkpointing=true"],
     "stage2-bf16-accum1": ["zero.stage=2", "precision.dtype=bf16"],
     "stage3-bf16-accum1": ["zero.stage=3", "precision.dtype=bf16"],
+    "stage3-bf16-offload-accum1": ["zero.stage=3", "precision.dtype=bf16", "zero.offload_optimizer=cpu"],
     "stage0-bf16-accum1": ["zero.stage=0", "precision.dtype=bf16"],
 }
 
@@ -160,10 +161,11 @@ def _rank_main(rank, world, port, out_dir, mode):
         for name, overrides in {**CONFIGS, **EXTRA}.items():
             engine, _, losses, norms = train(world, overrides)
             results[name] = {"params": engine.strategy.full_parameters(), "losses": losses, "grad_norms": norms}
-            if name.endswith("accum1") and "offload" not in name and name.count("-") == 1:
-                results["memory"][engine.strategy.stage] = engine.strategy.memory_bytes()
-            if name.endswith("offload-accum1"):
-                results["memory"][f"{engine.strategy.stage}-offload"] = engine.strategy.memory_bytes()
+            for stage in range(4):  # the plain fp32 configurations, accumulation 1
+                if name == config_name(stage, False, 1):
+                    results["memory"][stage] = engine.strategy.memory_bytes()
+                if name == config_name(stage, True, 1):
+                    results["memory"][f"{stage}-offload"] = engine.strategy.memory_bytes()
             if name == "stage3-accum1":
                 results["stage3_gathered_after_step"] = engine.strategy.gathered_units()
         results["stage2_micro_step"] = _checks_for_stage2_micro_step(world)
@@ -271,6 +273,18 @@ def test_bf16_zero_tracks_bf16_stage0(name, world2):
 def test_an_overflow_on_one_rank_makes_every_rank_skip(world, world2, world4):
     for rank in {2: world2, 4: world4}[world]:
         assert rank["overflow"] == {0: (False, True), 2: (False, True)}
+
+
+def test_bf16_offload_matches_bf16_on_device(world2):
+    # The CPU kernel writes the bf16 weights itself. Its fp32 master differs from the device step's by
+    # a few ulp (see test_zero_cpu_adam.py); a weight within that of a bf16 rounding boundary rounds the
+    # other way, and the bf16 forward feeds that back, so after 10 steps a few elements differ by about
+    # lr (3e-3): atol 1e-2. The losses agree to 1e-3.
+    got, want = world2[0]["stage3-bf16-offload-accum1"], world2[0]["stage3-bf16-accum1"]
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-3)
+    for name, p in want["params"].items():
+        assert p.dtype == got["params"][name].dtype == torch.bfloat16
+        torch.testing.assert_close(got["params"][name], p, rtol=2e-2, atol=1e-2)
 
 
 def test_stage2_keeps_only_its_gradient_shard_between_micro_steps(world4):

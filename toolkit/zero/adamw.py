@@ -40,8 +40,12 @@ class ShardedAdamW:
             "fused" if device.type == "cuda" or offload else "reference")
 
     def step(self, params: dict[bool, list[torch.Tensor]], grads: dict[bool, list[torch.Tensor]],
-             moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-        """One AdamW step; each dict maps decay (True/False) to matching lists of fp32 segment views."""
+             moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]],
+             out16: dict[bool, list[torch.Tensor]] | None = None) -> None:
+        """One AdamW step; each dict maps decay (True/False) to matching lists of fp32 segment views.
+
+        `out16` (cpu_adam only): bf16 views the kernel fills with the new weights in the same pass.
+        """
         self.step_count += 1
         for group in self.param_groups:
             decay = group["decay"]
@@ -51,9 +55,10 @@ class ShardedAdamW:
                 continue
             lr, wd = float(group["lr"]), float(group["weight_decay"])
             if self.mode == "cpu_adam":
-                for p, g, m, v in zip(ps, gs, ms, vs):
+                outs = out16[decay] if out16 is not None else [None] * len(ps)
+                for p, g, m, v, o in zip(ps, gs, ms, vs, outs):
                     self.kernel.adamw_step(p, g, m, v, self.step_count, lr, self.betas[0], self.betas[1],
-                                           self.eps, wd)
+                                           self.eps, wd, o)
             elif self.mode == "fused":
                 steps = [torch.tensor(float(self.step_count), device=p.device) for p in ps]
                 torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],

@@ -101,12 +101,11 @@ class PartitionedStrategy(ShardedStrategy):
                     p.grad = None  # the full-size gradient dies here
         self._launched = g + 1
         if not self.info.active:
-            self._pending.append((g, None, source))
+            self._queue_reduced(g, None, source)
             return
         source.div_(world)  # NOTE: pre-divide: for power-of-two worlds the mean is exact in binary
         out = torch.empty(group.chunk, dtype=source.dtype, device=self.device)
-        work = reduce_scatter_flat(out, source)
-        self._pending.append((g, work, out))
+        self._queue_reduced(g, reduce_scatter_flat(out, source), out)
 
     def end_micro_step(self) -> None:
         """Called after backward: launch buckets whose gradients never came, wait, keep this rank's chunks."""
@@ -114,18 +113,16 @@ class PartitionedStrategy(ShardedStrategy):
             return
         while self._launched < len(self.groups):
             self._launch(self._launched)
-        for g, work, out in self._pending:
-            if work is not None:
-                work.wait()
-            else:  # one process: the whole bucket is the chunk
-                out = out[:self.groups[g].chunk]
-            target = self.grad_chunks[g]
-            if self.stage == 2:
-                target.add_(out.to(target.device, torch.float32))
-            elif target.data_ptr() != out.data_ptr():
-                target.copy_(out)
+        self._drain(block=True)
         self._reset_round()
         self._reducing = False
+
+    def _accept_reduced(self, g: int, out: torch.Tensor) -> None:
+        target = self.grad_chunks[g]
+        if self.stage == 2:  # accumulate over micro-steps (device to host when offloaded)
+            target.add_(out.to(target.device, torch.float32))
+        elif target.data_ptr() != out.data_ptr():
+            target.copy_(out)
 
     # -- after the step: all-gather the new weights ------------------------------------
 

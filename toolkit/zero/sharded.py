@@ -89,11 +89,42 @@ class ShardedStrategy:
         else:
             master_chunks = self.param_chunks
         self._master_chunks = master_chunks
+        self.master16, self._out16 = None, None
+        if self.optimizer.mode == "cpu_adam" and self.param_dtype == torch.bfloat16:
+            # NOTE: the kernel writes the bf16 weights in the same pass, so the copy back to the device
+            # moves 2 bytes per parameter from pinned memory instead of converting 4.
+            self.master16 = torch.empty(self.layout.numel, dtype=torch.bfloat16, pin_memory=self.pin)
+            self._out16 = {decay: self.layout.flat_segment_views(self.master16, decay) for decay in (True, False)}
         self._segments = {
             decay: ([*self.layout.segment_views(master_chunks, decay)],
                     [*self.layout.flat_segment_views(self.optimizer.exp_avg, decay)],
                     [*self.layout.flat_segment_views(self.optimizer.exp_avg_sq, decay)])
             for decay in (True, False)}
+
+    # -- reduced gradients: accepted in launch order, as soon as each completes ---------
+
+    def _queue_reduced(self, g: int, work, out: torch.Tensor) -> None:
+        """A reduce-scatter in flight (work None: one process, `out` is the whole bucket); take what is done."""
+        self._pending.append((g, work, out))
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        # NOTE: taking finished buckets during backward streams them into the shard (device to host
+        # under offload) while later buckets still compute, and frees their staging buffers early.
+        while self._pending:
+            g, work, out = self._pending[0]
+            if work is not None:
+                if not block and not work.is_completed():
+                    return
+                work.wait()
+            else:
+                out = out[:self.groups[g].chunk]
+            self._pending.pop(0)
+            self._accept_reduced(g, out)
+
+    def _accept_reduced(self, g: int, out: torch.Tensor) -> None:
+        """Add a reduced chunk into this rank's fp32 gradient shard (stage 1 overrides: it copies)."""
+        self.grad_chunks[g].add_(out.to(self.grad_chunks[g].device, torch.float32))
 
     # -- the step ----------------------------------------------------------------
 
@@ -122,10 +153,12 @@ class ShardedStrategy:
         grads = {decay: self.layout.segment_views(self.grad_chunks, decay) for decay in (True, False)}
         params = {decay: self._segments[decay][0] for decay in (True, False)}
         moments = {decay: self._segments[decay][1:] for decay in (True, False)}
-        self.optimizer.step(params, grads, moments)
+        self.optimizer.step(params, grads, moments, self._out16)
         if self.separate_master:
-            for chunk, master in zip(self.param_chunks, self._master_chunks):
-                chunk.copy_(master, non_blocking=self.pin)
+            sources = self._master_chunks if self.master16 is None else [
+                self.layout.chunk_of(self.master16, g) for g in range(len(self.groups))]
+            for chunk, source in zip(self.param_chunks, sources):
+                chunk.copy_(source, non_blocking=self.pin)
         self.after_step()
 
     def after_step(self) -> None:
@@ -187,7 +220,8 @@ class ShardedStrategy:
         """
         moments = [self.optimizer.exp_avg, self.optimizer.exp_avg_sq]
         master = [self.master] if self.master is not None else []
-        offloaded = moments + master + self.offloaded_grad_tensors() if self.offload else []
+        staging = [self.master16] if self.master16 is not None else []
+        offloaded = moments + master + staging + self.offloaded_grad_tensors() if self.offload else []
         return {"mem_params_bytes": tensor_bytes(self.param_tensors()),
                 "mem_grads_bytes": tensor_bytes(self.grad_tensors()),
                 "mem_optim_bytes": 0 if self.offload else tensor_bytes(moments),

@@ -208,23 +208,18 @@ class Stage3Strategy(ShardedStrategy):
                 p.grad = None
         self._release(g)
         if not self.info.active:
-            self._pending.append((g, None, source))
+            self._queue_reduced(g, None, source)
             return
         source.div_(self.info.world_size)  # NOTE: pre-divide: exact for power-of-two worlds
         out = torch.empty(group.chunk, dtype=source.dtype, device=self.device)
-        self._pending.append((g, reduce_scatter_flat(out, source), out))
+        self._queue_reduced(g, reduce_scatter_flat(out, source), out)
 
     def end_micro_step(self) -> None:
         """Called after backward: reduce units whose gradients never all came, wait, accumulate."""
         for g in range(len(self.groups)):
             if self._missing[g] >= 0:
                 self._reduce(g)
-        for g, work, out in self._pending:
-            if work is not None:
-                work.wait()
-            else:
-                out = out[:self.groups[g].chunk]
-            self.grad_chunks[g].add_(out.to(self.grad_chunks[g].device, torch.float32))
+        self._drain(block=True)
         for g in range(len(self.groups)):
             if self.state[g] != RELEASED:
                 self._release(g)
