@@ -103,6 +103,55 @@ def _cmd_tutorials(args) -> int:
     return 0
 
 
+def _doctor_environment() -> list[str]:
+    import platform
+
+    import torch
+
+    lines = [f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            lines.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (compute capability {major}.{minor})")
+    else:
+        lines.append("no CUDA device: training runs on the CPU")
+    return lines
+
+
+def _cmd_doctor(args) -> int:
+    from toolkit import ops
+    from toolkit.doctor import cpu_kernel_lines, distributed_lines
+
+    # NOTE: one (title, lines) section per component; add yours to this list.
+    sections = [("environment", _doctor_environment()), ("distributed", distributed_lines()),
+                ("kernels", cpu_kernel_lines() + ops.doctor_lines())]
+    for title, lines in sections:
+        print(f"{title}:")
+        for line in lines:
+            print(f"  {line}")
+    return 0
+
+
+def _cmd_build_kernels(args) -> int:
+    from toolkit import ops
+
+    names = args.kernels or list(ops.KERNELS)
+    unknown = [n for n in names if n not in ops.KERNELS]
+    if unknown:
+        raise UserError(f"build-kernels: unknown kernel {unknown[0]!r}; one of {', '.join(ops.KERNELS)}")
+    archs, notes = ops.target_archs()
+    print(f"building {', '.join(names)} for {', '.join(map(str, archs))} + PTX into {ops.cache_root()}", flush=True)
+    for note in notes:
+        print(f"note: {note}")
+    statuses = ops.build_all(names, verbose=args.verbose)
+    for status in statuses:
+        print(status.describe())
+    failed = [s for s in statuses if not s.active]
+    if failed:
+        raise UserError(*(f"kernel {s.name}: {s.reason}; fix: {s.fix}" for s in failed))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="toolkit", description="Declarative training recipes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -145,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: RUN_DIR/tokenizer, or the "
                                                      "exported folder itself)")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("doctor", help="environment and fused-kernel status (builds nothing)")
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("build-kernels", help="build the fused CUDA kernels ahead of time (JIT cache)")
+    p.add_argument("kernels", nargs="*", metavar="KERNEL", help="kernels to build (default: all)")
+    p.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    p.set_defaults(func=_cmd_build_kernels)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema")
     p.set_defaults(func=_cmd_schema)

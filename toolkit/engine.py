@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit import fused_ops, ops
 from toolkit.errors import UserError
+from toolkit.fused_adamw import FusedAdamW, OnePassStep
+from toolkit.fused_modules import swap_fused_modules
 from toolkit.models import build_model, count_parameters
 from toolkit.optim import Schedule
 from toolkit.precision import autocast_context, make_loss_scaler
@@ -39,17 +42,6 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def refuse_unbuilt(recipe: Recipe) -> None:
-    """Settings the schema allows but this version cannot honour yet: refuse, never ignore."""
-    problems = []
-    for name, mode in vars(recipe.kernels).items():
-        if mode == "on":
-            problems.append(f"recipe.kernels.{name}: 'on' but this version has no fused kernels yet; "
-                            "use 'auto' or 'off'")
-    if problems:
-        raise UserError(*problems)
-
-
 @dataclass
 class StepResult:
     """What one optimizer step did (floats are synced to the host)."""
@@ -64,7 +56,6 @@ class Engine:
     """Model + ZeRO strategy (AdamW inside) + schedule + mixed precision for this rank."""
 
     def __init__(self, recipe: Recipe, model: nn.Module | None = None):
-        refuse_unbuilt(recipe)
         self.recipe = recipe
         select_cuda_device(recipe.training.device)  # cuda:LOCAL_RANK under torchrun
         self.device = pick_device(recipe.training.device)
@@ -75,8 +66,18 @@ class Engine:
         self.model = (model if model is not None else build_model(recipe.model, recipe.training.seed)).to(self.device)
         self.model.train()
         self.num_parameters = count_parameters(self.model)
+        # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)
+        self.kernels = ops.resolve(recipe.kernels, self.device.type,
+                                   ops.needed_kernels(recipe.model.family, recipe.optimizer.implementation))
+        swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
+                                        if self.kernels.active(name)})
         self.strategy = build_strategy(self.model, recipe, self.device, self.dist)
         self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
+        # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
+        self._step_strategy = (OnePassStep(self.strategy) if self.strategy.stage == 0
+                               and isinstance(self.optimizer, FusedAdamW) else self.strategy)
+        if recipe.training.compile:
+            self.model.compile()  # in place: parameter names (checkpoints) unchanged
         self.scheduler = Schedule(self.optimizer, recipe.scheduler, recipe.optimizer.lr)
         self.loss_scaler = make_loss_scaler(recipe.precision)
         self.grad_accum_steps = recipe.batch.grad_accum_steps
@@ -95,6 +96,8 @@ class Engine:
                 return self.model(**batch).loss.float()
             tokens = batch.to(self.device, non_blocking=True)
             logits = self.model(input_ids=tokens[:, :-1]).logits
+        if self.kernels.active("cross_entropy"):  # the logits stay in their dtype: no fp32 copy
+            return fused_ops.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -114,7 +117,7 @@ class Engine:
         """Update the weights at an accumulation boundary (else do nothing and return None)."""
         if not self.is_accumulation_boundary():
             return None
-        strategy = self.strategy
+        strategy = self._step_strategy
         lr = self.current_lr  # the rate this update uses (the schedule then moves on)
         skipped = False
         scale = 1.0

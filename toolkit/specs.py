@@ -111,6 +111,7 @@ class TrainingSpec:
     eval_batches: int
     log_interval: int
     device: str
+    compile: bool = False
 
 
 @dataclass(frozen=True)
