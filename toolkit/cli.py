@@ -147,6 +147,8 @@ def _cmd_build_kernels(args) -> int:
     for status in statuses:
         print(status.describe())
     failed = [s for s in statuses if not s.active]
+    if len({(s.reason, s.fix) for s in failed}) == 1:  # one cause (no nvcc, CPU torch): one line
+        raise UserError(f"kernels {', '.join(s.name for s in failed)}: {failed[0].reason}; fix: {failed[0].fix}")
     if failed:
         raise UserError(*(f"kernel {s.name}: {s.reason}; fix: {s.fix}" for s in failed))
     return 0
