@@ -8,6 +8,11 @@ once, so machine noise hits all alike) after --warmup steps each:
   toolkit cpu_adam   kernels/cpu_adam.cpp on one flat buffer (how ZeRO-Offload holds a shard)
   toolkit per-tensor the same kernel called once per tensor (no flat buffer)
   torch fused        torch.optim.AdamW(fused=True)   (torch's fastest CPU AdamW)
+  torch fused (flat) torch._fused_adamw_ on the same one flat buffer (kernel against kernel)
+and ZeRO-Offload's whole host step on a flat shard: AdamW, the bf16 copy of the new weights
+for the device, the gradient zeroed for the next accumulation:
+  toolkit offload step   one kernel pass (param_bf16=..., zero_grad=True)
+  torch offload step     _fused_adamw_, then bf16.copy_(p), then g.zero_()
   torch foreach      torch.optim.AdamW(foreach=True)
   torch for-loop     torch.optim.AdamW() default on the CPU (single-tensor)
 
@@ -77,6 +82,32 @@ def toolkit_flat(module, numel: int):
     return step
 
 
+def torch_fused_flat(numel: int):
+    p, g, m, v = torch.randn(numel), torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    step = torch.zeros(())
+
+    def run():
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                            weight_decay=WD, eps=EPS, amsgrad=False, maximize=False)
+    return run
+
+
+def offload_step(numel: int, module=None):
+    p, g, m, v = torch.randn(numel), torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    out, step, count = torch.empty(numel, dtype=torch.bfloat16), torch.zeros(()), [0]
+
+    def toolkit():
+        count[0] += 1
+        module.adamw_step(p, g, m, v, count[0], LR, BETAS[0], BETAS[1], EPS, WD, out, True)
+
+    def torch_steps():
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+                            weight_decay=WD, eps=EPS, amsgrad=False, maximize=False)
+        out.copy_(p)
+        g.zero_()
+    return toolkit if module is not None else torch_steps
+
+
 def toolkit_per_tensor(module, shapes):
     tensors = [(torch.randn(s), torch.randn(s), torch.zeros(s), torch.zeros(s)) for s in shapes]
     count = [0]
@@ -106,6 +137,9 @@ def main() -> None:
     runs = [("toolkit cpu_adam (flat)", lambda: toolkit_flat(module, numel)),
             ("toolkit cpu_adam (per tensor)", lambda: toolkit_per_tensor(module, shapes)),
             ("torch AdamW fused=True", lambda: torch_adamw(shapes, fused=True)),
+            ("torch _fused_adamw_ (flat)", lambda: torch_fused_flat(numel)),
+            ("toolkit offload step (1 pass)", lambda: offload_step(numel, module)),
+            ("torch offload step (3 passes)", lambda: offload_step(numel)),
             ("torch AdamW foreach=True", lambda: torch_adamw(shapes, foreach=True))]
     if not args.skip_forloop:
         runs.append(("torch AdamW for-loop", lambda: torch_adamw(shapes, foreach=False)))

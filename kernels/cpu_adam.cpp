@@ -5,8 +5,9 @@
 //   m  = m + (1 - beta1) * (g - m)               torch's lerp, same as beta1*m + (1-beta1)*g
 //   v  = beta2 * v + (1 - beta2) * g * g
 //   p  = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)   bc1 = 1 - beta1^t, bc2 = 1 - beta2^t
-// Optionally writes the new parameters as bf16 into `param_bf16` (ZeRO-Offload's copy back to the
-// device wants 16-bit weights), in the same pass.
+// Optionally, in the same pass: writes the new parameters as bf16 into `param_bf16` (ZeRO-Offload's
+// copy back to the device wants 16-bit weights) and zeroes the gradient it consumed (`zero_grad`:
+// the next accumulation starts from zero without another pass over the buffer).
 //
 // How it runs: OpenMP splits the tensor into contiguous, cache-line aligned blocks, one per thread;
 // each thread walks its block with AVX-512 (16 floats), else AVX2+FMA (8 floats), else a scalar
@@ -53,8 +54,8 @@ inline uint16_t to_bf16(float x) {
 // ---------------------------------------------------------------------------
 // Kernels: one contiguous range [begin, end) each.
 
-inline void adam_scalar(float* p, const float* g, float* m, float* v, uint16_t* out16, int64_t begin,
-                        int64_t end, const AdamScalars& s) {
+inline void adam_scalar(float* p, const float* g, float* m, float* v, int64_t begin, int64_t end,
+                        const AdamScalars& s) {
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     float param = p[i] * s.decay;
@@ -67,8 +68,6 @@ inline void adam_scalar(float* p, const float* g, float* m, float* v, uint16_t* 
     m[i] = mi;
     v[i] = vi;
   }
-  if (out16 != nullptr)
-    for (int64_t i = begin; i < end; ++i) out16[i] = to_bf16(p[i]);
 }
 
 #if defined(__AVX512F__)
@@ -92,8 +91,8 @@ inline __m512 reciprocal_nr(__m512 d) {  // d >= eps > 0
   const __m512 r0 = _mm512_rcp14_ps(d);
   return _mm512_mul_ps(r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.0f)));
 }
-inline void adam_vector(float* p, const float* g, float* m, float* v, uint16_t* out16, int64_t begin,
-                        int64_t end, const AdamScalars& s) {
+inline void adam_vector(float* p, const float* g, float* m, float* v, int64_t begin, int64_t end,
+                        const AdamScalars& s) {
   const __m512 decay = _mm512_set1_ps(s.decay), b1c = _mm512_set1_ps(s.one_minus_beta1);
   const __m512 b2 = _mm512_set1_ps(s.beta2), b2c = _mm512_set1_ps(s.one_minus_beta2);
   const __m512 inv_bc2 = _mm512_set1_ps(s.inv_bc2_sqrt), eps = _mm512_set1_ps(s.eps);
@@ -112,14 +111,12 @@ inline void adam_vector(float* p, const float* g, float* m, float* v, uint16_t* 
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
   }
-  adam_scalar(p, g, m, v, nullptr, i, end, s);
-  if (out16 != nullptr)
-    for (int64_t k = begin; k < end; ++k) out16[k] = to_bf16(p[k]);
+  adam_scalar(p, g, m, v, i, end, s);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kWidth = 8;
-inline void adam_vector(float* p, const float* g, float* m, float* v, uint16_t* out16, int64_t begin,
-                        int64_t end, const AdamScalars& s) {
+inline void adam_vector(float* p, const float* g, float* m, float* v, int64_t begin, int64_t end,
+                        const AdamScalars& s) {
   const __m256 decay = _mm256_set1_ps(s.decay), b1c = _mm256_set1_ps(s.one_minus_beta1);
   const __m256 b2 = _mm256_set1_ps(s.beta2), b2c = _mm256_set1_ps(s.one_minus_beta2);
   const __m256 inv_bc2 = _mm256_set1_ps(s.inv_bc2_sqrt), eps = _mm256_set1_ps(s.eps);
@@ -138,17 +135,29 @@ inline void adam_vector(float* p, const float* g, float* m, float* v, uint16_t* 
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
   }
-  adam_scalar(p, g, m, v, nullptr, i, end, s);
-  if (out16 != nullptr)
-    for (int64_t k = begin; k < end; ++k) out16[k] = to_bf16(p[k]);
+  adam_scalar(p, g, m, v, i, end, s);
 }
 #else
 constexpr int64_t kWidth = 1;
-inline void adam_vector(float* p, const float* g, float* m, float* v, uint16_t* out16, int64_t begin,
-                        int64_t end, const AdamScalars& s) {
-  adam_scalar(p, g, m, v, out16, begin, end, s);
+inline void adam_vector(float* p, const float* g, float* m, float* v, int64_t begin, int64_t end,
+                        const AdamScalars& s) {
+  adam_scalar(p, g, m, v, begin, end, s);
 }
 #endif
+
+// One pass over [begin, end) in tiles that stay in L1/L2: the AdamW update, then, while the tile is
+// still cached, the bf16 copy of the new weights and the zeroing of the consumed gradient.
+inline void adam_range(float* p, float* g, float* m, float* v, uint16_t* out16, bool zero_grad, int64_t begin,
+                       int64_t end, const AdamScalars& s) {
+  constexpr int64_t kTile = 2048;  // 4 arrays x 8 KiB
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int64_t stop = std::min(end, t + kTile);
+    adam_vector(p, g, m, v, t, stop, s);
+    if (out16 != nullptr)
+      for (int64_t i = t; i < stop; ++i) out16[i] = to_bf16(p[i]);
+    if (zero_grad) std::memset(g + t, 0, sizeof(float) * (stop - t));
+  }
+}
 
 void check(const torch::Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -164,7 +173,7 @@ void check(const torch::Tensor& t, const char* name, int64_t numel) {
 
 void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                 int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                c10::optional<torch::Tensor> param_bf16) {
+                c10::optional<torch::Tensor> param_bf16, bool zero_grad) {
   const int64_t n = param.numel();
   check(param, "param", n);
   check(grad, "grad", n);
@@ -192,13 +201,13 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
   s.neg_step_size = static_cast<float>(-lr / bc1);
 
   float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
+  float* g = grad.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   // NOTE: blocks of whole cache lines (16 floats) per thread, so no two threads write one line.
   constexpr int64_t kGrain = 1 << 14;
   if (n < 2 * kGrain) {
-    adam_vector(p, g, m, v, out16, 0, n, s);
+    adam_range(p, g, m, v, out16, zero_grad, 0, n, s);
     return;
   }
 #pragma omp parallel
@@ -211,7 +220,7 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
     int64_t per = (n + threads - 1) / threads;
     per = (per + 15) / 16 * 16;
     const int64_t begin = std::min(n, tid * per), end = std::min(n, begin + per);
-    if (begin < end) adam_vector(p, g, m, v, out16, begin, end, s);
+    if (begin < end) adam_range(p, g, m, v, out16, zero_grad, begin, end, s);
   }
 }
 
@@ -238,7 +247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step, "AdamW step in place on contiguous fp32 CPU tensors",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("param_bf16") = py::none());
+        py::arg("param_bf16") = py::none(), py::arg("zero_grad") = false);
   m.def("simd_width", &simd_width, "the vector width this build uses");
   m.def("omp_threads", &omp_threads, "OpenMP threads a step uses");
 }

@@ -54,6 +54,14 @@ def test_cpu_adam_writes_bf16_params_in_the_same_pass(kernel):
     assert torch.equal(out, p.to(torch.bfloat16))
 
 
+def test_cpu_adam_zeroes_the_consumed_gradient_when_asked(kernel):
+    p, g = torch.randn(70_001), torch.randn(70_001)
+    want = p.clone()
+    kernel.adamw_step(want, g.clone(), torch.zeros_like(p), torch.zeros_like(p), 1, LR, *BETAS, EPS, WD)
+    kernel.adamw_step(p, g, torch.zeros_like(p), torch.zeros_like(p), 1, LR, *BETAS, EPS, WD, None, True)
+    assert torch.equal(p, want) and not g.any()
+
+
 def test_cpu_adam_zero_gradients_keep_zero_moments(kernel):
     p = torch.randn(64)
     m, v = torch.zeros(64), torch.zeros(64)

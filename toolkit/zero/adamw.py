@@ -41,10 +41,11 @@ class ShardedAdamW:
 
     def step(self, params: dict[bool, list[torch.Tensor]], grads: dict[bool, list[torch.Tensor]],
              moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]],
-             out16: dict[bool, list[torch.Tensor]] | None = None) -> None:
+             out16: dict[bool, list[torch.Tensor]] | None = None, zero_grads: bool = False) -> bool:
         """One AdamW step; each dict maps decay (True/False) to matching lists of fp32 segment views.
 
-        `out16` (cpu_adam only): bf16 views the kernel fills with the new weights in the same pass.
+        cpu_adam only, in the same pass: `out16` bf16 views get the new weights; `zero_grads` zeroes the
+        gradients consumed. Returns True when the gradients were zeroed.
         """
         self.step_count += 1
         for group in self.param_groups:
@@ -58,13 +59,14 @@ class ShardedAdamW:
                 outs = out16[decay] if out16 is not None else [None] * len(ps)
                 for p, g, m, v, o in zip(ps, gs, ms, vs, outs):
                     self.kernel.adamw_step(p, g, m, v, self.step_count, lr, self.betas[0], self.betas[1],
-                                           self.eps, wd, o)
+                                           self.eps, wd, o, zero_grads)
             elif self.mode == "fused":
                 steps = [torch.tensor(float(self.step_count), device=p.device) for p in ps]
                 torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                                     weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
             else:
                 self._reference(ps, gs, ms, vs, lr, wd)
+        return zero_grads and self.mode == "cpu_adam"
 
     def _reference(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
         # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay,

@@ -147,8 +147,9 @@ class PartitionedStrategy(ShardedStrategy):
         """Zero the gradient shard (and stage 1's full buffers, whose views the .grad are)."""
         for flat in self.flat_grads:
             flat.zero_()
-        if self.grad_shard is not None:
+        if self.grad_shard is not None and not self._grads_zeroed:
             self.grad_shard.zero_()
+        self._grads_zeroed = False
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (each rank has them all)."""

@@ -58,6 +58,7 @@ class ShardedStrategy:
         self.master: torch.Tensor | None = None
         self.param_chunks: list[torch.Tensor] = []
         self.grad_chunks: list[torch.Tensor] = []
+        self._grads_zeroed = False  # the last step's kernel pass zeroed the gradient shard
 
     def describe(self) -> str:
         """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
@@ -153,7 +154,7 @@ class ShardedStrategy:
         grads = {decay: self.layout.segment_views(self.grad_chunks, decay) for decay in (True, False)}
         params = {decay: self._segments[decay][0] for decay in (True, False)}
         moments = {decay: self._segments[decay][1:] for decay in (True, False)}
-        self.optimizer.step(params, grads, moments, self._out16)
+        self._grads_zeroed = self.optimizer.step(params, grads, moments, self._out16, zero_grads=self.offload)
         if self.separate_master:
             sources = self._master_chunks if self.master16 is None else [
                 self.layout.chunk_of(self.master16, g) for g in range(len(self.groups))]
@@ -165,9 +166,11 @@ class ShardedStrategy:
         """Stages 1-2: all-gather the updated chunks (stage 3 gathers lazily)."""
 
     def zero_grad(self) -> None:
-        """Clear the accumulated gradients for the next optimizer step."""
-        for chunk in self.grad_chunks:
-            chunk.zero_()
+        """Clear the accumulated gradients for the next optimizer step (the CPU kernel may have already)."""
+        if not self._grads_zeroed:
+            for chunk in self.grad_chunks:
+                chunk.zero_()
+        self._grads_zeroed = False
 
     # -- checkpoint state (toolkit/zero/state.py) --------------------------------------
 
