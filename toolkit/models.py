@@ -49,7 +49,12 @@ def build_model(spec: ModelSpec, seed: int) -> nn.Module:
             torch.manual_seed(seed)
             model = cls(build_config(spec))
     if spec.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # NOTE: transformers 5.2x renamed gradient_checkpointing_enable; 5.17 (the GPU machines) has only the old name.
+        non_reentrant = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
     return model
 
 

@@ -42,6 +42,7 @@ class ConsoleTracker:
         self.stream = stream or sys.stdout
         self.interactive = self.stream.isatty()
         self._start = time.perf_counter()
+        self._skipped_seen = 0
 
     def log(self, metrics: dict) -> None:
         step = metrics["step"]
@@ -54,8 +55,10 @@ class ConsoleTracker:
                 f"{metrics['tokens_per_s'] / 1e3:8.1f}k tok/s | ETA {_fmt_duration(eta)}")
         if "mfu" in metrics:
             line += f" | MFU {metrics['mfu']:.1%}"
-        if metrics.get("skipped"):
-            line += f" | skipped (overflow, scale {metrics.get('loss_scale', 0):g})"
+        skipped = metrics.get("skipped_steps", 0)
+        if skipped > self._skipped_seen:  # fp16 overflow steps since the last line
+            line += f" | {skipped - self._skipped_seen} skipped (overflow), scale {metrics.get('loss_scale', 0):g}"
+            self._skipped_seen = skipped
         self._print(line, final=not self.interactive or step == self.total_steps)
 
     def _print(self, line: str, final: bool) -> None:
