@@ -204,23 +204,19 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
   float* g = grad.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
-  // NOTE: blocks of whole cache lines (16 floats) per thread, so no two threads write one line.
-  constexpr int64_t kGrain = 1 << 14;
-  if (n < 2 * kGrain) {
+  // NOTE: blocks of 64K floats (whole cache lines, so no two threads write one line) handed out
+  // dynamically: a thread whose core is busy with another process takes fewer blocks instead of
+  // making the others wait at the end, which a static split into one block per thread would.
+  constexpr int64_t kBlock = 1 << 16;
+  if (n <= kBlock) {
     adam_range(p, g, m, v, out16, zero_grad, 0, n, s);
     return;
   }
-#pragma omp parallel
-  {
-#ifdef _OPENMP
-    const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
-#else
-    const int64_t threads = 1, tid = 0;
-#endif
-    int64_t per = (n + threads - 1) / threads;
-    per = (per + 15) / 16 * 16;
-    const int64_t begin = std::min(n, tid * per), end = std::min(n, begin + per);
-    if (begin < end) adam_range(p, g, m, v, out16, zero_grad, begin, end, s);
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+    adam_range(p, g, m, v, out16, zero_grad, begin, end, s);
   }
 }
 
