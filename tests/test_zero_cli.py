@@ -93,3 +93,12 @@ def test_world_size_mismatch_is_a_user_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(UserError, match="resolved for 2 rank"):
         init_distributed(2, torch.device("cpu"))
+
+
+def test_doctor_reports_backends_and_the_cpu_adam_kernel():
+    proc = run_cli("doctor")
+    assert proc.returncode == 0, proc.stderr
+    assert "gloo yes" in proc.stdout
+    assert "cpu_adam" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if "cpu_adam" in x)
+    assert any(state in line for state in ("built", "loaded", "fallback"))
