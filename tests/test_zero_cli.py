@@ -102,3 +102,9 @@ def test_doctor_reports_backends_and_the_cpu_adam_kernel():
     assert "cpu_adam" in proc.stdout
     line = next(x for x in proc.stdout.splitlines() if "cpu_adam" in x)
     assert any(state in line for state in ("built", "loaded", "fallback"))
+
+
+def test_stage3_with_compile_is_a_one_line_user_error(tmp_path):
+    proc = run_cli("run", "quickstart", "zero.stage=3", "training.compile=true", "--run-dir", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: recipe.training.compile: not with zero.stage 3")

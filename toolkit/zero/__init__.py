@@ -40,8 +40,14 @@ def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
 
 def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInfo):
     """The strategy for recipe.zero (stage 0-3, offload) over the process group in `info`."""
-    broadcast_parameters(model, info)
     stage = recipe.zero.stage
+    if stage == 3 and recipe.training.compile:
+        from toolkit.errors import UserError
+
+        raise UserError("recipe.training.compile: not with zero.stage 3 yet (its hooks gather and release "
+                        "parameters around each block, which torch.compile would trace through); use zero.stage 2 "
+                        "or training.compile false")
+    broadcast_parameters(model, info)
     if stage >= 1 and recipe.precision.dtype in ("bf16", "fp16"):
         # NOTE: ZeRO's mixed precision: 16-bit weights and gradients on the device, the fp32 master
         # copy in the optimizer's shard (autocast still keeps softmax, norms and the loss in fp32).

@@ -20,6 +20,10 @@ Schedule, per micro-step:
   step      AdamW on the shard; the new weights are gathered lazily next forward.
 Activation checkpointing works: the recomputed forward runs inside backward
 (detected with autograd's graph task id), where nothing is released.
+NOTE: a unit is the reduce bucket here (zero.reduce_bucket_size applies to stages
+0-2): a unit's gradient is complete exactly when its backward is, and the
+reduce-scatter of a unit is one collective on its flat buffer.
+torch.compile is refused with stage 3 (toolkit/zero/__init__.py).
 """
 from __future__ import annotations
 
