@@ -238,25 +238,31 @@ def _remove_dir(path: Path) -> None:
 # ---------------------------------------------------------------------------
 # Save and load
 
-def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict) -> Path:
-    """Write <ckpt_dir>/step-NNNNNN atomically, then point `latest` at it; returns the step dir."""
+def _write_state_files(tmp: Path, step: int, state: dict, meta: dict, shard_files: dict | None = None) -> None:
+    """Write state.safetensors, state.json and the manifest (with any rank shards' checksums) into tmp, fsynced."""
     from safetensors.torch import save_file
 
+    skeleton, tensors = flatten_state(state)
+    save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
+    _fsync_file(tmp / TENSORS_FILE)
+    _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
+                                   **meta, "state": skeleton})
+    files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
+             for f in (TENSORS_FILE, STATE_FILE)}
+    files.update(shard_files or {})
+    _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "files": files})
+    _fsync_dir(tmp)
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict) -> Path:
+    """Write <ckpt_dir>/step-NNNNNN atomically, then point `latest` at it; returns the step dir."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     name = step_dir_name(step)
     final = ckpt_dir / name
     tmp = make_temp_dir(ckpt_dir, name)
     try:
-        skeleton, tensors = flatten_state(state)
-        save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
-        _fsync_file(tmp / TENSORS_FILE)
-        _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
-                                       **meta, "state": skeleton})
-        files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
-                 for f in (TENSORS_FILE, STATE_FILE)}
-        _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "files": files})
-        _fsync_dir(tmp)
+        _write_state_files(tmp, step, state, meta)
         if final.exists():  # the same step saved again (a fresh run in an old run dir): replace it
             _remove_dir(final)
         os.rename(tmp, final)
@@ -273,7 +279,6 @@ def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: di
     stage 1-3) into one temp dir, then rank 0 writes the state files and a manifest covering every file and
     renames the directory into place (stage 0: rank 0 alone writes; the state is replicated)."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     ckpt_dir, name = Path(ckpt_dir), step_dir_name(step)
     final = ckpt_dir / name
@@ -298,17 +303,7 @@ def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: di
         try:
             if errors:
                 raise RuntimeError(f"checkpoint step {step}: a rank could not write its shard: {errors[0]}")
-            skeleton, tensors = flatten_state(state)
-            save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
-            _fsync_file(tmp / TENSORS_FILE)
-            _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
-                                           **meta, "state": skeleton})
-            files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
-                     for f in (TENSORS_FILE, STATE_FILE)}
-            files.update({r[0]: r[1] for r in reports if r is not None})
-            _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
-                                              "files": files})
-            _fsync_dir(tmp)
+            _write_state_files(tmp, step, state, meta, shard_files={r[0]: r[1] for r in reports if r is not None})
             if final.exists():
                 _remove_dir(final)
             os.rename(tmp, final)

@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
 import time
 
+from toolkit.doctor import cpu_name
+
 TARGET_TOKENS_PER_S = 35e6
 H200_GPT2_124M_TOKENS_PER_S = 3.5e6
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what platform knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def batches_per_second(dataset, batch, seed: int, seconds: float) -> tuple[float, int]:

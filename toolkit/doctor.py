@@ -13,6 +13,18 @@ import os
 import platform
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -23,17 +35,6 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return "unknown"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def distributed_lines() -> list[str]:
@@ -56,7 +57,7 @@ def distributed_lines() -> list[str]:
                      f"nccl {'yes' + version if nccl else 'no'} (GPU ranks), "
                      f"mpi {'yes' if dist.is_mpi_available() else 'no'}")
         lines.append("launch: toolkit run --nproc N RECIPE, or torchrun --nproc_per_node N -m toolkit run RECIPE")
-    lines.append(f"cpu {_cpu_name()}: {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads, "
+    lines.append(f"cpu {cpu_name()}: {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads, "
                  f"SIMD {_cpu_flags()}")
     return lines
 
