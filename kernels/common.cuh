@@ -129,6 +129,26 @@ inline int sm_count() {
   return cached[device];
 }
 
+namespace {
+// Column sums of a [rows, cols] fp32 matrix of per-block partials (the bias and
+// norm-weight gradients): 32 columns x 32 row lanes per block, launched with
+// grid (cols + 31) / 32 and block dim3(32, 32).
+__global__ void column_sum_kernel(const float* __restrict__ partial, float* __restrict__ out, int rows, int cols) {
+  __shared__ float tile[32][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (c < cols)
+    for (int r = threadIdx.y; r < rows; r += 32) acc += partial[(int64_t)r * cols + c];
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float s = 0.f;
+    for (int k = 0; k < 32; ++k) s += tile[k][threadIdx.x];
+    out[c] = s;
+  }
+}
+}  // namespace
+
 }  // namespace toolkit
 
 // Dispatch a DType to a C++ type named by `NAME` inside the body.

@@ -116,21 +116,6 @@ __global__ void __launch_bounds__(kLanesX * kLanesY) bias_gelu_bwd_kernel(const 
   }
 }
 
-__global__ void column_sum_kernel(const float* __restrict__ partial, float* __restrict__ out, int rows, int cols) {
-  __shared__ float tile[32][33];
-  const int c = blockIdx.x * 32 + threadIdx.x;
-  float acc = 0.f;
-  if (c < cols)
-    for (int r = threadIdx.y; r < rows; r += 32) acc += partial[(int64_t)r * cols + c];
-  tile[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
-    float s = 0.f;
-    for (int k = 0; k < 32; ++k) s += tile[k][threadIdx.x];
-    out[c] = s;
-  }
-}
-
 dim3 grid_for(int64_t rows, int cols) {
   const int col_blocks = (cols + kCols - 1) / kCols;
   const int64_t row_slices_needed = (rows + kLanesY - 1) / kLanesY;

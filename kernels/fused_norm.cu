@@ -192,22 +192,6 @@ __global__ void __launch_bounds__(1024) norm_bwd_kernel(const G* __restrict__ dy
   }
 }
 
-// Column sums of a [rows, cols] fp32 matrix: 32 columns x 32 row lanes per block.
-__global__ void column_sum_kernel(const float* __restrict__ partial, float* __restrict__ out, int rows, int cols) {
-  __shared__ float tile[32][33];
-  const int c = blockIdx.x * 32 + threadIdx.x;
-  float acc = 0.f;
-  if (c < cols)
-    for (int r = threadIdx.y; r < rows; r += 32) acc += partial[(int64_t)r * cols + c];
-  tile[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
-    float s = 0.f;
-    for (int k = 0; k < 32; ++k) s += tile[k][threadIdx.x];
-    out[c] = s;
-  }
-}
-
 int bwd_grid(int64_t rows, const RowLayout& l) {
   const int64_t blocks_needed = (rows + l.groups - 1) / l.groups;
   const int64_t fill = (int64_t)sm_count() * (2048 / l.threads() > 0 ? 2048 / l.threads() : 1);
