@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,26 +49,12 @@ def run_toolkit(size: str, steps: int, overrides: list[str]):
 
 def run_plain(size: str, steps: int, compiled: bool):
     from toolkit.models import build_model
-    from toolkit.optim import param_groups
+    from toolkit.plain_baseline import plain_step
     from toolkit.recipe import load_recipe
 
     spec = load_recipe("gpt2-124m", [f"model.size={size}"]).model
-    model = build_model(spec, seed=0).cuda().train()
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=True)
-    forward = torch.compile(model) if compiled else model
-
-    def step(tokens):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = forward(input_ids=tokens[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return model, step, "torch"
+    model = build_model(spec, seed=0, device="cuda").train()
+    return model, plain_step(model, compiled), "torch"
 
 
 def measure(model, step, steps: int) -> dict:

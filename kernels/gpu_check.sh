@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call for the fused kernels: build them, run their tests, benchmark them.
-# Everything lands under $OUT (machine.txt, build.txt, tests.txt, bench.md, bench.txt).
+# One device call for the GPU work: build the fused kernels, run their tests, benchmark them,
+# and the ZeRO benchmarks (stages, offload, the largest model) and the CPU Adam benchmark.
+# Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl:
-#     bash kernels/gpu_check.sh [build|tests|bench|e2e ...]   (default: build tests bench)
+#     bash kernels/gpu_check.sh [build|tests|bench|e2e|zero124m|zero1.5b|ladder|cpu_adam ...]
+#                                                       (default: build tests bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -35,6 +37,21 @@ for stage in $stages; do
       else
         echo "e2e skipped: $left s left"
       fi ;;
+    zero124m)  # ZeRO stages and offload against plain PyTorch (toolkit/zero/bench_gpu.py)
+      timeout 240 python3 -m toolkit.zero.bench_gpu --size 124m --micro 16 \
+        --configs plain,stage0,stage1,stage2,stage3,stage2-offload --markdown "$OUT/zero.md" 2>&1 | tee "$OUT/zero124m.txt" ;;
+    zero1.5b)
+      timeout 330 python3 -m toolkit.zero.bench_gpu --size 1.5b --micro 16 --steps 6 \
+        --configs plain,stage0,stage1,stage2,stage3,stage2-offload --markdown "$OUT/zero.md" 2>&1 | tee "$OUT/zero1.5b.txt" ;;
+    ladder)  # the largest GPT-2 shape with offload + activation checkpointing, micro batch 4 (LADDER: layer counts)
+      for layers in ${LADDER:-24 39}; do
+        timeout 200 python3 -m toolkit.zero.bench_gpu --layers "$layers" --width 4096 --heads 32 --micro 4 --ckpt \
+          --steps 4 --warmup 2 --timeout 190 --configs stage2-offload --markdown "$OUT/zero.md" 2>&1 | tee -a "$OUT/ladder.txt"
+      done ;;
+    cpu_adam)  # the toolkit's CPU Adam against torch's CPU AdamW on this host's cores
+      timeout 120 python3 kernels/bench_cpu_adam.py --steps 10 2>&1 | tee "$OUT/cpu_adam.txt" ;;
   esac
 done
 echo "=== done (t=$((SECONDS - start))s)"
+# NOTE: the device tool brings back at most 8 files: the tables stay as they are, the logs travel packed.
+(cd "$OUT" && tar czf logs.tgz ./*.txt && rm -f ./*.txt)

@@ -63,7 +63,9 @@ class Engine:
         if recipe.precision.dtype == "fp16" and self.device.type == "cpu":
             raise UserError("recipe.precision.dtype: 'fp16' needs a CUDA device (CPUs lack fast fp16); use 'bf16'")
         torch.manual_seed(recipe.training.seed)
-        self.model = (model if model is not None else build_model(recipe.model, recipe.training.seed)).to(self.device)
+        if model is None:
+            model = build_model(recipe.model, recipe.training.seed, self.device)
+        self.model = model.to(self.device)
         self.model.train()
         self.num_parameters = count_parameters(self.model)
         # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)

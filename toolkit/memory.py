@@ -103,7 +103,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
     #   stage 2: 2P + (2 + K)P/N     stage 3: (2 + 2 + K)P/N
     # fp32 is the same shape with 4-byte parameters and gradients and K = 8.
-    # Offload moves the K part (master weights and Adam states) to CPU memory.
+    # Offload moves the K part (master weights and Adam states) to CPU memory; the master is then
+    # always a separate fp32 copy, so fp32 runs hold 12 bytes there too (toolkit/zero/offload.py).
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not one of 0, 1, 2, 3")
     if offload not in ("none", "cpu") or (offload == "cpu" and stage == 0):
@@ -115,7 +116,7 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     grads = per_param * (shard if stage >= 2 else num_params)
     optim = ADAM_K[dtype] * (shard if stage >= 1 else num_params)
     if offload == "cpu":
-        return ModelStateBytes(params, grads, 0, optim)
+        return ModelStateBytes(params, grads, 0, 12 * shard)
     return ModelStateBytes(params, grads, optim, 0)
 
 

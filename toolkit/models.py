@@ -30,8 +30,13 @@ def build_config(spec: ModelSpec):
     )
 
 
-def build_model(spec: ModelSpec, seed: int) -> nn.Module:
-    """A freshly initialised (seeded) or locally loaded causal LM in fp32."""
+def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """A freshly initialised (seeded) or locally loaded causal LM in fp32, on `device`.
+
+    A fresh model is initialised on `device` itself: a multi-billion-parameter model would
+    otherwise take minutes of CPU init and its fp32 size in host memory before moving.
+    """
+    device = torch.device(device)
     from transformers import AutoModelForCausalLM
 
     if spec.pretrained is not None:
@@ -45,7 +50,9 @@ def build_model(spec: ModelSpec, seed: int) -> nn.Module:
         from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
         cls = GPT2LMHeadModel if spec.family == "gpt2" else LlamaForCausalLM
-        with torch.random.fork_rng(devices=[]):
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices), torch.device(device):
             torch.manual_seed(seed)
             model = cls(build_config(spec))
     if spec.activation_checkpointing:

@@ -22,12 +22,12 @@ from toolkit.specs import OptimizerSpec
 class ShardedAdamW:
     """AdamW state for one rank's shard: exp_avg and exp_avg_sq as contiguous fp32 buffers."""
 
-    def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, *, offload: bool, pin: bool = False):
+    def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, *, offload: bool):
         self.spec = spec
         self.betas = tuple(spec.betas)
         self.eps = spec.eps
-        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin)
-        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin)
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
         self.step_count = 0  # applied steps (skipped fp16 steps excluded), as torch's per-parameter `step`
         self.param_groups = [{"lr": spec.lr, "weight_decay": spec.weight_decay, "decay": True},
                              {"lr": spec.lr, "weight_decay": 0.0, "decay": False}]
@@ -39,15 +39,15 @@ class ShardedAdamW:
         self.mode = "cpu_adam" if self.kernel is not None else (
             "fused" if device.type == "cuda" or offload else "reference")
 
-    def step(self, params: dict[bool, list[torch.Tensor]], grads: dict[bool, list[torch.Tensor]],
-             moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]],
-             out16: dict[bool, list[torch.Tensor]] | None = None, zero_grads: bool = False) -> bool:
-        """One AdamW step; each dict maps decay (True/False) to matching lists of fp32 segment views.
-
-        cpu_adam only, in the same pass: `out16` bf16 views get the new weights; `zero_grads` zeroes the
-        gradients consumed. Returns True when the gradients were zeroed.
-        """
+    def begin_step(self) -> None:
+        """Count one applied step (the bias corrections use it); then `update` each piece of the shard."""
         self.step_count += 1
+
+    def step(self, params: dict[bool, list[torch.Tensor]], grads: dict[bool, list[torch.Tensor]],
+             moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """One AdamW step on the device's shard (offload steps piece by piece instead: toolkit/zero/offload.py);
+        each dict maps decay (True/False) to matching lists of fp32 segment views."""
+        self.begin_step()
         for group in self.param_groups:
             decay = group["decay"]
             ps, gs = params[decay], grads[decay]
@@ -55,18 +55,29 @@ class ShardedAdamW:
             if not ps:
                 continue
             lr, wd = float(group["lr"]), float(group["weight_decay"])
-            if self.mode == "cpu_adam":
-                outs = out16[decay] if out16 is not None else [None] * len(ps)
-                for p, g, m, v, o in zip(ps, gs, ms, vs, outs):
-                    self.kernel.adamw_step(p, g, m, v, self.step_count, lr, self.betas[0], self.betas[1],
-                                           self.eps, wd, o, zero_grads)
-            elif self.mode == "fused":
-                steps = [torch.tensor(float(self.step_count), device=p.device) for p in ps]
-                torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                                    weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
-            else:
+            if self.mode == "reference":
                 self._reference(ps, gs, ms, vs, lr, wd)
-        return zero_grads and self.mode == "cpu_adam"
+            else:
+                self._fused(ps, gs, ms, vs, lr, wd)
+
+    def update(self, decay: bool, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """This step's AdamW on one contiguous piece (after `begin_step`); `out` gets the new weights in its dtype."""
+        group = self.param_groups[0 if decay else 1]
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        bf16_out = out.dtype == torch.bfloat16
+        if self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
+            self.kernel.adamw_step(p, g, m, v, self.step_count, lr, self.betas[0], self.betas[1], self.eps, wd,
+                                   out if bf16_out else None, False)
+        else:
+            self._fused([p], [g], [m], [v], lr, wd)
+        if not (bf16_out and self.mode == "cpu_adam"):
+            out.copy_(p)
+
+    def _fused(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
+        steps = [torch.tensor(float(self.step_count), device=p.device) for p in ps]
+        torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                            weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
 
     def _reference(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
         # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay,

@@ -53,13 +53,12 @@ class PartitionedStrategy(ShardedStrategy):
                 for p, view in zip(g.params, g.views(flat)):
                     p.grad = view
                 self.flat_grads.append(flat)
-        fp32_views = stage == 1 and dtype == torch.float32 and not self.offload
+        fp32_views = stage == 1 and dtype == torch.float32
         if fp32_views:  # the reduced chunk stays where it is, in the full buffer
             self.grad_shard = None
             self.grad_chunks = [flat[slice(*g.chunk_range(info.rank))] for g, flat in zip(groups, self.flat_grads)]
         else:
-            self.grad_shard = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.opt_device,
-                                          pin_memory=self.pin)
+            self.grad_shard = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
             self.grad_chunks = [self.layout.chunk_of(self.grad_shard, g) for g in range(len(groups))]
         self._init_master()
         self._group_of = {id(p): gi for gi, g in enumerate(groups) for p in g.params}
@@ -119,8 +118,8 @@ class PartitionedStrategy(ShardedStrategy):
 
     def _accept_reduced(self, g: int, out: torch.Tensor) -> None:
         target = self.grad_chunks[g]
-        if self.stage == 2:  # accumulate over micro-steps (device to host when offloaded)
-            target.add_(out.to(target.device, torch.float32))
+        if self.stage == 2:  # accumulate over micro-steps
+            target.add_(out.to(torch.float32))
         elif target.data_ptr() != out.data_ptr():
             target.copy_(out)
 
@@ -147,9 +146,8 @@ class PartitionedStrategy(ShardedStrategy):
         """Zero the gradient shard (and stage 1's full buffers, whose views the .grad are)."""
         for flat in self.flat_grads:
             flat.zero_()
-        if self.grad_shard is not None and not self._grads_zeroed:
+        if self.grad_shard is not None:
             self.grad_shard.zero_()
-        self._grads_zeroed = False
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (each rank has them all)."""
@@ -162,8 +160,4 @@ class PartitionedStrategy(ShardedStrategy):
         return list(self.flat_params)
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        device_shard = [self.grad_shard] if self.grad_shard is not None and not self.offload else []
-        return list(self.flat_grads) + device_shard
-
-    def offloaded_grad_tensors(self) -> list[torch.Tensor]:
-        return [self.grad_shard] if self.offload and self.grad_shard is not None else []
+        return list(self.flat_grads) + ([self.grad_shard] if self.grad_shard is not None else [])

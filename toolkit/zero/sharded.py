@@ -6,13 +6,14 @@ publishing the new weights), plus memory accounting and the shard's state.
 Subclasses (partition.py for stages 1-2, stage3.py) own the parameters' flat
 buffers, the backward hooks and collectives, and fill in:
   `param_chunks[g]`  this rank's chunk of group g's parameters (model dtype)
-  `grad_chunks[g]`   this rank's reduced fp32 gradient chunk of group g
+  `grad_chunks[g]`   this rank's reduced fp32 gradient chunk of group g (on the training
+                     device, offload too)
 and `after_step()` (stages 1-2 all-gather the new weights; stage 3 need not).
 
 Master weights are the parameter chunks themselves for fp32 training; they are
 a separate fp32 buffer for bf16/fp16 models and always for offload, where they
-live in (pinned when CUDA) CPU memory with the moments and the step runs on the
-CPU (kernels/cpu_adam.cpp).
+live in CPU memory with the moments and the step runs on the CPU piece by piece
+(offload.py, kernels/cpu_adam.cpp).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from toolkit.precision import has_inf_or_nan
 from toolkit.zero.adamw import ShardedAdamW
 from toolkit.zero.comm import DistInfo, any_true, sum_floats
 from toolkit.zero.flat import FlatGroup, ShardLayout
+from toolkit.zero.offload import OffloadedStep
 
 
 def tensor_bytes(tensors) -> int:
@@ -51,14 +53,12 @@ class ShardedStrategy:
         self.param_dtype = param_dtype
         self.offload = recipe.zero.offload_optimizer == "cpu"
         self.opt_device = torch.device("cpu") if self.offload else device
-        self.pin = self.offload and torch.cuda.is_available()
         self.separate_master = self.offload or param_dtype != torch.float32
-        self.optimizer = ShardedAdamW(recipe.optimizer, self.layout.numel, self.opt_device,
-                                      offload=self.offload, pin=self.pin)
+        self.optimizer = ShardedAdamW(recipe.optimizer, self.layout.numel, self.opt_device, offload=self.offload)
         self.master: torch.Tensor | None = None
         self.param_chunks: list[torch.Tensor] = []
         self.grad_chunks: list[torch.Tensor] = []
-        self._grads_zeroed = False  # the last step's kernel pass zeroed the gradient shard
+        self._offloaded_step: OffloadedStep | None = None
 
     def describe(self) -> str:
         """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
@@ -80,22 +80,19 @@ class ShardedStrategy:
     # -- set-up the subclasses call once their buffers exist ---------------------
 
     def _init_master(self) -> None:
-        """fp32 master copy of the parameter chunks (separate only when needed), and segment views."""
+        """fp32 master copy of the parameter chunks (separate only when needed), segment views, and the
+        offloaded step when offloading."""
         if self.separate_master:
-            self.master = torch.empty(self.layout.numel, dtype=torch.float32, device=self.opt_device,
-                                      pin_memory=self.pin)
+            self.master = torch.empty(self.layout.numel, dtype=torch.float32, device=self.opt_device)
             for g, chunk in enumerate(self.param_chunks):
                 self.layout.chunk_of(self.master, g).copy_(chunk)
             master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(self.groups))]
         else:
             master_chunks = self.param_chunks
         self._master_chunks = master_chunks
-        self.master16, self._out16 = None, None
-        if self.optimizer.mode == "cpu_adam" and self.param_dtype == torch.bfloat16:
-            # NOTE: the kernel writes the bf16 weights in the same pass, so the copy back to the device
-            # moves 2 bytes per parameter from pinned memory instead of converting 4.
-            self.master16 = torch.empty(self.layout.numel, dtype=torch.bfloat16, pin_memory=self.pin)
-            self._out16 = {decay: self.layout.flat_segment_views(self.master16, decay) for decay in (True, False)}
+        if self.offload:
+            self._offloaded_step = OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
+                                                 self.param_chunks, self.device)
         self._segments = {
             decay: ([*self.layout.segment_views(master_chunks, decay)],
                     [*self.layout.flat_segment_views(self.optimizer.exp_avg, decay)],
@@ -151,26 +148,25 @@ class ShardedStrategy:
 
     def optimizer_step(self) -> None:
         """AdamW on this rank's shard, then every rank gets the new weights."""
-        grads = {decay: self.layout.segment_views(self.grad_chunks, decay) for decay in (True, False)}
-        params = {decay: self._segments[decay][0] for decay in (True, False)}
-        moments = {decay: self._segments[decay][1:] for decay in (True, False)}
-        self._grads_zeroed = self.optimizer.step(params, grads, moments, self._out16, zero_grads=self.offload)
-        if self.separate_master:
-            sources = self._master_chunks if self.master16 is None else [
-                self.layout.chunk_of(self.master16, g) for g in range(len(self.groups))]
-            for chunk, source in zip(self.param_chunks, sources):
-                chunk.copy_(source, non_blocking=self.pin)
+        if self._offloaded_step is not None:
+            self._offloaded_step.step()
+        else:
+            grads = {decay: self.layout.segment_views(self.grad_chunks, decay) for decay in (True, False)}
+            params = {decay: self._segments[decay][0] for decay in (True, False)}
+            moments = {decay: self._segments[decay][1:] for decay in (True, False)}
+            self.optimizer.step(params, grads, moments)
+            if self.separate_master:
+                for chunk, master in zip(self.param_chunks, self._master_chunks):
+                    chunk.copy_(master)
         self.after_step()
 
     def after_step(self) -> None:
         """Stages 1-2: all-gather the updated chunks (stage 3 gathers lazily)."""
 
     def zero_grad(self) -> None:
-        """Clear the accumulated gradients for the next optimizer step (the CPU kernel may have already)."""
-        if not self._grads_zeroed:
-            for chunk in self.grad_chunks:
-                chunk.zero_()
-        self._grads_zeroed = False
+        """Clear the accumulated gradients for the next optimizer step."""
+        for chunk in self.grad_chunks:
+            chunk.zero_()
 
     # -- checkpoint state (toolkit/zero/state.py) --------------------------------------
 
@@ -218,13 +214,13 @@ class ShardedStrategy:
         """Model-state bytes this rank holds now, counted from live tensors.
 
         mem_*: on the training device (master: the fp32 copy, when separate from the parameters);
-        mem_offload_bytes: what offload keeps in CPU memory (master, moments, gradient shard),
-        counted apart even when the training device is the CPU itself.
+        mem_offload_bytes: what offload keeps in CPU memory (master, moments), counted apart even when
+        the training device is the CPU itself. Like stage 2's reduce buckets, the step's staging (two
+        pieces, at most 2 x 16M x 6 bytes pinned) is a working buffer, not a model state, and not counted.
         """
         moments = [self.optimizer.exp_avg, self.optimizer.exp_avg_sq]
         master = [self.master] if self.master is not None else []
-        staging = [self.master16] if self.master16 is not None else []
-        offloaded = moments + master + staging + self.offloaded_grad_tensors() if self.offload else []
+        offloaded = moments + master if self.offload else []
         return {"mem_params_bytes": tensor_bytes(self.param_tensors()),
                 "mem_grads_bytes": tensor_bytes(self.grad_tensors()),
                 "mem_optim_bytes": 0 if self.offload else tensor_bytes(moments),
@@ -238,7 +234,3 @@ class ShardedStrategy:
     def grad_tensors(self) -> list[torch.Tensor]:
         """Live gradient buffers on the training device (subclasses)."""
         raise NotImplementedError
-
-    def offloaded_grad_tensors(self) -> list[torch.Tensor]:
-        """Gradient buffers that offload keeps in CPU memory."""
-        return []

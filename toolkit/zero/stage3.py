@@ -94,8 +94,7 @@ class Stage3Strategy(ShardedStrategy):
             self.layout.chunk_of(self.param_shard, gi).copy_(full[slice(*g.chunk_range(info.rank))])
             self.full.append(full)
         self.param_chunks = [self.layout.chunk_of(self.param_shard, g) for g in range(len(groups))]
-        self.grad_shard = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.opt_device,
-                                      pin_memory=self.pin)
+        self.grad_shard = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
         self.grad_chunks = [self.layout.chunk_of(self.grad_shard, g) for g in range(len(groups))]
         self._init_master()
         self.state = [GATHERED] * len(groups)
@@ -251,7 +250,4 @@ class Stage3Strategy(ShardedStrategy):
         return [self.param_shard] + [f for f in self.full]
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        return [] if self.offload else [self.grad_shard]
-
-    def offloaded_grad_tensors(self) -> list[torch.Tensor]:
-        return [self.grad_shard] if self.offload else []
+        return [self.grad_shard]
