@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from toolkit import checkpoint as ckpt_mod
+from toolkit import checkpoint_io
 from toolkit.checkpoint import (capture_rng_state, flatten_state, latest_checkpoint, list_checkpoints,
                                 load_checkpoint, restore_rng_state, save_checkpoint, unflatten_state)
 from toolkit.cli import main
@@ -216,7 +216,7 @@ def test_interrupted_save_leaves_latest_and_the_previous_checkpoint_intact(tmp_p
     def power_cut(*args):
         raise OSError("simulated power cut before the rename")
 
-    monkeypatch.setattr(ckpt_mod.os, "rename", power_cut)
+    monkeypatch.setattr(checkpoint_io.os, "rename", power_cut)
     with pytest.raises(OSError, match="power cut"):
         run(tiny("training.max_steps=4"), tmp_path, quiet=True)
     monkeypatch.undo()

@@ -1,0 +1,131 @@
+"""Saving and loading one step directory. One process writes the state files; under
+ZeRO several ranks each write their shard into one temp dir, which rank 0 completes
+and renames. Loading verifies every file first. The layout and integrity helpers are
+in toolkit/checkpoint_files.py, the state's flattening in toolkit/checkpoint_state.py.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.checkpoint_files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, STATE_FILE, TENSORS_FILE,
+                                      _fsync_dir, _fsync_file, _read_json, _remove_dir, _write_json, _write_pointer,
+                                      make_temp_dir, sha256_file, step_dir_name, verify_checkpoint)
+from toolkit.checkpoint_state import flatten_state, unflatten_state
+from toolkit.errors import UserError
+
+
+def _write_state_files(tmp: Path, step: int, state: dict, meta: dict, shard_files: dict | None = None) -> None:
+    """Write state.safetensors, state.json and the manifest (with any rank shards' checksums) into tmp, fsynced."""
+    from safetensors.torch import save_file
+
+    skeleton, tensors = flatten_state(state)
+    save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
+    _fsync_file(tmp / TENSORS_FILE)
+    _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
+                                   **meta, "state": skeleton})
+    files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
+             for f in (TENSORS_FILE, STATE_FILE)}
+    files.update(shard_files or {})
+    _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "files": files})
+    _fsync_dir(tmp)
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict) -> Path:
+    """Write <ckpt_dir>/step-NNNNNN atomically, then point `latest` at it; returns the step dir."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(step)
+    final = ckpt_dir / name
+    tmp = make_temp_dir(ckpt_dir, name)
+    try:
+        _write_state_files(tmp, step, state, meta)
+        if final.exists():  # the same step saved again (a fresh run in an old run dir): replace it
+            _remove_dir(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_pointer(ckpt_dir / LATEST_FILE, name)  # last: `latest` only ever names a complete checkpoint
+    return final
+
+
+def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, info, write_shard=None) -> Path:
+    """Every rank's part of one checkpoint: each writes its ZeRO shard (`write_shard(tmp_dir) -> file name`,
+    stage 1-3) into one temp dir, then rank 0 writes the state files and a manifest covering every file and
+    renames the directory into place (stage 0: rank 0 alone writes; the state is replicated)."""
+    import torch.distributed as dist
+
+    ckpt_dir, name = Path(ckpt_dir), step_dir_name(step)
+    final = ckpt_dir / name
+    box = [None]
+    if info.rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        box = [str(make_temp_dir(ckpt_dir, name))]
+    dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    report = None
+    try:
+        if write_shard is not None:
+            shard = write_shard(tmp)
+            _fsync_file(tmp / shard)
+            report = (shard, {"sha256": sha256_file(tmp / shard), "bytes": (tmp / shard).stat().st_size})
+    except Exception as exc:  # every rank must hear of it, or the others wait forever
+        report = ("error", f"rank {info.rank}: {type(exc).__name__}: {exc}")
+    reports = [None] * info.world_size
+    dist.all_gather_object(reports, report)
+    errors = [r[1] for r in reports if r is not None and r[0] == "error"]
+    if info.rank == 0:
+        try:
+            if errors:
+                raise RuntimeError(f"checkpoint step {step}: a rank could not write its shard: {errors[0]}")
+            _write_state_files(tmp, step, state, meta, shard_files={r[0]: r[1] for r in reports if r is not None})
+            if final.exists():
+                _remove_dir(final)
+            os.rename(tmp, final)
+            _fsync_dir(ckpt_dir)
+            _write_pointer(ckpt_dir / LATEST_FILE, name)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            dist.barrier()
+            raise
+    dist.barrier()  # rank 0 renamed (or cleaned up): the checkpoint is complete for everyone
+    if errors:
+        raise RuntimeError(f"checkpoint step {step}: a rank could not write its shard: {errors[0]}")
+    return final
+
+
+@dataclass
+class Checkpoint:
+    """A loaded, verified checkpoint: `state` feeds the engine, stream and RNGs; `meta` is the rest of state.json."""
+    path: Path
+    step: int
+    state: dict
+    meta: dict
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.meta.get("wandb_run_id")
+
+
+def load_checkpoint(step_dir: Path) -> Checkpoint:
+    """Verify and read a step directory; tensors land on the CPU."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    step_dir = Path(step_dir)
+    verify_checkpoint(step_dir)
+    data = _read_json(step_dir / STATE_FILE, "the checkpoint's state")
+    try:
+        tensors = load_file(str(step_dir / TENSORS_FILE), device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{step_dir / TENSORS_FILE}: unreadable: {str(exc).splitlines()[0]}") from None
+    try:
+        state = unflatten_state(data.pop("state"), tensors)
+    except KeyError as exc:
+        raise UserError(f"{step_dir / STATE_FILE}: names tensor {exc.args[0]!r}, "
+                        f"which {TENSORS_FILE} does not have") from None
+    return Checkpoint(path=step_dir, step=int(data["step"]), state=state, meta=data)

@@ -1,0 +1,125 @@
+"""Resume rules: what a changed recipe may and may not do to a checkpoint (refused:
+model shape, optimizer type, data order; allowed with a warning: the rest), the meta
+that state.json carries for that comparison, and trimming metrics.jsonl back to the
+resumed step. The `Checkpointer` (toolkit/checkpoint.py) applies them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from toolkit.checkpoint_files import TEMP_PREFIX
+from toolkit.specs import ModelSpec, Recipe
+
+# NOTE: the checkpoint holds fp32 weights and fp32 AdamW moments in every precision
+# (autocast computes in bf16/fp16, the weights stay fp32), so a precision change loads
+# cleanly; it is allowed with a warning, and the fp16 loss scaler starts fresh when a
+# run switches to fp16. Model shape, optimizer type and anything that moves the data
+# position (data source, global batch, data-order seed) are refused: the state would
+# not load, or would silently train on other samples than the saved position means.
+_SHAPE_KEYS = {"family": "model.family", "n_layer": "model.n_layer", "n_embd": "model.n_embd",
+               "n_head": "model.n_head", "n_kv_head": "model.n_kv_head",
+               "intermediate_size": "model.intermediate_size", "max_positions": "model.max_positions",
+               "vocab_size": "data.vocab_size"}
+_DATA_ORDER_EXEMPT = {"data.eval_samples", "data.vocab_size"}  # held-out only / reported as a shape change
+_IGNORED = {"checkpoint.resume"}  # how the checkpoint was chosen, not what it holds
+_NOTES = {
+    "precision.dtype": "weights and AdamW state are fp32 in every precision, so they carry over",
+    "batch.micro_batch_per_rank": "same global batch, same samples per step, summed in another order",
+    "batch.grad_accum_steps": "same global batch, same samples per step, summed in another order",
+}
+
+
+def model_shape(spec: ModelSpec) -> dict:
+    """The fields of a ModelSpec that decide the weights' shapes."""
+    return {key: getattr(spec, key) for key in _SHAPE_KEYS}
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    return {prefix: node}
+
+
+_UNSET = object()
+
+
+def _show(value) -> str:
+    if value is _UNSET:
+        return "(unset)"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def resume_changes(meta: dict, recipe: Recipe) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) for continuing the checkpoint described by `meta` under `recipe`."""
+    refusals = []
+    saved_shape = meta["model_shape"]
+    shape = [f"recipe.{_SHAPE_KEYS[k]} {_show(saved_shape.get(k, _UNSET))} -> {_show(v)}"
+             for k, v in model_shape(recipe.model).items() if saved_shape.get(k, _UNSET) != v]
+    if shape:
+        refusals.append(f"resume: model shape changed: {', '.join(shape)} (the saved weights do not fit; "
+                        "start fresh with checkpoint.resume=never or use another run dir)")
+    old, new = _leaves(meta["recipe"]), _leaves(recipe.resolved)
+    changed = sorted(k for k in old.keys() | new.keys()
+                     if old.get(k, _UNSET) != new.get(k, _UNSET) and k not in _IGNORED)
+
+    def describe(key: str) -> str:
+        return f"recipe.{key} {_show(old.get(key, _UNSET))} -> {_show(new.get(key, _UNSET))}"
+
+    if "optimizer.type" in changed:
+        refusals.append(f"resume: optimizer changed: {describe('optimizer.type')} (the saved optimizer state "
+                        "belongs to the old one; start fresh with checkpoint.resume=never)")
+    order = [describe(k) for k in changed
+             if (k.startswith("data.") and k not in _DATA_ORDER_EXEMPT) or k == "training.seed"]
+    if meta["global_batch"] != recipe.batch.global_batch:
+        order.append(f"recipe.batch.global_batch {meta['global_batch']} -> {recipe.batch.global_batch}")
+    if order:
+        refusals.append(f"resume: data order changed: {', '.join(order)} (the saved data position would point "
+                        "at other samples; start fresh with checkpoint.resume=never)")
+    if refusals:
+        return refusals, []
+    notes = dict(_NOTES)
+    if recipe.scheduler.type != "constant" and "total_num_steps" not in recipe.resolved["scheduler"]:
+        notes["training.max_steps"] = ("scheduler.total_num_steps follows it, so the lr schedule stretches to the "
+                                       "new length from here on")
+    shape_paths = set(_SHAPE_KEYS.values())
+    warnings = [describe(k) + (f" ({notes[k]})" if k in notes else "") for k in changed if k not in shape_paths]
+    if meta.get("world_size", 1) != recipe.batch.world_size:
+        warnings.append(f"world size {meta.get('world_size', 1)} -> {recipe.batch.world_size} "
+                        "(same global batch, same samples per step)")
+    return refusals, warnings
+
+
+def checkpoint_meta(recipe: Recipe, engine, wandb_run_id: str | None) -> dict:
+    """What state.json carries besides the state: recipe, shapes, model config, W&B run id."""
+    config = getattr(engine.model, "config", None)
+    return {
+        "recipe_name": recipe.name,
+        "recipe_hash": recipe.hash,
+        "recipe": recipe.resolved,
+        "model_shape": model_shape(recipe.model),
+        "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
+        "global_batch": recipe.batch.global_batch,
+        "world_size": recipe.batch.world_size,
+        "wandb_run_id": wandb_run_id,
+    }
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep only metrics.jsonl lines up to `step` (a resumed run logs the later steps again)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by the crash
+    tmp = path.with_name(f"{TEMP_PREFIX}{path.name}")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,75 @@
+"""Command-line overrides `key.path=value`: each key checked against the schema
+(with a did-you-mean), each value parsed as the JSON type the schema wants there.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from toolkit.recipe_schema import _TYPE_NAMES, RecipeError, _did_you_mean, _json_path, _json_type, load_schema
+
+
+def _parse_override_value(raw: str, node: dict) -> Any:
+    """The override's text as the JSON type the schema wants there; raises ValueError naming that type."""
+    kinds = node.get("type")
+    if kinds is None and "enum" in node:
+        kinds = sorted({_json_type(v) for v in node["enum"]})
+    kinds = [kinds] if isinstance(kinds, str) else (kinds or ["string"])
+    if kinds == ["string"]:
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if "string" in kinds:
+            return raw
+        raise ValueError(" or ".join(_TYPE_NAMES.get(k, k) for k in kinds)) from None
+
+
+def _override_target(keys: list[str]) -> tuple[dict | None, str | None]:
+    """The schema node at `keys`, or None and a one-line reason naming the first key that is wrong."""
+    node = load_schema()
+    for depth, key in enumerate(keys):
+        where = _json_path(keys[:depth + 1])
+        if node.get("type") != "object" or "properties" not in node:
+            return None, f"{_json_path(keys[:depth])}: is not an object, so it has no key '{key}'"
+        known = node["properties"]
+        if key not in known:
+            reason = "empty key" if not key else f"unknown key{_did_you_mean(key, known)}"
+            return None, f"{where}: {reason}"
+        node = known[key]
+    return node, None
+
+
+def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
+    """Apply `key.path=value` overrides, each typed by the schema; errors name `recipe.key.path`."""
+    recipe = json.loads(json.dumps(recipe))
+    errors = []
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep or not dotted:
+            errors.append(f"override {item!r}: expected key.path=value (e.g. optimizer.lr=3e-4)")
+            continue
+        keys = dotted.split(".")
+        if keys[0] in ("extends", "$schema"):
+            errors.append(f"{_json_path(keys)}: cannot be overridden (override {item!r}); edit the recipe file")
+            continue
+        node, reason = _override_target(keys)
+        if node is None:
+            errors.append(f"{reason} (override {item!r})")
+            continue
+        try:
+            value = _parse_override_value(raw, node)
+        except ValueError as exc:
+            errors.append(f"{_json_path(keys)}: {raw!r} is not {exc} (override {item!r})")
+            continue
+        target = recipe
+        for depth, key in enumerate(keys[:-1]):
+            target = target.setdefault(key, {})
+            if not isinstance(target, dict):
+                errors.append(f"{_json_path(keys[:depth + 1])}: is not an object in the recipe (override {item!r})")
+                break
+        else:
+            target[keys[-1]] = value
+    if errors:
+        raise RecipeError(*errors)
+    return recipe
