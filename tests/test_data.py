@@ -93,6 +93,28 @@ def test_saved_tokenizer_folder_loads_back_and_in_transformers(tmp_path):
     assert hf.decode(hf("def f(): return 'é'")["input_ids"]) == "def f(): return 'é'"
 
 
+# NOTE: text transformers and the toolkit could split differently: the literal separator, a NUL, lone CRs,
+# characters of 1-4 UTF-8 bytes, runs of spaces.
+TRICKY = MULTIBYTE + "\x00\r\r\n  x\u2028𝔘\U0010ffff    def  f():\n\t\treturn 'ünïcödé'<|endoftext|><|endoftext|>"
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_saved_tokenizer_encodes_exactly_like_the_toolkit_in_transformers(tmp_path, kind):
+    from transformers import AutoTokenizer
+
+    tok = byte_tokenizer() if kind == "byte" else train_bpe(python_like_docs(30), vocab_size=300)
+    tok.save(tmp_path / "tok", model_max_length=64)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True)
+    rng = np.random.default_rng(0)
+    randoms = ["".join(map(chr, rng.choice([*range(1, 0xD800), *range(0xE000, 0x11000)], 300))) for _ in range(5)]
+    for text in [TRICKY, "", "<|endoftext|>", *randoms]:
+        ids = tok.encode(text)
+        assert hf(text)["input_ids"] == ids   # the literal <|endoftext|> stays text in both
+        assert hf.decode(ids) == tok.decode(ids) == text
+    assert (hf.eos_token_id, len(hf), hf.model_max_length) == (tok.eot_id, tok.vocab_size, 64)
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
+
 # ---------------------------------------------------------------------------
 # Packing, splitting, the token cache.
 
@@ -176,6 +198,67 @@ def test_bpe_is_trained_once_cached_and_saved_into_the_run_dir(tmp_path):
     Dataset(recipe.data, log=lines.append)
     assert lines == []  # tokenizer and tokens both from the cache
     assert len(list((tmp_path / "cache").glob("bpe-*"))) == 1
+
+
+def test_only_rank_0_writes_the_tokenizer_into_the_run_dir(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus", python_like_docs(40))
+    spec = recipe_from_dict(text_recipe(tmp_path, {"tokenizer": "bpe", "vocab_size": 300})).data
+    monkeypatch.setenv("RANK", "1")   # torchrun's rank, before a process group is joined
+    Dataset(spec, run_dir=tmp_path / "run1")
+    assert not (tmp_path / "run1" / "tokenizer").exists()
+    monkeypatch.setenv("RANK", "0")
+    ds = Dataset(spec, run_dir=tmp_path / "run0")
+    assert load_tokenizer_folder(tmp_path / "run0" / "tokenizer").encode(MULTIBYTE) == ds.tokenizer.encode(MULTIBYTE)
+    Dataset(spec, run_dir=tmp_path / "run0")  # a resumed run replaces the files, leaving no temp files
+    files = sorted((tmp_path / "run0" / "tokenizer").iterdir())
+    assert [p.name for p in files] == ["tokenizer.json", "tokenizer_config.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in files} == {0o666 & ~umask}   # not private temp files
+
+
+def _dataset_rank(rank: int, spec, root: Path) -> None:
+    """One of two gloo ranks building the same Dataset into one run dir; records what it did."""
+    import torch.distributed as dist
+
+    import toolkit.tokenizer
+
+    torch.set_num_threads(1)
+    saves = []
+    save = toolkit.tokenizer.TextTokenizer.save
+    toolkit.tokenizer.TextTokenizer.save = lambda self, folder, **kw: saves.append(str(folder)) or save(self, folder,
+                                                                                                         **kw)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank, world_size=2)
+    try:
+        ds = Dataset(spec, run_dir=root / "run")
+        dist.barrier()
+        result = {"built": ds.corpus.built, "saves": saves, "train": np.asarray(ds.corpus.train).tolist()}
+        (root / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_build_the_cache_once_and_rank_0_alone_writes_the_run_dir(tmp_path):
+    import multiprocessing
+
+    write_corpus(tmp_path / "corpus", python_like_docs(40))
+    spec = recipe_from_dict(text_recipe(tmp_path, {"tokenizer": "bpe", "vocab_size": 300})).data
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=_dataset_rank, args=(rank, spec, tmp_path)) for rank in range(2)]
+    for proc in ranks:
+        proc.start()
+    for proc in ranks:
+        proc.join(120)
+    assert [proc.exitcode for proc in ranks] == [0, 0]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert sorted([r0["built"], r1["built"]]) == [False, True]   # one tokenized, the other read its cache
+    assert r0["train"] == r1["train"]
+    run_saves = [s for r in (r0, r1) for s in r["saves"] if s.startswith(str(tmp_path / "run"))]
+    assert r0["saves"][-1:] == [str(tmp_path / "run" / "tokenizer")] and run_saves == r0["saves"][-1:]
+    assert len([s for r in (r0, r1) for s in r["saves"]]) == 2     # the BPE was trained (and cached) once
+    assert sorted(p.name for p in (tmp_path / "run" / "tokenizer").iterdir()) == ["tokenizer.json",
+                                                                                  "tokenizer_config.json"]
+    assert len(list((tmp_path / "cache").glob("bpe-*"))) == 1 and not list((tmp_path / "cache").glob(".tmp-*"))
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,10 @@
 """toolkit/export.py and `toolkit export`: a run's checkpoint -> a Hugging Face
-folder that transformers loads on its own and that computes the trained logits."""
+folder that transformers loads on its own and that computes the trained logits;
+for runs on text with the run's tokenizer, which AutoTokenizer loads and which
+encodes as the run did."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +16,10 @@ from toolkit.cli import main
 from toolkit.engine import Engine
 from toolkit.errors import UserError
 from toolkit.export import export_hf
+from toolkit.generate import generate_text, load_generator
 from toolkit.models import build_config
-from toolkit.recipe import load_recipe
+from toolkit.recipe import load_recipe, recipe_from_dict
+from toolkit.tokenizer import load_tokenizer_folder, run_tokenizer_dir
 from toolkit.train import run
 
 TINY = ["data.num_samples=64", "data.seq_len=32", "data.eval_samples=16", "batch.micro_batch_per_rank=8",
@@ -112,3 +118,99 @@ def test_export_of_a_run_dir_without_checkpoints_is_a_one_line_error(tmp_path, c
     assert not (tmp_path / "hf").exists()
     with pytest.raises(UserError, match="no such file or directory"):
         export_hf(tmp_path / "missing", tmp_path / "hf")
+
+
+# ---------------------------------------------------------------------------
+# Runs on text: the export holds the run's tokenizer.
+
+DOCS = [f"def add_{i}(a, b):\n    \"\"\"Sümme №{i} ✓\"\"\"\n    return a + b + {i}  # {'é' * (i % 3)}\n" for i in range(40)]
+TEXTS = ["def f(x):\n    return 'ünïcödé' ☕ 🐍 日本語", "<|endoftext|> stays text", "\x00\r\n\t  spaces   ", ""]
+
+
+def pretrained_folder(folder: Path) -> Path:
+    """A local Hugging Face tokenizer folder whose end-of-text token is named </s>."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      show_progress=False))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return folder
+
+
+@pytest.fixture(scope="module", params=["byte", "bpe", "pretrained"])
+def text_run(request, tmp_path_factory):
+    """A 3-step GPT-2 run on a tiny Python-like corpus with the given tokenizer: (tokenizer kind, run dir)."""
+    root = tmp_path_factory.mktemp(f"text-{request.param}")
+    (root / "corpus").mkdir()
+    for i, doc in enumerate(DOCS):
+        (root / "corpus" / f"{i:02d}.py").write_text(doc, encoding="utf-8")
+    data = {"kind": "text", "paths": [str(root / "corpus" / "*.py")], "seq_len": 32, "cache_dir": str(root / "cache"),
+            "validation_fraction": 0, "tokenizer": request.param}
+    if request.param == "bpe":
+        data["vocab_size"] = 300
+    if request.param == "pretrained":
+        data["tokenizer_path"] = str(pretrained_folder(root / "hf-tok"))
+    recipe = recipe_from_dict({"model": {"family": "gpt2", "size": "tiny"}, "data": data,
+                               "batch": {"micro_batch_per_rank": 4}, "scheduler": {"warmup_num_steps": 1},
+                               "training": {"max_steps": 3, "eval_interval": 0, "eval_batches": 0},
+                               "logging": {"console": False}})
+    run(recipe, root / "run", quiet=True)
+    return request.param, root / "run"
+
+
+def test_export_of_a_text_run_holds_its_tokenizer_which_auto_tokenizer_encodes_like_the_run(text_run, tmp_path):
+    from transformers import AutoTokenizer
+
+    kind, run_dir = text_run
+    done = export_hf(run_dir, tmp_path / "hf")
+    assert done.files == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                          "tokenizer_config.json"]
+    run_tok = load_tokenizer_folder(run_dir / "tokenizer")
+    assert run_tok.kind == kind
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    for text in TEXTS + DOCS[:3]:
+        ids = run_tok.encode(text)
+        assert hf(text)["input_ids"] == ids, text
+        assert hf.decode(ids) == run_tok.decode(ids)
+    assert hf.eos_token_id == run_tok.eot_id and hf.eos_token == {"pretrained": "</s>"}.get(kind, "<|endoftext|>")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert len(hf) <= model.config.vocab_size and hf.model_max_length == model.config.n_positions == 32
+
+
+def test_generate_on_an_export_uses_the_tokenizer_inside_it(text_run, tmp_path, capsys):
+    kind, run_dir = text_run
+    export_hf(run_dir, tmp_path / "hf")
+    expected = generate_text(load_generator(run_dir), "def ", 12, temperature=0)
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", "def ", "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr()
+    assert out.out == expected + "\n" and f"tokenizer {kind}," in out.err
+
+
+def test_export_without_the_runs_tokenizer_folder_rebuilds_byte_level_or_warns(text_run, tmp_path, capsys):
+    kind, run_dir = text_run
+    shutil.copytree(run_dir, tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "tokenizer")
+    capsys.readouterr()
+    done = export_hf(tmp_path / "run", tmp_path / "hf")
+    err = capsys.readouterr().err
+    if kind == "byte":  # nothing was trained: the same tokenizer again
+        assert err == "" and "tokenizer.json" in done.files
+        assert load_tokenizer_folder(tmp_path / "hf").encode(TEXTS[0]) == list(TEXTS[0].encode("utf-8"))
+    else:
+        assert err.startswith(f"warning: {done.checkpoint}: the run's {kind} tokenizer is not at "
+                              f"{tmp_path / 'run' / 'tokenizer'}; the export has no tokenizer") and err.count("\n") == 1
+        assert "tokenizer.json" not in done.files
+
+
+def test_run_tokenizer_dir_follows_a_nested_checkpoint_dir():
+    assert run_tokenizer_dir(Path("/r/checkpoints/step-000003")) == Path("/r/tokenizer")
+    assert run_tokenizer_dir(Path("/r/ck/nested/step-000003"), "ck/nested") == Path("/r/tokenizer")

@@ -78,8 +78,9 @@ def test_generate_from_an_exported_folder_with_the_runs_tokenizer(text_run, tmp_
     assert cli_main(["generate", str(tmp_path / "hf"), "--prompt", "class ", "--max-new-tokens", "16",
                      "--temperature", "0", "--tokenizer", str(text_run / "tokenizer")]) == 0
     assert capsys.readouterr().out == expected + "\n"
-    assert cli_main(["generate", str(tmp_path / "hf"), "--prompt", "x"]) == 2
-    assert "no tokenizer at" in capsys.readouterr().err
+    assert cli_main(["generate", str(tmp_path / "hf"), "--prompt", "class ", "--max-new-tokens", "16",
+                     "--temperature", "0"]) == 0   # the export holds the run's tokenizer
+    assert capsys.readouterr().out == expected + "\n"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -102,3 +103,8 @@ def test_generate_without_a_checkpoint_or_tokenizer_is_one_line(tmp_path, capsys
     assert cli_main(["generate", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "runs on synthetic data have none" in err[0]
+    assert cli_main(["export", str(run), str(tmp_path / "hf")]) == 0   # no tokenizer in it either
+    capsys.readouterr()
+    assert cli_main(["generate", str(tmp_path / "hf"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tokenizer at" in err[0]

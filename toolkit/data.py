@@ -17,6 +17,10 @@ epoch) one global batch per optimizer step; rank r's micro-step m takes slots
 [(m * world + r) * micro, ... + micro) of it, so ranks never overlap and the
 samples of a step do not depend on how the global batch is split. Its position
 (epoch, step in epoch) is what a checkpoint saves.
+
+Several processes (torchrun, `toolkit run --nproc N`): every rank reads the same
+cache; one builds each entry (a file lock, then a temp dir renamed into place) and
+the others load it. Rank 0 alone writes the tokenizer into the run dir.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import torch
 from toolkit.corpus import fingerprint_files, list_files, read_documents
 from toolkit.errors import UserError
 from toolkit.specs import BatchSpec, DataSpec
-from toolkit.tokenizer import TextTokenizer, byte_tokenizer, load_tokenizer_folder, train_bpe
+from toolkit.tokenizer import RUN_TOKENIZER_DIR, TextTokenizer, byte_tokenizer, load_tokenizer_folder, train_bpe
 
 CACHE_FORMAT = 1
 _CHUNK_CHARS = 4_000_000  # documents tokenized per encode_batch call (bounded memory, parallel in Rust)
@@ -105,6 +109,17 @@ def _build_lock(final: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def process_rank() -> int:
+    """This process's rank: the joined group's, else torchrun's RANK, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    from toolkit.zero.comm import launched_world
+
+    return launched_world()[0]
 
 
 def _cache_dir(spec: DataSpec) -> Path:
@@ -282,8 +297,10 @@ class Dataset:
         eval_count = max((len(corpus.valid) - 1) // spec.seq_len, 0)
         self.eval = PackedSequences(corpus.valid, spec.seq_len,
                                     order=np.random.default_rng(spec.seed).permutation(eval_count))
-        if run_dir is not None:
-            self.tokenizer.save(Path(run_dir) / "tokenizer")
+        if run_dir is not None and process_rank() == 0:
+            # NOTE: no barrier: the other ranks hold the same tokenizer (from the same cache entry) and never
+            # read this copy; each file is replaced atomically, so a reader (generate, export) sees a whole one.
+            self.tokenizer.save(Path(run_dir) / RUN_TOKENIZER_DIR)
 
     @property
     def entropy_floor(self) -> float:

@@ -1,6 +1,11 @@
 """`toolkit export`: a training checkpoint -> a Hugging Face folder (config.json,
 model.safetensors, generation_config.json) that `AutoModelForCausalLM.from_pretrained`
-loads with no toolkit installed.
+loads with no toolkit installed; for a run on text also the run's tokenizer
+(tokenizer.json, tokenizer_config.json) that `AutoTokenizer.from_pretrained` loads and
+that encodes exactly as the run did (byte-level, BPE or the pretrained folder's).
+NOTE: a pretrained tokenizer keeps its own post-processor: where it adds a BOS token,
+AutoTokenizer adds it by default as the original folder does, while the run's documents
+carried none (`encode(text, add_special_tokens=False)` gives the run's ids).
 
 The config is the trained model's own transformers config, stored in the checkpoint
 (for recipe-built models it is `toolkit.models.build_config(recipe.model)`; for a
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +26,7 @@ import torch
 
 from toolkit.checkpoint import Checkpoint, find_checkpoint, load_checkpoint, make_temp_dir
 from toolkit.errors import UserError
+from toolkit.tokenizer import TOKENIZER_FILE, TextTokenizer, byte_tokenizer, load_tokenizer_folder, run_tokenizer_dir
 
 
 @dataclass
@@ -56,6 +63,11 @@ def checkpoint_model_state(ckpt: Checkpoint) -> dict:
     return engine["model"]
 
 
+def max_positions(config) -> int:
+    """The model's context length in tokens (GPT-2 names it n_positions, Llama max_position_embeddings)."""
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 1024
+
+
 def build_hf_model(ckpt: Checkpoint):
     """The checkpoint's weights in a transformers model, built on the meta device (no random init)."""
     from transformers import AutoModelForCausalLM
@@ -72,6 +84,33 @@ def build_hf_model(ckpt: Checkpoint):
     return model.eval()
 
 
+def run_tokenizer_folder(ckpt: Checkpoint) -> Path:
+    """Where the checkpoint's run saved its tokenizer: <run_dir>/tokenizer."""
+    checkpoint_dir = ((ckpt.meta.get("recipe") or {}).get("checkpoint") or {}).get("dir", "checkpoints")
+    return run_tokenizer_dir(ckpt.path, checkpoint_dir)
+
+
+def run_tokenizer(ckpt: Checkpoint, vocab_size: int) -> TextTokenizer | None:
+    """The tokenizer the checkpoint's run trained with (from <run_dir>/tokenizer), or None for synthetic data."""
+    data = (ckpt.meta.get("recipe") or {}).get("data") or {}
+    if data.get("kind", "synthetic") == "synthetic":
+        return None
+    folder = run_tokenizer_folder(ckpt)
+    if (folder / TOKENIZER_FILE).is_file():
+        tokenizer = load_tokenizer_folder(folder, where="tokenizer")
+    elif data.get("tokenizer") == "byte":  # nothing trained: the same tokenizer again
+        tokenizer = byte_tokenizer()
+    else:
+        print(f"warning: {ckpt.path}: the run's {data.get('tokenizer')} tokenizer is not at {folder}; the export has "
+              "no tokenizer (copy the run's tokenizer folder into it, or pass --tokenizer to toolkit generate)",
+              file=sys.stderr, flush=True)
+        return None
+    if tokenizer.vocab_size > vocab_size:
+        raise UserError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab_size}; "
+                        "it is not this run's tokenizer")
+    return tokenizer
+
+
 def _check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir}: exists and is not empty; export into a new or empty folder")
@@ -86,6 +125,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
     step_dir = find_checkpoint(Path(source))
     ckpt = load_checkpoint(step_dir)
     model = build_hf_model(ckpt)
+    tokenizer = run_tokenizer(ckpt, model.config.vocab_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed into place: never a half-written export.
     tmp = make_temp_dir(out_dir.parent, out_dir.name)
@@ -97,6 +137,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
             from transformers import GenerationConfig
 
             GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save(tmp, model_max_length=max_positions(model.config))
         _check_out_dir(out_dir)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked just above

@@ -34,46 +34,47 @@ def _is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def _run_tokenizer_dir(step_dir: Path) -> Path:
-    """<run_dir>/tokenizer for <run_dir>/<checkpoint.dir>/step-NNNNNN."""
-    return step_dir.parent.parent / "tokenizer"
-
-
 def _tokenizer(folder: Path, source: Path) -> TextTokenizer:
     if not (folder / TOKENIZER_FILE).is_file():
         raise UserError(f"{source}: no tokenizer at {folder} (runs on synthetic data have none; runs on text save "
-                        "theirs in <run_dir>/tokenizer/); pass --tokenizer FOLDER")
+                        "theirs in <run_dir>/tokenizer/ and exports of them hold it); pass --tokenizer FOLDER")
     return load_tokenizer_folder(folder, where="tokenizer")
 
 
 def load_generator(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Generator:
     """The model of a run dir (latest checkpoint), checkpoints dir, step dir or exported HF folder, with its tokenizer."""
+    from toolkit.export import max_positions
+
     path = Path(path)
     if path.is_dir() and _is_hf_folder(path):
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        tokenizer = _tokenizer(Path(tokenizer_dir) if tokenizer_dir else path, path)
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # NOTE: stderr carries one line (describe) and errors, no loading bar
         try:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
         except (OSError, ValueError) as exc:
             raise UserError(f"{path}: cannot load the model: {str(exc).strip().splitlines()[0]}") from None
-        tokenizer = _tokenizer(Path(tokenizer_dir) if tokenizer_dir else path, path)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         source = str(path)
     else:
         from toolkit.checkpoint import find_checkpoint, load_checkpoint
-        from toolkit.export import build_hf_model
+        from toolkit.export import build_hf_model, run_tokenizer_folder
 
         step_dir = find_checkpoint(path)
         ckpt = load_checkpoint(step_dir)
-        tokenizer = _tokenizer(Path(tokenizer_dir) if tokenizer_dir else _run_tokenizer_dir(step_dir), path)
+        tokenizer = _tokenizer(Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_folder(ckpt), path)
         model = build_hf_model(ckpt)
         source = f"{step_dir} (step {ckpt.step})"
-    config = model.config
-    max_positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 1024
-    vocab = config.vocab_size
+    vocab = model.config.vocab_size
     if tokenizer.vocab_size > vocab:
         raise UserError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab}; "
                         "is it the run's tokenizer?")
-    return Generator(model.eval(), tokenizer, source, max_positions)
+    return Generator(model.eval(), tokenizer, source, max_positions(model.config))
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:

@@ -6,15 +6,19 @@ end-of-text token that separates packed documents:
   library on the training documents, up to data.vocab_size tokens.
 - `pretrained`: a local Hugging Face tokenizer folder (its tokenizer.json).
 
-Each is saved into the run dir as a Hugging Face tokenizer folder (tokenizer.json,
-tokenizer_config.json) that `toolkit generate` and `AutoTokenizer` load. Caching
-the trained BPE and the token ids lives in toolkit/data.py. No torch here.
+Each is saved into the run dir (<run_dir>/tokenizer/, by rank 0) and into exports as
+a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json) that
+`toolkit generate` and `AutoTokenizer` load and that encodes exactly as the run did
+(the byte-level one included: it is a merge-free BPE over GPT-2's byte alphabet).
+Caching the trained BPE and the token ids lives in toolkit/data.py. No torch here.
 """
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from toolkit.errors import UserError
 
@@ -23,6 +27,7 @@ BYTE_VOCAB_SIZE = 257  # 256 bytes + <|endoftext|>
 # NOTE: the byte alphabet plus the end-of-text token; a BPE needs at least one merge on top.
 MIN_BPE_VOCAB_SIZE = BYTE_VOCAB_SIZE + 1
 CONFIG_FILE, TOKENIZER_FILE = "tokenizer_config.json", "tokenizer.json"
+RUN_TOKENIZER_DIR = "tokenizer"  # <run_dir>/tokenizer/: the run's tokenizer, for generate and export
 # Names a pretrained tokenizer may give its end-of-text token when its config names none.
 _EOT_CANDIDATES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 
@@ -73,15 +78,32 @@ class TextTokenizer:
         """Text of `ids` (special tokens included; invalid UTF-8 becomes U+FFFD)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def save(self, folder: Path) -> Path:
-        """Write a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json)."""
+    def save(self, folder: Path, model_max_length: int | None = None) -> Path:
+        """Write a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json), each file atomically."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.tokenizer.save(str(folder / TOKENIZER_FILE))
+        # NOTE: split_special_tokens makes transformers encode the literal text "<|endoftext|>" as text,
+        # as encode() does (tokenizer.json does not store encode_special_tokens).
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eot_token,
-                  "bos_token": self.eot_token, "unk_token": None, "toolkit_kind": self.kind}
-        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+                  "bos_token": self.eot_token, "unk_token": None, "split_special_tokens": True,
+                  "toolkit_kind": self.kind}
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        _write_atomically(folder / TOKENIZER_FILE, lambda tmp: self.tokenizer.save(str(tmp)))
+        _write_atomically(folder / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
         return folder
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """`write` a temp file beside `path`, then rename it over `path`: a reader sees the old file or the new one."""
+    # NOTE: not mkstemp, whose files are private (0600): these keep the umask's permissions like any other.
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def byte_tokenizer() -> TextTokenizer:
@@ -153,3 +175,10 @@ def load_tokenizer_folder(folder: Path, where: str = "recipe.data.tokenizer_path
 def pretrained_vocab_size(folder: Path, where: str) -> int:
     """The vocabulary (added tokens included) of a tokenizer folder, for the model's embedding."""
     return load_tokenizer_folder(folder, where).vocab_size
+
+
+def run_tokenizer_dir(step_dir: Path, checkpoint_dir: str = "checkpoints") -> Path:
+    """<run_dir>/tokenizer for a step dir <run_dir>/<checkpoint_dir>/step-NNNNNN (checkpoint.dir may be nested)."""
+    step_dir, checkpoint_dir = Path(step_dir), Path(checkpoint_dir)
+    depth = 1 if checkpoint_dir.is_absolute() else max(len(checkpoint_dir.parts), 1)
+    return step_dir.parents[min(depth, len(step_dir.parents) - 1)] / RUN_TOKENIZER_DIR
