@@ -206,7 +206,10 @@ def test_adamw_step_matches_float64(sizes, grad_dtype, lowp_dtype):
     assert flag.item() == 0
     for i, (p_ref, m_ref, v_ref) in enumerate(expected):
         assert rel_err(params[i], p_ref) < 1e-5
-        assert rel_err(params[i] - before[i], p_ref - before[i].double()) < 1e-5  # the update itself
+        # the update itself, to 1e-5 of its size, plus the one rounding of the stored fp32 parameter
+        # (2^-24 of it), which a few-element update cannot average away
+        update_err = (params[i].double() - p_ref).norm()
+        assert update_err <= 1e-5 * (p_ref - before[i].double()).norm() + 2 ** -24 * p_ref.norm()
         assert rel_err(exp_avgs[i], m_ref) < 1e-5 and rel_err(exp_avg_sqs[i], v_ref) < 1e-5
         if lowp:
             assert torch.equal(lowp[i], params[i].to(lowp_dtype))
@@ -266,11 +269,16 @@ def test_fused_adamw_tracks_torch_fused_adamw_on_gpt2():
     torch_opt = torch.optim.AdamW(param_groups(a, 0.1), fused=True, **settings)
     fused_opt = FusedAdamW(param_groups(b, 0.1), **settings)
     for _ in range(5):
+        # NOTE: one backward, its gradients given to both: SDPA's backward is not bitwise deterministic,
+        # and Adam turns tiny gradient differences into lr-sized ones where gradients are near zero.
         ids = torch.randint(0, 512, (4, 64), device="cuda")
-        for model, opt in ((a, torch_opt), (b, fused_opt)):
-            opt.zero_grad()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
+        torch_opt.zero_grad()
+        fused_opt.zero_grad()
+        a(input_ids=ids, labels=ids).loss.backward()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            pb.grad = pa.grad.clone()
+        torch_opt.step()
+        fused_opt.step()
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert rel_err(pb, pa) < 1e-5, name
 
@@ -283,8 +291,10 @@ def run_engine(overrides, steps=12):
     from toolkit.recipe import load_recipe
 
     engine = Engine(load_recipe("quickstart", ["training.max_steps=50", "training.device=cuda", *overrides]))
-    generator = torch.Generator().manual_seed(0)
-    losses = [engine.train_batch([torch.randint(0, 256, (16, 65), generator=generator)]).loss for _ in range(steps)]
+    # NOTE: one batch, seen every step: uniform random tokens start at their floor (ln 256), a memorised
+    # batch gives a loss that must fall.
+    batch = torch.randint(0, 256, (16, 65), generator=torch.Generator().manual_seed(0))
+    losses = [engine.train_batch([batch]).loss for _ in range(steps)]
     return engine, losses
 
 
