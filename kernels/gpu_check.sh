@@ -43,10 +43,12 @@ for stage in $stages; do
     zero1.5b)
       timeout 330 python3 -m toolkit.zero.bench_gpu --size 1.5b --micro 16 --steps 6 \
         --configs plain,stage0,stage1,stage2,stage3,stage2-offload --markdown "$OUT/zero.md" 2>&1 | tee "$OUT/zero1.5b.txt" ;;
-    ladder)  # the largest GPT-2 shape with offload + activation checkpointing, micro batch 4 (LADDER: layer counts)
+    ladder)  # the largest GPT-2 shape with offload + activation checkpointing, micro batch 4
+              # (LADDER: layer counts; OFFLOAD_RATIO: zero.offload_ratio)
       for layers in ${LADDER:-24 39}; do
         timeout 200 python3 -m toolkit.zero.bench_gpu --layers "$layers" --width 4096 --heads 32 --micro 4 --ckpt \
-          --steps 4 --warmup 2 --timeout 190 --configs stage2-offload --markdown "$OUT/zero.md" 2>&1 | tee -a "$OUT/ladder.txt"
+          --steps 4 --warmup 2 --timeout 190 --configs stage2-offload --offload-ratio "${OFFLOAD_RATIO:-1}" \
+          --markdown "$OUT/zero.md" 2>&1 | tee -a "$OUT/ladder.txt"
       done ;;
     cpu_adam)  # the toolkit's CPU Adam against torch's CPU AdamW on this host's cores
       timeout 120 python3 kernels/bench_cpu_adam.py --steps 10 2>&1 | tee "$OUT/cpu_adam.txt" ;;

@@ -156,7 +156,10 @@ def test_cross_entropy_forward_and_backward_match_float64(shape, dtype):
     ref = F.cross_entropy(l64, targets)
     ref.backward()
     assert loss.dtype == torch.float32
-    assert abs(loss.item() - ref.item()) / abs(ref.item()) < 1e-5  # fp32 maths on the same inputs
+    # fp32 maths on the same inputs: 1e-5 of the loss, plus the fp32 rounding of log-sum-exp minus the
+    # target logit (terms of size max|logit|), which cancel when a row's loss is near zero
+    bound = 1e-5 * abs(ref.item()) + 2 ** -22 * float(l64.detach().abs().max())
+    assert abs(loss.item() - ref.item()) <= bound
     assert logits.grad.dtype == dtype and rel_err(logits.grad, l64.grad) < TOL[dtype]
 
 

@@ -2,8 +2,9 @@
 without offload and accumulation, ends where stage 0 does; the tolerance and its
 reason are those of tests/test_zero_dist.py."""
 import pytest
+import torch
 
-from test_zero_dist import RTOL, STEPS, assert_params_close, train
+from test_zero_dist import RTOL, SMALL_BUCKETS, STEPS, _engine, assert_params_close, train
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +22,50 @@ def test_one_process_zero_stage_matches_stage0(overrides, stage0):
     assert_params_close(engine.strategy.full_parameters(), stage0[0])
     assert losses == pytest.approx(stage0[1], rel=RTOL)
     assert len(losses) == STEPS
+
+
+PART_OFFLOAD = ["zero.offload_optimizer=cpu", "zero.offload_ratio=0.5"]
+
+
+@pytest.mark.parametrize("overrides", [["zero.stage=2", SMALL_BUCKETS, *PART_OFFLOAD], ["zero.stage=3", *PART_OFFLOAD]],
+                         ids=" ".join)
+def test_part_offloaded_optimizer_matches_stage0(overrides, stage0, monkeypatch):
+    monkeypatch.setattr("toolkit.zero.offload.PIECE_NUMEL", 1000)  # many pieces: the staging slots alternate
+    engine, _, losses, _ = train(1, overrides)
+    assert len(engine.strategy.parts[1].offloaded_step.pieces) > 10
+    kept, offloaded = engine.strategy.parts
+    assert not kept.offloaded and offloaded.offloaded and kept.layout.numel and offloaded.layout.numel
+    share = offloaded.layout.numel / engine.strategy.layout.numel
+    assert 0.2 < share < 0.8  # whole groups, about half the shard
+    memory = engine.strategy.memory_bytes()
+    assert memory["mem_offload_bytes"] == 12 * offloaded.layout.numel  # fp32: master + moments
+    assert memory["mem_optim_bytes"] == 8 * kept.layout.numel and memory["mem_master_bytes"] == 0
+    assert_params_close(engine.strategy.full_parameters(), stage0[0])
+    assert losses == pytest.approx(stage0[1], rel=RTOL)
+
+
+def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
+    """Saved with half the optimizer offloaded, resumed with all of it offloaded: same states, same losses."""
+    from toolkit.checkpoint import Checkpointer, find_checkpoint, load_checkpoint
+
+    def states(engine):
+        return {(name, kind): view.clone() for name, _, _, views in engine.strategy.owned_pieces()
+                for kind, view in views.items()}
+
+    recipe, engine, stream = _engine(1, ["zero.stage=2", SMALL_BUCKETS, *PART_OFFLOAD])
+    checkpointer = Checkpointer(recipe, tmp_path / "run")
+    uninterrupted = []
+    for step in range(STEPS):
+        uninterrupted.append(engine.train_batch(stream.next_step()).loss)
+        if step == 4:
+            checkpointer.save(engine, stream, None)
+            saved = states(engine)
+    ckpt = load_checkpoint(find_checkpoint(tmp_path / "run"))
+    recipe, engine, stream = _engine(1, ["zero.stage=2", SMALL_BUCKETS, "zero.offload_optimizer=cpu"])
+    assert len(engine.strategy.parts) == 1
+    Checkpointer(recipe, tmp_path / "scratch").restore(ckpt, engine, stream)
+    restored = states(engine)
+    assert restored.keys() == saved.keys()
+    assert all(torch.equal(restored[key], saved[key]) for key in saved)
+    resumed = [engine.train_batch(stream.next_step()).loss for _ in range(STEPS - ckpt.step)]
+    assert resumed == pytest.approx(uninterrupted[ckpt.step:], rel=RTOL)

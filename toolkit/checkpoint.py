@@ -142,7 +142,8 @@ class Checkpointer:
                 self._stale = []
                 return path
         else:
-            path = save_checkpoint(self.dir, engine.global_step, state, meta)
+            shard = engine.write_shard if getattr(engine, "sharded_checkpoint", False) else None
+            path = save_checkpoint(self.dir, engine.global_step, state, meta, shard)
         self.last_saved_step = engine.global_step
         for name in self._stale:
             if name != path.name and (self.dir / name).is_dir():

@@ -33,15 +33,24 @@ def _write_state_files(tmp: Path, step: int, state: dict, meta: dict, shard_file
     _fsync_dir(tmp)
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict) -> Path:
-    """Write <ckpt_dir>/step-NNNNNN atomically, then point `latest` at it; returns the step dir."""
+def _write_shard_file(tmp: Path, write_shard) -> tuple[str, dict]:
+    """A rank's ZeRO shard written into tmp and fsynced: (file name, its manifest entry)."""
+    shard = write_shard(tmp)
+    _fsync_file(tmp / shard)
+    return shard, {"sha256": sha256_file(tmp / shard), "bytes": (tmp / shard).stat().st_size}
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, write_shard=None) -> Path:
+    """Write <ckpt_dir>/step-NNNNNN atomically, then point `latest` at it; returns the step dir.
+    `write_shard(tmp_dir) -> file name` adds a one-process ZeRO run's shard (stages 1-3, no process group)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     name = step_dir_name(step)
     final = ckpt_dir / name
     tmp = make_temp_dir(ckpt_dir, name)
     try:
-        _write_state_files(tmp, step, state, meta)
+        shard_files = dict([_write_shard_file(tmp, write_shard)]) if write_shard is not None else {}
+        _write_state_files(tmp, step, state, meta, shard_files=shard_files)
         if final.exists():  # the same step saved again (a fresh run in an old run dir): replace it
             _remove_dir(final)
         os.rename(tmp, final)
@@ -70,9 +79,7 @@ def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: di
     report = None
     try:
         if write_shard is not None:
-            shard = write_shard(tmp)
-            _fsync_file(tmp / shard)
-            report = (shard, {"sha256": sha256_file(tmp / shard), "bytes": (tmp / shard).stat().st_size})
+            report = _write_shard_file(tmp, write_shard)
     except Exception as exc:  # every rank must hear of it, or the others wait forever
         report = ("error", f"rank {info.rank}: {type(exc).__name__}: {exc}")
     reports = [None] * info.world_size

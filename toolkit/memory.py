@@ -97,8 +97,9 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, dtype: str = "fp16",
-                               offload: str = "none") -> ModelStateBytes:
-    """Per-rank parameter, gradient and optimizer-state bytes (ZeRO paper, sections 3 and 5)."""
+                               offload: str = "none", offload_ratio: float = 1.0) -> ModelStateBytes:
+    """Per-rank parameter, gradient and optimizer-state bytes (ZeRO paper, sections 3 and 5); with offload,
+    `offload_ratio` of the optimizer shard in CPU memory (the toolkit rounds it to whole groups)."""
     # Mixed precision with Adam, P parameters, N ranks (K = 12):
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
     #   stage 2: 2P + (2 + K)P/N     stage 3: (2 + 2 + K)P/N
@@ -116,7 +117,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     grads = per_param * (shard if stage >= 2 else num_params)
     optim = ADAM_K[dtype] * (shard if stage >= 1 else num_params)
     if offload == "cpu":
-        return ModelStateBytes(params, grads, 0, 12 * shard)
+        host = round(offload_ratio * shard)
+        return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host), 12 * host)
     return ModelStateBytes(params, grads, optim, 0)
 
 

@@ -189,6 +189,9 @@ def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
                           f"{sched['warmup_num_steps']}")
     if r["zero"]["offload_optimizer"] != "none" and r["zero"]["stage"] < 1:
         errors.append("recipe.zero.offload_optimizer: 'cpu' needs zero.stage >= 1 (stage is 0)")
+    if r["zero"]["offload_ratio"] != 1 and r["zero"]["offload_optimizer"] != "cpu":
+        errors.append(f"recipe.zero.offload_ratio: {r['zero']['offload_ratio']} needs zero.offload_optimizer "
+                      "'cpu' (it is the part of the optimizer kept in CPU memory)")
     data, training = r["data"], r["training"]
     if data["kind"] != "synthetic":
         pass  # a real corpus's sizes are checked when it is read (toolkit/data.py)

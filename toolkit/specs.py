@@ -75,6 +75,7 @@ class PrecisionSpec:
 class ZeroSpec:
     stage: int
     offload_optimizer: str
+    offload_ratio: float
     reduce_bucket_size: int
     allgather_bucket_size: int
     prefetch_units: int

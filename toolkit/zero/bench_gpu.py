@@ -47,6 +47,7 @@ def engine_recipe(args, config: str):
     stage = int(config[5])
     overrides = [*model_overrides(args), f"zero.stage={stage}",
                  f"zero.offload_optimizer={'cpu' if config.endswith('offload') else 'none'}",
+                 *([f"zero.offload_ratio={args.offload_ratio}"] if config.endswith("offload") else []),
                  f"batch.micro_batch_per_rank={args.micro}", "batch.grad_accum_steps=1", "precision.dtype=bf16",
                  "training.device=cuda", "training.max_steps=1000", "checkpoint.save_final=false",
                  f"model.activation_checkpointing={'true' if args.ckpt else 'false'}",
@@ -101,7 +102,8 @@ def child(args) -> dict:
     elapsed = time.perf_counter() - started
     stage = 0 if args.config == "plain" else int(args.config[5])
     offload = "cpu" if args.config.endswith("offload") else "none"
-    estimate = estimate_model_state_bytes(n_params, stage=stage, world_size=1, dtype="bf16", offload=offload)
+    estimate = estimate_model_state_bytes(n_params, stage=stage, world_size=1, dtype="bf16", offload=offload,
+                                          offload_ratio=args.offload_ratio)
     if dist.is_initialized():
         dist.destroy_process_group()
     return {"config": args.config, "params": n_params, "tokens_per_s": args.micro * SEQ * args.steps / elapsed,
@@ -124,7 +126,7 @@ def run_child(args, config: str) -> dict:
         if args.layers else ["--size", args.size]
     command = [sys.executable, "-m", "toolkit.zero.bench_gpu", "--child", config, *shape, "--micro", str(args.micro),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--port", str(free_port())]
-    command += ["--ckpt"] * args.ckpt + ["--kernels-off"] * args.kernels_off
+    command += ["--ckpt"] * args.ckpt + ["--kernels-off"] * args.kernels_off + ["--offload-ratio", str(args.offload_ratio)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -140,7 +142,8 @@ def run_child(args, config: str) -> dict:
 def table(args, results: list[dict]) -> list[str]:
     shape = f"{args.layers} layers x {args.width}" if args.layers else f"GPT-2 {args.size}"
     plain = next((r for r in results if r["config"] == "plain" and "error" not in r), None)
-    lines = [f"### {shape}, micro batch {args.micro} x {SEQ}, bf16{', activation checkpointing' if args.ckpt else ''}"
+    ratio = f", offload_ratio {args.offload_ratio}" if args.offload_ratio != 1 else ""
+    lines = [f"### {shape}, micro batch {args.micro} x {SEQ}, bf16{', activation checkpointing' if args.ckpt else ''}{ratio}"
              f"; {torch.cuda.get_device_name()} ({os.cpu_count()} CPUs), torch {torch.__version__}, "
              f"{args.steps} timed steps", "",
              "| config | params | tokens/s | ms/step | vs plain | GPU peak alloc / reserved GiB | host peak GiB "
@@ -165,6 +168,7 @@ def main() -> int:
     parser.add_argument("--micro", type=int, default=16)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--ckpt", action="store_true", help="activation checkpointing")
+    parser.add_argument("--offload-ratio", type=float, default=1.0, help="zero.offload_ratio of the offload configs")
     parser.add_argument("--kernels-off", action="store_true", help="torch everywhere instead of fused kernels")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

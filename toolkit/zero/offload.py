@@ -51,10 +51,10 @@ class OffloadedStep:
     """AdamW for a rank's shard with master and moments in CPU memory, gradients and weights on `device`."""
 
     def __init__(self, layout: ShardLayout, optimizer, master: torch.Tensor, grad_chunks: list[torch.Tensor],
-                 param_chunks: list[torch.Tensor], device: torch.device, piece_numel: int = PIECE_NUMEL):
+                 param_chunks: list[torch.Tensor], device: torch.device, piece_numel: int | None = None):
         self.optimizer, self.master = optimizer, master
         self.grad_chunks, self.param_chunks = grad_chunks, param_chunks
-        self.pieces = split_pieces(layout, piece_numel)
+        self.pieces = split_pieces(layout, piece_numel or PIECE_NUMEL)
         self.cuda = device.type == "cuda"
         size = max((p.numel for p in self.pieces), default=0)
         dtype = param_chunks[0].dtype if param_chunks else torch.float32

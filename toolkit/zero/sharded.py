@@ -13,7 +13,9 @@ and `after_step()` (stages 1-2 all-gather the new weights; stage 3 need not).
 Master weights are the parameter chunks themselves for fp32 training; they are
 a separate fp32 buffer for bf16/fp16 models and always for offload, where they
 live in CPU memory with the moments and the step runs on the CPU piece by piece
-(offload.py, kernels/cpu_adam.cpp).
+(offload.py, kernels/cpu_adam.cpp). The shard's groups form one or two `ShardPart`s:
+with zero.offload_ratio below 1 the first groups keep their master and moments on
+the device (stepped there, asynchronously) and the rest are offloaded.
 """
 from __future__ import annotations
 
@@ -39,6 +41,73 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+class ShardPart:
+    """A run of consecutive groups whose master weights and AdamW moments live on one device."""
+
+    def __init__(self, recipe, groups: range, all_groups: list[FlatGroup], rank: int, param_chunks, grad_chunks,
+                 device: torch.device, offloaded: bool):
+        self.groups = groups
+        self.layout = ShardLayout([all_groups[g] for g in groups], rank)
+        self.param_chunks, self.grad_chunks = [param_chunks[g] for g in groups], [grad_chunks[g] for g in groups]
+        self.offloaded = offloaded
+        opt_device = torch.device("cpu") if offloaded else device
+        self.optimizer = ShardedAdamW(recipe.optimizer, self.layout.numel, opt_device, offload=offloaded)
+        dtype = param_chunks[0].dtype
+        self.master: torch.Tensor | None = None
+        self.master_chunks = self.param_chunks  # fp32 weights are their own master, unless offloaded
+        if offloaded or dtype != torch.float32:
+            self.master = torch.empty(self.layout.numel, dtype=torch.float32, device=opt_device)
+            self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
+            for master, chunk in zip(self.master_chunks, self.param_chunks):
+                master.copy_(chunk)
+        self.moment_chunks = [(self.layout.chunk_of(self.optimizer.exp_avg, g),
+                               self.layout.chunk_of(self.optimizer.exp_avg_sq, g)) for g in range(len(groups))]
+        self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
+                                             self.param_chunks, device) if offloaded else None)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this part (the device's runs asynchronously; the CPU's returns when done)."""
+        if self.offloaded_step is not None:
+            self.offloaded_step.step()
+            return
+        views = {decay: (self.layout.segment_views(self.master_chunks, decay),
+                         self.layout.segment_views(self.grad_chunks, decay),
+                         self.layout.segment_views([m for m, _ in self.moment_chunks], decay),
+                         self.layout.segment_views([v for _, v in self.moment_chunks], decay))
+                 for decay in (True, False)}
+        self.optimizer.step({d: views[d][0] for d in views}, {d: views[d][1] for d in views},
+                            {d: views[d][2:] for d in views})
+        self.publish()
+
+    def publish(self) -> None:
+        """Copy a separate master into the parameter chunks (the offloaded step sends its own)."""
+        if self.master is not None and self.offloaded_step is None:
+            for chunk, master in zip(self.param_chunks, self.master_chunks):
+                chunk.copy_(master)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Moments and the separate master, if any."""
+        return [self.optimizer.exp_avg, self.optimizer.exp_avg_sq] + ([self.master] if self.master is not None else [])
+
+
+def split_groups(groups: list[FlatGroup], offload: bool, ratio: float) -> tuple[range, range]:
+    """(groups kept on the device, groups offloaded): the last groups, about `ratio` of the shard's elements.
+
+    Every rank's chunk of a group has the same size, so every rank splits at the same group.
+    """
+    n = len(groups)
+    if not offload:
+        return range(n), range(n, n)
+    want = ratio * sum(g.chunk for g in groups)
+    best, best_gap, host = n - 1, float("inf"), 0
+    for first in range(n - 1, -1, -1):  # offload groups[first:], at least one
+        host += groups[first].chunk
+        if abs(host - want) < best_gap:
+            best, best_gap = first, abs(host - want)
+    return range(best), range(best, n)
+
+
 class ShardedStrategy:
     """Base of stages 1-3: the shard's optimizer step and bookkeeping."""
 
@@ -52,52 +121,46 @@ class ShardedStrategy:
         self.layout = ShardLayout(groups, info.rank)
         self.param_dtype = param_dtype
         self.offload = recipe.zero.offload_optimizer == "cpu"
-        self.opt_device = torch.device("cpu") if self.offload else device
         self.separate_master = self.offload or param_dtype != torch.float32
-        self.optimizer = ShardedAdamW(recipe.optimizer, self.layout.numel, self.opt_device, offload=self.offload)
-        self.master: torch.Tensor | None = None
         self.param_chunks: list[torch.Tensor] = []
         self.grad_chunks: list[torch.Tensor] = []
-        self._offloaded_step: OffloadedStep | None = None
+        self.parts: list[ShardPart] = []
 
     def describe(self) -> str:
         """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
         what = {1: "optimizer states", 2: "optimizer states + gradients", 3: "optimizer states + gradients + "
                 "parameters"}[self.stage]
         master = "fp32 master separate" if self.separate_master else "fp32 weights are the master"
-        adam = self.optimizer.mode
-        if self.offload:
-            from toolkit.zero.cpu_adam import cpu_adam_status
+        adams = []
+        for part in self.parts:
+            if part.offloaded:
+                from toolkit.zero.cpu_adam import cpu_adam_status
 
-            status = cpu_adam_status()
-            adam = f"on the CPU: {status.name} {status.state}" + ("" if status.active else f" ({status.detail})")
+                status = cpu_adam_status()
+                where = f"on the CPU: {status.name} {status.state}" + ("" if status.active else f" ({status.detail})")
+            else:
+                where = part.optimizer.mode
+            share = f" for {part.layout.numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
+            adams.append(where + share)
+        offloaded = sum(p.layout.numel for p in self.parts if p.offloaded) / max(1, self.layout.numel)
         return (f"stage {self.stage}: {what} sharded over {self.info.world_size} rank(s) "
                 f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
-                f"AdamW {adam}" + ("; offload: master, moments and step in CPU memory" if self.offload else ""))
+                f"AdamW {' + '.join(adams)}"
+                + (f"; offload: master, moments and step of {offloaded:.0%} in CPU memory" if self.offload else ""))
 
     group_kind = "buckets"
 
     # -- set-up the subclasses call once their buffers exist ---------------------
 
     def _init_master(self) -> None:
-        """fp32 master copy of the parameter chunks (separate only when needed), segment views, and the
-        offloaded step when offloading."""
-        if self.separate_master:
-            self.master = torch.empty(self.layout.numel, dtype=torch.float32, device=self.opt_device)
-            for g, chunk in enumerate(self.param_chunks):
-                self.layout.chunk_of(self.master, g).copy_(chunk)
-            master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(self.groups))]
-        else:
-            master_chunks = self.param_chunks
-        self._master_chunks = master_chunks
-        if self.offload:
-            self._offloaded_step = OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
-                                                 self.param_chunks, self.device)
-        self._segments = {
-            decay: ([*self.layout.segment_views(master_chunks, decay)],
-                    [*self.layout.flat_segment_views(self.optimizer.exp_avg, decay)],
-                    [*self.layout.flat_segment_views(self.optimizer.exp_avg_sq, decay)])
-            for decay in (True, False)}
+        """The shard's parts (master copies, moments, AdamW), once param_chunks and grad_chunks exist."""
+        kept, offloaded = split_groups(self.groups, self.offload, self.recipe.zero.offload_ratio)
+        self.parts = [ShardPart(self.recipe, groups, self.groups, self.info.rank, self.param_chunks,
+                                self.grad_chunks, self.device, offloaded=groups is offloaded)
+                      for groups in (kept, offloaded) if len(groups)]
+        self.optimizer = self.parts[0].optimizer
+        for part in self.parts[1:]:  # NOTE: one set of param_groups, so the schedule's lr reaches every part
+            part.optimizer.param_groups = self.optimizer.param_groups
 
     # -- reduced gradients: accepted in launch order, as soon as each completes ---------
 
@@ -148,16 +211,8 @@ class ShardedStrategy:
 
     def optimizer_step(self) -> None:
         """AdamW on this rank's shard, then every rank gets the new weights."""
-        if self._offloaded_step is not None:
-            self._offloaded_step.step()
-        else:
-            grads = {decay: self.layout.segment_views(self.grad_chunks, decay) for decay in (True, False)}
-            params = {decay: self._segments[decay][0] for decay in (True, False)}
-            moments = {decay: self._segments[decay][1:] for decay in (True, False)}
-            self.optimizer.step(params, grads, moments)
-            if self.separate_master:
-                for chunk, master in zip(self.param_chunks, self._master_chunks):
-                    chunk.copy_(master)
+        for part in self.parts:  # the device's part first: it runs while the CPU steps the offloaded one
+            part.step()
         self.after_step()
 
     def after_step(self) -> None:
@@ -173,15 +228,16 @@ class ShardedStrategy:
     def owned_pieces(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
         """(name, start, stop, {param, exp_avg, exp_avg_sq: view}) for each parameter piece this rank owns."""
         pieces = []
-        for g, group in enumerate(self.groups):
-            lo, hi = group.chunk_range(self.info.rank)
-            m, v = (self.layout.chunk_of(t, g) for t in (self.optimizer.exp_avg, self.optimizer.exp_avg_sq))
-            for slot in group.slots:
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if a < b:
-                    sl = slice(a - lo, b - lo)
-                    pieces.append((slot.name, a - slot.offset, b - slot.offset,
-                                   {"param": self._master_chunks[g][sl], "exp_avg": m[sl], "exp_avg_sq": v[sl]}))
+        for part in self.parts:
+            for local, g in enumerate(part.groups):
+                group, master, (m, v) = self.groups[g], part.master_chunks[local], part.moment_chunks[local]
+                lo, hi = group.chunk_range(self.info.rank)
+                for slot in group.slots:
+                    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                    if a < b:
+                        sl = slice(a - lo, b - lo)
+                        pieces.append((slot.name, a - slot.offset, b - slot.offset,
+                                       {"param": master[sl], "exp_avg": m[sl], "exp_avg_sq": v[sl]}))
         return pieces
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -198,17 +254,18 @@ class ShardedStrategy:
         for name, start, stop, views in self.owned_pieces():
             for kind, view in views.items():
                 view.copy_(reader.read(kind, name, start, stop))
-        self.optimizer.step_count = reader.step
-        if self.separate_master:
-            for chunk, master in zip(self.param_chunks, self._master_chunks):
-                chunk.copy_(master)
+        for part in self.parts:
+            part.optimizer.step_count = reader.step
+            if part.master is not None:
+                for chunk, master in zip(part.param_chunks, part.master_chunks):
+                    chunk.copy_(master)
         self.after_step()
 
     # -- accounting -------------------------------------------------------------------
 
     def master_chunks(self) -> list[torch.Tensor]:
         """fp32 master weights per group (this rank's chunk)."""
-        return self._master_chunks
+        return [chunk for part in self.parts for chunk in part.master_chunks]
 
     def memory_bytes(self) -> dict:
         """Model-state bytes this rank holds now, counted from live tensors.
@@ -218,14 +275,12 @@ class ShardedStrategy:
         the training device is the CPU itself. Like stage 2's reduce buckets, the step's staging (two
         pieces, at most 2 x 16M x 6 bytes pinned) is a working buffer, not a model state, and not counted.
         """
-        moments = [self.optimizer.exp_avg, self.optimizer.exp_avg_sq]
-        master = [self.master] if self.master is not None else []
-        offloaded = moments + master if self.offload else []
+        kept = [part for part in self.parts if not part.offloaded]
         return {"mem_params_bytes": tensor_bytes(self.param_tensors()),
                 "mem_grads_bytes": tensor_bytes(self.grad_tensors()),
-                "mem_optim_bytes": 0 if self.offload else tensor_bytes(moments),
-                "mem_master_bytes": 0 if self.offload else tensor_bytes(master),
-                "mem_offload_bytes": tensor_bytes(offloaded)}
+                "mem_optim_bytes": tensor_bytes(t for p in kept for t in (p.optimizer.exp_avg, p.optimizer.exp_avg_sq)),
+                "mem_master_bytes": tensor_bytes(p.master for p in kept if p.master is not None),
+                "mem_offload_bytes": tensor_bytes(t for p in self.parts if p.offloaded for t in p.state_tensors())}
 
     def param_tensors(self) -> list[torch.Tensor]:
         """Live parameter buffers (subclasses)."""
