@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl:
-#     bash kernels/gpu_check.sh [build|tests|bench|e2e|zero124m|zero1.5b|ladder|cpu_adam ...]
+#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|zero124m|zero1.5b|ladder|cpu_adam ...]
 #                                                       (default: build tests bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -25,17 +25,20 @@ for stage in $stages; do
       { time timeout 90 python3 -m toolkit build-kernels; python3 -m toolkit doctor; } 2>&1 | tee "$OUT/build.txt"
       cat /tmp/toolkit-kernels/*/build.log > "$OUT/build-logs.txt" 2>/dev/null ;;
     tests)
-      timeout 110 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_kernels_cuda.py \
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_kernels_cuda.py \
+        tests/test_zero_cuda.py \
         2>&1 | tee "$OUT/tests.txt" | tail -60 ;;
     bench)
       timeout 100 python3 kernels/bench.py --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;
-    e2e)  # the eager configurations, only while the call is young (E2E_BY: seconds into the call)
+    e2e|e2e1.5b)  # GPT-2 end to end, only while the call is young (E2E_BY: seconds into the call)
+      size=124m; [[ $stage == e2e1.5b ]] && size=1.5b
       left=$(( ${E2E_BY:-260} - (SECONDS - start) ))
       if (( left > 40 )); then
-        timeout $left python3 kernels/bench_e2e.py --only "${E2E_ONLY:-toolkit fused,toolkit fallbacks,plain eager}" \
-          --markdown "$OUT/e2e.md" 2>&1 | tee "$OUT/e2e.txt"
+        timeout $left python3 kernels/bench_e2e.py --size $size \
+          --only "${E2E_ONLY:-toolkit fused,toolkit fallbacks,plain eager}" \
+          --markdown "$OUT/e2e-$size.md" 2>&1 | tee "$OUT/e2e-$size.txt"
       else
-        echo "e2e skipped: $left s left"
+        echo "$stage skipped: $left s left"
       fi ;;
     zero124m)  # ZeRO stages and offload against plain PyTorch (toolkit/zero/bench_gpu.py)
       timeout 240 python3 -m toolkit.zero.bench_gpu --size 124m --micro 16 \
