@@ -23,7 +23,8 @@ def model_spec(family="gpt2", **shape) -> ModelSpec:
 
 def test_zero_paper_example_7_5b_params_64_ranks_in_gb():
     # Rajbhandari et al. 2019, figure 1: 7.5B parameters, Adam (K = 12), N_d = 64 ranks.
-    totals = [estimate_model_state_bytes(7_500_000_000, stage=s, world_size=64, dtype="fp16").gpu for s in range(4)]
+    totals = [estimate_model_state_bytes(7_500_000_000, stage=s, world_size=64, dtype="fp16", layout="paper").gpu
+              for s in range(4)]
     assert totals == [120_000_000_000, 31_406_250_000, 16_640_625_000, 1_875_000_000]
     assert [round(t / GB, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]  # the paper's GB is 1e9 bytes
     assert round(totals[0] / GiB, 1) == 111.8  # in GiB the same bytes read differently
@@ -31,13 +32,27 @@ def test_zero_paper_example_7_5b_params_64_ranks_in_gb():
 
 def test_stage_breakdown_params_grads_optim():
     p, n = 1_000_000, 8
-    assert estimate_model_state_bytes(p, stage=0, world_size=n).__dict__ == dict(
+    assert estimate_model_state_bytes(p, stage=0, world_size=n, layout="paper").__dict__ == dict(
         params=2 * p, grads=2 * p, optim=12 * p, cpu_optim=0)
-    assert estimate_model_state_bytes(p, stage=1, world_size=n).optim == 12 * p // n
-    s2 = estimate_model_state_bytes(p, stage=2, world_size=n)
+    assert estimate_model_state_bytes(p, stage=1, world_size=n, layout="paper").optim == 12 * p // n
+    s2 = estimate_model_state_bytes(p, stage=2, world_size=n, layout="paper")
     assert (s2.params, s2.grads, s2.optim) == (2 * p, 2 * p // n, 12 * p // n)
-    s3 = estimate_model_state_bytes(p, stage=3, world_size=n, dtype="bf16")
+    s3 = estimate_model_state_bytes(p, stage=3, world_size=n, dtype="bf16", layout="paper")
     assert (s3.params, s3.grads, s3.optim) == (2 * p // n, 2 * p // n, 12 * p // n)
+
+
+def test_toolkit_layout_keeps_fp32_weights_at_stage0_and_fp32_gradient_shards():
+    p, n = 1_000_000, 8
+    s0 = estimate_model_state_bytes(p, stage=0, world_size=n, dtype="bf16")
+    assert (s0.params, s0.grads, s0.optim) == (4 * p, 4 * p, 8 * p)  # autocast over fp32 weights
+    assert s0.gpu == estimate_model_state_bytes(p, stage=0, world_size=n, dtype="bf16", layout="paper").gpu
+    s1, s2, s3 = (estimate_model_state_bytes(p, stage=s, world_size=n, dtype="bf16") for s in (1, 2, 3))
+    assert (s1.params, s1.grads, s1.optim) == (2 * p, 2 * p + 4 * p // n, 12 * p // n)
+    assert (s2.params, s2.grads, s2.optim) == (2 * p, 4 * p // n, 12 * p // n)
+    assert (s3.params, s3.grads, s3.optim) == (2 * p // n, 4 * p // n, 12 * p // n)
+    fp32 = [estimate_model_state_bytes(p, stage=s, world_size=n, dtype="fp32") for s in range(4)]
+    assert fp32 == [estimate_model_state_bytes(p, stage=s, world_size=n, dtype="fp32", layout="paper")
+                    for s in range(4)]
 
 
 def test_fp32_holds_4_byte_params_and_grads_and_8_byte_adam_states():
@@ -53,6 +68,8 @@ def test_partitions_round_up_like_padded_shards():
 def test_cpu_offload_moves_master_weights_and_adam_states_to_cpu():
     on_gpu = estimate_model_state_bytes(6400, stage=2, world_size=64)
     offloaded = estimate_model_state_bytes(6400, stage=2, world_size=64, offload="cpu")
+    half = estimate_model_state_bytes(6400, stage=2, world_size=64, offload="cpu", offload_ratio=0.5)
+    assert (half.optim, half.cpu_optim) == (12 * 50, 12 * 50)
     assert offloaded.optim == 0 and offloaded.cpu_optim == on_gpu.optim == 12 * 100
     assert offloaded.gpu == on_gpu.gpu - on_gpu.optim
     with pytest.raises(ValueError):

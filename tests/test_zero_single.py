@@ -69,3 +69,15 @@ def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
     assert all(torch.equal(restored[key], saved[key]) for key in saved)
     resumed = [engine.train_batch(stream.next_step()).loss for _ in range(STEPS - ckpt.step)]
     assert resumed == pytest.approx(uninterrupted[ckpt.step:], rel=RTOL)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_memory_per_rank_matches_the_toolkit_estimate(stage):
+    from toolkit.memory import estimate_model_state_bytes
+
+    engine, _, _, _ = train(1, [f"zero.stage={stage}", "precision.dtype=bf16", SMALL_BUCKETS], steps=1)
+    live = engine.strategy.memory_bytes()
+    want = estimate_model_state_bytes(engine.num_parameters, stage=stage, world_size=1, dtype="bf16")
+    assert live["mem_params_bytes"] == pytest.approx(want.params, rel=0.05)
+    assert live["mem_grads_bytes"] == pytest.approx(want.grads, rel=0.05)
+    assert live["mem_optim_bytes"] + live["mem_master_bytes"] == pytest.approx(want.optim, rel=0.05)

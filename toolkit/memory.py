@@ -97,10 +97,17 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, dtype: str = "fp16",
-                               offload: str = "none", offload_ratio: float = 1.0) -> ModelStateBytes:
-    """Per-rank parameter, gradient and optimizer-state bytes (ZeRO paper, sections 3 and 5); with offload,
-    `offload_ratio` of the optimizer shard in CPU memory (the toolkit rounds it to whole groups)."""
-    # Mixed precision with Adam, P parameters, N ranks (K = 12):
+                               offload: str = "none", offload_ratio: float = 1.0,
+                               layout: str = "toolkit") -> ModelStateBytes:
+    """Per-rank parameter, gradient and optimizer-state bytes.
+
+    layout "paper": the ZeRO paper's accounting (sections 3 and 5); "toolkit": what the toolkit's
+    engine holds (toolkit/zero/), which differs only in mixed precision: stage 0 keeps fp32
+    weights under autocast (4P + 4P + 8P, the same 16P in total), and stages 1-3 reduce gradients
+    into an fp32 shard (4P/N) rather than a 16-bit one. With offload, `offload_ratio` of the
+    optimizer shard sits in CPU memory (the toolkit rounds it to whole groups).
+    """
+    # Mixed precision with Adam, P parameters, N ranks (K = 12), as the paper counts:
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
     #   stage 2: 2P + (2 + K)P/N     stage 3: (2 + 2 + K)P/N
     # fp32 is the same shape with 4-byte parameters and gradients and K = 8.
@@ -110,12 +117,19 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         raise ValueError(f"ZeRO stage {stage} is not one of 0, 1, 2, 3")
     if offload not in ("none", "cpu") or (offload == "cpu" and stage == 0):
         raise ValueError(f"offload {offload!r} with stage {stage}: cpu offload needs stage >= 1")
+    if layout not in ("paper", "toolkit"):
+        raise ValueError(f"layout {layout!r} is not 'paper' or 'toolkit'")
     n = world_size
     shard = _ceil_div(num_params, n)  # NOTE: ZeRO pads each partition to an equal size, hence ceil
     per_param = PARAM_BYTES[dtype]
     params = per_param * (shard if stage >= 3 else num_params)
     grads = per_param * (shard if stage >= 2 else num_params)
     optim = ADAM_K[dtype] * (shard if stage >= 1 else num_params)
+    if layout == "toolkit" and per_param == 2:
+        if stage == 0:  # fp32 weights and gradients, the weights are the master
+            params, grads, optim = 4 * num_params, 4 * num_params, 8 * num_params
+        else:  # the reduced fp32 shard (stage 1 also keeps its full 16-bit gradient buffer)
+            grads = 4 * shard + (2 * num_params if stage == 1 else 0)
     if offload == "cpu":
         host = round(offload_ratio * shard)
         return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host), 12 * host)
