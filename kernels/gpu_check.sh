@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl:
-#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|zero124m|zero1.5b|ladder|cpu_adam ...]
+#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
 #                                                       (default: build tests bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -52,6 +52,13 @@ for stage in $stages; do
         timeout 200 python3 -m toolkit.zero.bench_gpu --layers "$layers" --width 4096 --heads 32 --micro 4 --ckpt \
           --steps 4 --warmup 2 --timeout 190 --configs stage2-offload --offload-ratio "${OFFLOAD_RATIO:-1}" \
           --markdown "$OUT/zero.md" 2>&1 | tee -a "$OUT/ladder.txt"
+      done ;;
+    scaling)  # several GPUs (issue #7): every stage, DDP and FSDP2 on 1 and on all GPUs, 124M then 1.5B
+      gpus=$(nvidia-smi --list-gpus | wc -l)
+      for size in 124m 1.5b; do
+        timeout 900 python3 -m toolkit.zero.bench_gpu --size $size --micro 16 --steps 5 --warmup 2 --gpus "$gpus" \
+          --scaling --configs plain,stage0,stage1,stage2,stage3,stage2-offload,fsdp2 --markdown "$OUT/zero.md" \
+          2>&1 | tee -a "$OUT/scaling.txt"
       done ;;
     cpu_adam)  # the toolkit's CPU Adam against torch's CPU AdamW on this host's cores
       timeout 120 python3 kernels/bench_cpu_adam.py --steps 10 2>&1 | tee "$OUT/cpu_adam.txt" ;;

@@ -11,16 +11,20 @@ import torch
 import torch.nn.functional as F
 
 
-def plain_step(model, compiled: bool = False, lr: float = 6e-4):
-    """step(tokens) -> loss for `model` (on CUDA, fp32 weights): forward, backward, clip, AdamW."""
+def plain_step(model, compiled: bool = False, lr: float = 6e-4, forward=None, fused: bool = True):
+    """step(tokens) -> loss for `model` (fp32 weights): forward, backward, clip, AdamW.
+
+    `forward`: what runs the model when it is wrapped (DDP, FSDP2); `fused=False` gives torch's
+    foreach AdamW (for parameters the fused kernel does not take).
+    """
     from toolkit.optim import param_groups
 
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=True)
-    forward = torch.compile(model) if compiled else model
+                                  fused=fused)
+    forward = forward if forward is not None else torch.compile(model) if compiled else model
 
     def step(tokens):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
             logits = forward(input_ids=tokens[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
         loss.backward()
