@@ -107,17 +107,6 @@ def test_auto_with_a_failed_build_warns_once_with_reason_and_fix(monkeypatch):
     assert not chosen.active("adamw")
 
 
-def test_auto_under_compile_leaves_the_norms_to_the_compiler(monkeypatch):
-    loaded = lambda name, build=False: ops.KernelStatus(name, "loaded")  # noqa: E731
-    monkeypatch.setattr(ops, "kernel_status", loaded)
-    compiled = ops.resolve(ALL_AUTO, "cuda", GPT2_NEEDS, compiled=True)
-    assert not compiled.active("layernorm") and "training.compile" in compiled.statuses["layernorm"].reason
-    assert all(compiled.active(n) for n in GPT2_NEEDS if n not in ops.COMPILER_WINS)
-    assert all(ops.resolve(ALL_AUTO, "cuda", GPT2_NEEDS).active(n) for n in GPT2_NEEDS)
-    forced = KernelsSpec(adamw="auto", layernorm="on", rmsnorm="auto", bias_gelu="auto", cross_entropy="auto")
-    assert ops.resolve(forced, "cuda", GPT2_NEEDS, compiled=True).active("layernorm")
-
-
 def test_on_without_the_kernel_is_an_error_naming_the_recipe_key(monkeypatch):
     spec = KernelsSpec(adamw="auto", layernorm="on", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
     with pytest.raises(UserError) as err:

@@ -70,8 +70,7 @@ class Engine:
         self.num_parameters = count_parameters(self.model)
         # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)
         self.kernels = ops.resolve(recipe.kernels, self.device.type,
-                                   ops.needed_kernels(recipe.model.family, recipe.optimizer.implementation),
-                                   compiled=recipe.training.compile)
+                                   ops.needed_kernels(recipe.model.family, recipe.optimizer.implementation))
         swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
                                         if self.kernels.active(name)})
         self.strategy = build_strategy(self.model, recipe, self.device, self.dist)

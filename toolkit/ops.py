@@ -434,29 +434,18 @@ def needed_kernels(family: str, optimizer_implementation: str) -> tuple[str, ...
     return (*names, "adamw") if optimizer_implementation != "torch" else names
 
 
-# NOTE: under torch.compile, Inductor generates norms that beat ours (kernels/BENCHMARKS.md: LayerNorm
-# forward+backward 0.068 vs 0.093 ms, RMSNorm 0.143 vs 0.167 ms on an H200) and fuses them with the
-# residual adds around them, which a custom op's boundary prevents; `auto` leaves these to the compiler.
-COMPILER_WINS = ("layernorm", "rmsnorm")
-
-
-def resolve(modes, device_type: str, needed, compiled: bool = False) -> ActiveKernels:
+def resolve(modes, device_type: str, needed) -> ActiveKernels:
     """recipe.kernels (auto | on | off per kernel) -> the kernels this run uses.
 
     `on` that cannot be honoured is a UserError naming recipe.kernels.<name>; `auto`
     falls back to torch, with one warning on a CUDA device (on the CPU the fused
-    kernels simply do not apply). With `compiled` (training.compile), `auto` gives the
-    norms to torch.compile (COMPILER_WINS).
+    kernels simply do not apply).
     """
     statuses, errors, fallbacks = {}, [], []
     for name in needed:
         mode = getattr(modes, name)
         if mode == "off":
             statuses[name] = KernelStatus(name, "off", "recipe.kernels says off")
-            continue
-        if mode == "auto" and compiled and name in COMPILER_WINS:
-            statuses[name] = KernelStatus(name, "off", "training.compile generates a faster norm",
-                                          f"recipe.kernels.{name} 'on' to use the fused kernel anyway")
             continue
         if device_type != "cuda":
             status = KernelStatus(name, "unavailable", "training runs on the CPU; the fused kernels are CUDA-only",
