@@ -156,8 +156,8 @@ class ShardedStrategy:
         """The shard's parts (master copies, moments, AdamW), once param_chunks and grad_chunks exist."""
         kept, offloaded = split_groups(self.groups, self.offload, self.recipe.zero.offload_ratio)
         self.parts = [ShardPart(self.recipe, groups, self.groups, self.info.rank, self.param_chunks,
-                                self.grad_chunks, self.device, offloaded=groups is offloaded)
-                      for groups in (kept, offloaded) if len(groups)]
+                                self.grad_chunks, self.device, offloaded=on_cpu)
+                      for groups, on_cpu in ((kept, False), (offloaded, True)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
         for part in self.parts[1:]:  # NOTE: one set of param_groups, so the schedule's lr reaches every part
             part.optimizer.param_groups = self.optimizer.param_groups
