@@ -107,6 +107,13 @@ def test_auto_with_a_failed_build_warns_once_with_reason_and_fix(monkeypatch):
     assert not chosen.active("adamw")
 
 
+def test_describe_names_kernels_that_share_a_reason_together():
+    spec = KernelsSpec(adamw="off", layernorm="auto", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
+    text = ops.resolve(spec, "cpu", GPT2_NEEDS).describe()
+    assert text.startswith("torch ") and text.count("CUDA-only") == 1 and text.count("(off)") == 1
+    assert all(name in text for name in GPT2_NEEDS)
+
+
 def test_on_without_the_kernel_is_an_error_naming_the_recipe_key(monkeypatch):
     spec = KernelsSpec(adamw="auto", layernorm="on", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
     with pytest.raises(UserError) as err:

@@ -421,10 +421,14 @@ class ActiveKernels:
         return status is not None and status.active
 
     def describe(self) -> str:
-        """'fused: a, b; torch: c (why)' for the start-up table."""
+        """'fused a, b; torch c (why)' for the start-up table, kernels with the same reason named together."""
         fused = [n for n, s in self.statuses.items() if s.active]
-        other = [f"{n} ({s.state if s.state == 'off' else s.reason})" for n, s in self.statuses.items() if not s.active]
-        parts = ([f"fused {', '.join(fused)}"] if fused else []) + ([f"torch {', '.join(other)}"] if other else [])
+        why: dict[str, list[str]] = {}
+        for n, s in self.statuses.items():
+            if not s.active:
+                why.setdefault("off" if s.state == "off" else s.reason, []).append(n)
+        other = [f"{', '.join(names)} ({reason})" for reason, names in why.items()]
+        parts = ([f"fused {', '.join(fused)}"] if fused else []) + ([f"torch {'; '.join(other)}"] if other else [])
         return "; ".join(parts) or "none used"
 
 
