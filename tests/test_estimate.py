@@ -1,5 +1,6 @@
 """Analytic memory estimator: the ZeRO paper's example, parameter counts against transformers,
 the activation formula against Korthikanti et al., the device verdict and `toolkit estimate`."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -119,21 +120,33 @@ def test_gpt2_block_activations_are_korthikanti_sbh_34_plus_5as_over_h():
     s, b, h, a, layers, vocab = 2048, 4, 1024, 16, 24, 50304
     spec = model_spec("gpt2", n_layer=layers, n_embd=h, n_head=a, n_kv_head=a, intermediate_size=4 * h,
                       vocab_size=vocab, max_positions=s)
-    act = estimate_activation_bytes(spec, micro_batch=b, seq_len=s, dtype="bf16")
+    act = estimate_activation_bytes(spec, micro_batch=b, seq_len=s, dtype="bf16", attention="eager")
     per_layer = s * b * h * 34 + 5 * a * s * s * b  # = sbh(34 + 5as/h) bytes
     outside = 2 * 2 * s * b * h + s * b * h  # final-norm and head inputs, embedding dropout mask
     assert act.logits == s * b * vocab * (2 + 4 + 4)
     assert act.full == layers * per_layer + outside + act.logits
     assert act.checkpointed == layers * 2 * s * b * h + per_layer + outside + act.logits
-    fp32 = estimate_activation_bytes(spec, micro_batch=b, seq_len=s, dtype="fp32")
+    fp32 = estimate_activation_bytes(spec, micro_batch=b, seq_len=s, dtype="fp32", attention="eager")
     assert fp32.full > act.full
+
+
+def test_sdpa_activations_drop_the_attention_scores_and_unused_dropout_masks():
+    s, b, h, a, layers, vocab = 2048, 4, 1024, 16, 24, 50304
+    spec = model_spec("gpt2", n_layer=layers, n_embd=h, n_head=a, n_kv_head=a, intermediate_size=4 * h,
+                      vocab_size=vocab, max_positions=s)  # dropout 0
+    act = estimate_activation_bytes(spec, micro_batch=b, seq_len=s, dtype="bf16")
+    per_layer = s * b * h * 32 + 4 * a * s * b  # 34 sbh less the 2 sbh of dropout masks, plus the log-sum-exp
+    assert act.full == layers * per_layer + 2 * 2 * s * b * h + act.logits
+    with_dropout = estimate_activation_bytes(dataclasses.replace(spec, dropout=0.1), micro_batch=b, seq_len=s,
+                                             dtype="bf16")
+    assert with_dropout.full - act.full == layers * 2 * s * b * h + s * b * h
 
 
 def test_activation_checkpointing_saves_most_activation_memory():
     spec = model_spec("llama", n_layer=22, n_embd=2048, n_head=32, n_kv_head=4, intermediate_size=5632,
                       vocab_size=32000, max_positions=2048)
     act = estimate_activation_bytes(spec, micro_batch=8, seq_len=2048, dtype="bf16")
-    assert act.checkpointed < act.full / 5
+    assert act.checkpointed - act.logits < (act.full - act.logits) / 5  # the logits are kept either way
 
 
 def test_device_names_and_fit_verdict():
@@ -149,7 +162,7 @@ def test_device_names_and_fit_verdict():
 def test_format_estimate_table_marks_the_recipe_row_and_verdicts():
     spec = model_spec("gpt2", n_layer=48, n_embd=1600, n_head=25, n_kv_head=25, intermediate_size=6400,
                       vocab_size=50257, max_positions=1024)
-    text = format_estimate(spec, micro_batch=8, seq_len=1024, dtype="bf16", world_size=8, device="a100-40gb",
+    text = format_estimate(spec, micro_batch=16, seq_len=1024, dtype="bf16", world_size=8, device="a100-40gb",
                            stage=2)
     rows = [line for line in text.splitlines() if line[:8].strip()[:1] in "*0123" and "GiB" in line]
     assert len(rows) == 7  # stages 0-3, then 1-3 with cpu offload

@@ -32,7 +32,8 @@ def _cmd_estimate(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
     print(format_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
                           dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
-                          stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer))
+                          stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,
+                          offload_ratio=recipe.zero.offload_ratio))
     return 0
 
 

@@ -151,8 +151,15 @@ def parameter_count(model: ModelSpec, *, tied_embeddings: bool | None = None) ->
     return v * h + n * block + h + (0 if tied else v * h)
 
 
-def estimate_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str) -> ActivationBytes:
-    """Saved activations of one micro batch (Korthikanti et al. 2022, section 4, generalised)."""
+def estimate_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str,
+                              attention: str = "sdpa") -> ActivationBytes:
+    """Saved activations of one micro batch (Korthikanti et al. 2022, section 4, generalised).
+
+    attention "eager": the paper's accounting (softmax scores and their dropout mask stored, masks
+    always); "sdpa" (how the toolkit's transformers models run attention: flash / memory-efficient
+    kernels): no a*s*s*b terms, a per-head log-sum-exp instead, and dropout masks only when
+    model.dropout > 0.
+    """
     # Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1:
     # a GPT block saves s*b*h*(34 + 5*a*s/h) bytes in 16-bit (s sequence, b micro batch, h width,
     # a heads). Per block, in elements of the compute dtype (e bytes) plus 1-byte dropout masks:
@@ -166,20 +173,26 @@ def estimate_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: in
     # Full checkpointing keeps each block's input (sbh) and recomputes one block at a time.
     # Outside the blocks: final-norm and head inputs 2*sbh, and the logits s*b*V in the compute dtype
     # plus an fp32 copy for the loss and its saved log-softmax (transformers upcasts logits).
-    # NOTE: these are the eager-attention numbers; with flash attention the a*s*s*b terms vanish.
-    # Under autocast the norms and residual stream stay fp32, so measured peaks run somewhat higher.
+    # With flash attention (attention="sdpa") the a*s*s*b terms vanish and an fp32 log-sum-exp per
+    # head and token is saved instead. Under autocast the norms and residual stream stay fp32, so
+    # measured peaks run somewhat higher; the toolkit's fused cross-entropy keeps no fp32 logits, lower.
+    if attention not in ("eager", "sdpa"):
+        raise ValueError(f"attention {attention!r} is not 'eager' or 'sdpa'")
     s, b, h, a, i = seq_len, micro_batch, model.n_embd, model.n_head, model.intermediate_size
     e = PARAM_BYTES[dtype]
     sbh = s * b * h
     r = model.n_kv_head / model.n_head
-    scores = a * s * s * b
+    eager = attention == "eager"
+    scores = a * s * s * b if eager else 0
     gpt2 = model.family == "gpt2"
-    attention = (3 + 2 * r) * sbh + (2 if gpt2 else 1) * scores
+    dropout = gpt2 and (eager or model.dropout > 0)
+    attn = (3 + 2 * r) * sbh + (2 if gpt2 else 1) * scores
     mlp = sbh + (2 if gpt2 else 4) * s * b * i
     norms = 2 * sbh
-    masks = (2 * sbh + scores) if gpt2 else 0
-    block = int(e * (attention + mlp + norms) + masks)
-    outside = e * 2 * sbh + (sbh if gpt2 else 0)  # + the embedding dropout mask
+    masks = (2 * sbh + scores) if dropout else 0
+    lse = 0 if eager else 4 * a * s * b
+    block = int(e * (attn + mlp + norms) + masks + lse)
+    outside = e * 2 * sbh + (sbh if dropout else 0)  # + the embedding dropout mask
     logits = s * b * model.vocab_size * (e + (4 if e < 4 else 0) + 4)
     full = model.n_layer * block + outside + logits
     checkpointed = model.n_layer * e * sbh + block + outside + logits
@@ -187,11 +200,12 @@ def estimate_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: in
 
 
 def estimate_memory(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
-                    stage: int, offload: str = "none") -> MemoryEstimate:
+                    stage: int, offload: str = "none", offload_ratio: float = 1.0) -> MemoryEstimate:
     """One rank's model states and activations for a model, batch, precision and ZeRO choice."""
     model, tied = resolve_model_shape(model)
     states = estimate_model_state_bytes(parameter_count(model, tied_embeddings=tied), stage=stage,
-                                        world_size=world_size, dtype=dtype, offload=offload)
+                                        world_size=world_size, dtype=dtype, offload=offload,
+                                        offload_ratio=offload_ratio)
     activations = estimate_activation_bytes(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
     return MemoryEstimate(stage, offload, states, activations)
 
@@ -258,12 +272,14 @@ def format_count(n: int) -> str:
 
 
 def format_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
-                    device: str | None = None, stage: int | None = None, offload: str = "none") -> str:
-    """A table of per-rank memory for ZeRO stages 0-3 and cpu offload; `*` marks (stage, offload)."""
+                    device: str | None = None, stage: int | None = None, offload: str = "none",
+                    offload_ratio: float = 1.0) -> str:
+    """A table of per-rank memory for ZeRO stages 0-3 and cpu offload (`offload_ratio` of the optimizer
+    in CPU memory); `*` marks (stage, offload)."""
     device_key = find_device(device) if device is not None else None
     shape, tied = resolve_model_shape(model)
     rows = [estimate_memory(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, world_size=world_size,
-                            stage=st, offload=off)
+                            stage=st, offload=off, offload_ratio=offload_ratio)
             for off in ("none", "cpu") for st in range(4) if not (off == "cpu" and st == 0)]
     lines = [f"model {shape.family}-{model.size if model.pretrained is None else 'pretrained'}: "
              f"{format_count(parameter_count(shape, tied_embeddings=tied))} parameters; "
@@ -290,6 +306,9 @@ def format_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: 
     for r in table:
         cells = [r[c].ljust(widths[c]) if c < 3 else r[c].rjust(widths[c]) for c in range(len(r))]
         lines.append("  ".join(cells).rstrip())
-    lines.append("per rank; model states: ZeRO paper (Rajbhandari et al. 2019); activations: Korthikanti et al. "
-                 "2022 incl. logits; ckpt = full activation checkpointing")
+    lines.append("per rank; model states: the ZeRO paper's formulas (Rajbhandari et al. 2019) as the toolkit holds "
+                 "them (fp32 weights at stage 0, fp32 reduced gradients at stages 1-3)"
+                 + (f", cpu rows with {offload_ratio:.0%} of the optimizer offloaded" if offload_ratio != 1 else "")
+                 + "; activations: Korthikanti et al. 2022 with SDPA/flash attention (no s x s scores) incl. "
+                 "logits; ckpt = full activation checkpointing")
     return "\n".join(lines)
