@@ -220,6 +220,11 @@ INVALID = [
                  id="warmup-as-long-as-run"),
     pytest.param(recipe(zero={"stage": 0, "offload_optimizer": "cpu"}), [],
                  ["recipe.zero.offload_optimizer: 'cpu' needs zero.stage >= 1 (stage is 0)"], id="offload-with-stage-0"),
+    pytest.param(recipe(zero={"stage": 2, "offload_ratio": 0.5}), [],
+                 ["recipe.zero.offload_ratio: 0.5 needs zero.offload_optimizer 'cpu' (it is the part of the "
+                  "optimizer kept in CPU memory)"], id="offload-ratio-without-offload"),
+    pytest.param(recipe(zero={"stage": 2, "offload_optimizer": "cpu", "offload_ratio": 0}), [],
+                 ["recipe.zero.offload_ratio: 0 is less than or equal to the minimum of 0"], id="offload-ratio-zero"),
     pytest.param(recipe(training={"max_steps": 10, "epochs": 1}), [],
                  ["recipe.training: give exactly one of max_steps or epochs"], id="both-max-steps-and-epochs"),
     pytest.param(recipe(training={"seed": 1}), [], ["recipe.training: give exactly one of max_steps or epochs"],
