@@ -81,8 +81,8 @@ class ShardPart:
         self.publish()
 
     def publish(self) -> None:
-        """Copy a separate master into the parameter chunks (the offloaded step sends its own)."""
-        if self.master is not None and self.offloaded_step is None:
+        """Copy a separate master into the parameter chunks (after a device step, or a load)."""
+        if self.master is not None:
             for chunk, master in zip(self.param_chunks, self.master_chunks):
                 chunk.copy_(master)
 
@@ -112,7 +112,6 @@ class ShardedStrategy:
     """Base of stages 1-3: the shard's optimizer step and bookkeeping."""
 
     stage = 1
-    zero_grads_on_device = True  # the model's .grad buffers hold the accumulation (stage 1)
 
     def __init__(self, recipe, device: torch.device, info: DistInfo, groups: list[FlatGroup],
                  param_dtype: torch.dtype):
@@ -256,9 +255,7 @@ class ShardedStrategy:
                 view.copy_(reader.read(kind, name, start, stop))
         for part in self.parts:
             part.optimizer.step_count = reader.step
-            if part.master is not None:
-                for chunk, master in zip(part.param_chunks, part.master_chunks):
-                    chunk.copy_(master)
+            part.publish()
         self.after_step()
 
     # -- accounting -------------------------------------------------------------------
