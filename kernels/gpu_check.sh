@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl:
-#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
+#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
 #                                                       (default: build tests bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -40,6 +40,11 @@ for stage in $stages; do
       else
         echo "$stage skipped: $left s left"
       fi ;;
+    profile|profile1.5b)  # where each configuration's GPU time goes (kernels/profile_e2e.py)
+      size=124m; [[ $stage == profile1.5b ]] && size=1.5b
+      timeout 400 python3 kernels/profile_e2e.py --size $size \
+        --only "${PROFILE_ONLY:-toolkit fused compiled,plain compiled}" --markdown "$OUT/profile-$size.md" \
+        2>&1 | tee "$OUT/profile-$size.txt" ;;
     zero124m)  # ZeRO stages and offload against plain PyTorch (toolkit/zero/bench_gpu.py)
       timeout 240 python3 -m toolkit.zero.bench_gpu --size 124m --micro 16 \
         --configs plain,stage0,stage1,stage2,stage3,stage2-offload --markdown "$OUT/zero.md" 2>&1 | tee "$OUT/zero124m.txt" ;;
