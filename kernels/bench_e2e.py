@@ -12,7 +12,7 @@ tokens/s over --steps optimizer steps, peak allocated memory and MFU:
                           F.cross_entropy(logits.float()), clip_grad_norm_
   plain compiled          the same with torch.compile(model)
 
-    python kernels/bench_e2e.py [--size 124m] [--steps 10] [--only name,name] [--markdown FILE]
+    python kernels/bench_e2e.py [--size 124m] [--steps 10] [--only name,name] [--rounds R] [--markdown FILE]
 
 MFU = tokens/s x (6 N + 12 L d T) / 989.4e12 (nanoGPT's FLOPs per token with attention;
 H200 SXM dense bf16 peak from the datasheet; about 790e12 measured on random matrices).
@@ -57,26 +57,51 @@ def run_plain(size: str, steps: int, compiled: bool):
     return model, plain_step(model, compiled), "torch"
 
 
-def measure(model, step, steps: int) -> dict:
-    vocab = model.config.vocab_size
-    batches = [torch.randint(0, vocab, (MICRO, SEQ + 1), device="cuda") for _ in range(4)]
-    started = time.perf_counter()
-    for i in range(3):
-        step(batches[i % 4])
+def batches_for(model) -> list:
+    return [torch.randint(0, model.config.vocab_size, (MICRO, SEQ + 1), device="cuda") for _ in range(4)]
+
+
+def timed(step, batches, steps: int) -> tuple[float, float]:
+    """(seconds for `steps` steps, last loss)."""
     torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - started
-    torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     for i in range(steps):
         loss = step(batches[i % 4])
     torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
+    return time.perf_counter() - started, float(loss)
+
+
+def result(model, steps: int, elapsed: float, peak_gib: float | None, warmup_s: float, loss: float) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     config = model.config
     tokens_per_s = MICRO * SEQ * steps / elapsed
     return {"tokens/s": tokens_per_s, "ms/step": 1e3 * elapsed / steps,
             "mfu": tokens_per_s * flops_per_token(n_params, config.n_layer, config.n_embd) / PEAK_FLOPS,
-            "peak GiB": torch.cuda.max_memory_allocated() / 2**30, "warmup s": warmup_s, "loss": float(loss)}
+            "peak GiB": peak_gib, "warmup s": warmup_s, "loss": loss}
+
+
+def measure(model, step, steps: int) -> dict:
+    batches = batches_for(model)
+    warmup_s, _ = timed(step, batches, 3)
+    torch.cuda.reset_peak_memory_stats()
+    elapsed, loss = timed(step, batches, steps)
+    return result(model, steps, elapsed, torch.cuda.max_memory_allocated() / 2**30, warmup_s, loss)
+
+
+def measure_interleaved(built: dict, steps: int, rounds: int) -> dict:
+    """Every configuration stays built; `rounds` rounds each time `steps` steps of each in turn, so a
+    drift of the GPU's clocks or temperature over the run reaches every configuration alike. Peak
+    memory is not reported: the other configurations' weights and optimizer states are resident too."""
+    batches = {name: batches_for(model) for name, (model, _, _) in built.items()}
+    warmup = {name: timed(step, batches[name], 3)[0] for name, (_, step, _) in built.items()}
+    total = dict.fromkeys(built, 0.0)
+    loss = {}
+    for _ in range(rounds):
+        for name, (_, step, _) in built.items():
+            elapsed, loss[name] = timed(step, batches[name], steps)
+            total[name] += elapsed
+    return {name: result(model, steps * rounds, total[name], None, warmup[name], loss[name])
+            for name, (model, _, _) in built.items()}
 
 
 CONFIGS = {
@@ -97,24 +122,41 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", default=",".join(CONFIGS))
     parser.add_argument("--markdown", default=None)
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="keep every configuration built and time them in turn, this many rounds of --steps "
+                             "steps each (0: one configuration after the other, with peak memory)")
     args = parser.parse_args()
     header = (f"GPT-2 {args.size}, seq {SEQ}, micro batch {MICRO}, bf16, {args.steps} timed steps; "
               f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     lines = [f"### End to end: {header}", "", "| config | kernels | tokens/s | ms/step | MFU | peak GiB | warm-up s |",
              "|---|---|---|---|---|---|---|"]
+    if args.rounds:
+        header += f"; interleaved, {args.rounds} rounds"
     print(header, flush=True)
-    for name in args.only.split(","):
-        torch._dynamo.reset()
-        model, step, kernels = CONFIGS[name](args.size, args.steps)
-        result = measure(model, step, args.steps)
-        row = (f"| {name} | {kernels} | {result['tokens/s']:,.0f} | {result['ms/step']:.1f} | "
-               f"{100 * result['mfu']:.1f}% | {result['peak GiB']:.1f} | {result['warmup s']:.0f} |")
-        print(row, f"loss {result['loss']:.3f}", flush=True)
+
+    def add_row(name: str, kernels: str, r: dict) -> None:
+        peak = f"{r['peak GiB']:.1f}" if r["peak GiB"] is not None else "-"
+        row = (f"| {name} | {kernels} | {r['tokens/s']:,.0f} | {r['ms/step']:.1f} | {100 * r['mfu']:.1f}% | "
+               f"{peak} | {r['warmup s']:.0f} |")
+        print(row, f"loss {r['loss']:.3f}", flush=True)
         lines.append(row)
-        del model, step
-        torch.cuda.empty_cache()
         if args.markdown:
             Path(args.markdown).write_text("\n".join(lines) + "\n")
+
+    names = args.only.split(",")
+    if args.rounds:
+        built = {}
+        for name in names:
+            built[name] = CONFIGS[name](args.size, args.steps)
+        for name, r in measure_interleaved(built, args.steps, args.rounds).items():
+            add_row(name, built[name][2], r)
+    else:
+        for name in names:
+            torch._dynamo.reset()
+            model, step, kernels = CONFIGS[name](args.size, args.steps)
+            add_row(name, kernels, measure(model, step, args.steps))
+            del model, step
+            torch.cuda.empty_cache()
     print("\n".join(lines))
     return 0
 

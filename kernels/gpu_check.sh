@@ -22,7 +22,7 @@ for stage in $stages; do
   echo "=== $stage (t=$((SECONDS - start))s)"
   case $stage in
     build)
-      { time timeout 90 python3 -m toolkit build-kernels; python3 -m toolkit doctor; } 2>&1 | tee "$OUT/build.txt"
+      { time timeout 180 python3 -m toolkit build-kernels; python3 -m toolkit doctor; } 2>&1 | tee "$OUT/build.txt"
       cat /tmp/toolkit-kernels/*/build.log > "$OUT/build-logs.txt" 2>/dev/null ;;
     tests)
       timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_kernels_cuda.py \
@@ -30,12 +30,13 @@ for stage in $stages; do
         2>&1 | tee "$OUT/tests.txt" | tail -60 ;;
     bench)
       timeout 100 python3 kernels/bench.py --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;
-    e2e|e2e1.5b)  # GPT-2 end to end, only while the call is young (E2E_BY: seconds into the call)
+    e2e|e2e1.5b)  # GPT-2 end to end, only while the call is young (E2E_BY: seconds into the call;
+                  # E2E_ROUNDS: interleave the configurations, kernels/bench_e2e.py --rounds)
       size=124m; [[ $stage == e2e1.5b ]] && size=1.5b
       left=$(( ${E2E_BY:-260} - (SECONDS - start) ))
       if (( left > 40 )); then
         timeout $left python3 kernels/bench_e2e.py --size $size \
-          --only "${E2E_ONLY:-toolkit fused,toolkit fallbacks,plain eager}" \
+          --only "${E2E_ONLY:-toolkit fused,toolkit fallbacks,plain eager}" --rounds "${E2E_ROUNDS:-0}" \
           --markdown "$OUT/e2e-$size.md" 2>&1 | tee "$OUT/e2e-$size.txt"
       else
         echo "$stage skipped: $left s left"

@@ -59,7 +59,7 @@ cudaError_t launch_grad_norm(const AdamWTensor* tensors, const int64_t* chunk_st
 // dimension of a [rows, cols] tensor; weight and bias are fp32; mean (LayerNorm
 // only) and rstd are fp32 [rows], saved for the backward pass.
 
-// Largest `cols` the norm kernels take (each block keeps its row in shared memory).
+// Largest `cols` the norm kernels take (a row group of up to 16 warps holds a row in registers).
 constexpr int kNormMaxCols = 8192;
 
 cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bias, void* y, float* mean, float* rstd,

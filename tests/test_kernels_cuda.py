@@ -62,7 +62,7 @@ def randn(shape, dtype, misaligned=False):
 # LayerNorm / RMSNorm
 
 NORM_SHAPES = [(1, 1), (3, 7), (5, 768), (17, 1000), (9, 1001), (64, 1600), (2, 3, 2048), (4099, 1024),
-               (8, 8192), (33, 771)]
+               (8, 8192), (33, 771), (2500, 1600)]
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])

@@ -81,3 +81,23 @@ def test_bf16_memory_per_rank_matches_the_toolkit_estimate(stage):
     assert live["mem_params_bytes"] == pytest.approx(want.params, rel=0.05)
     assert live["mem_grads_bytes"] == pytest.approx(want.grads, rel=0.05)
     assert live["mem_optim_bytes"] + live["mem_master_bytes"] == pytest.approx(want.optim, rel=0.05)
+
+
+def test_one_process_stage0_frees_gradients_and_accumulates_exactly():
+    """One process holds no gradient buckets: gradients are dropped after each step (the next backward
+    writes them instead of adding into zeros), and two accumulated micro-steps sum bitwise as they did."""
+    _, engine, stream = _engine(1, ["zero.stage=0", "batch.grad_accum_steps=2"])
+    first, second = stream.next_step()
+    engine.backward(engine(first))
+    after_one = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+    engine.backward(engine(second))
+    summed = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+    engine.step()
+    assert all(p.grad is None for p in engine.model.parameters())
+    _, fresh, stream = _engine(1, ["zero.stage=0", "batch.grad_accum_steps=2"])
+    first, second = stream.next_step()
+    fresh.backward(fresh(second))
+    for name, p in fresh.model.named_parameters():
+        assert torch.equal(after_one[name] + p.grad, summed[name]), name
+    param_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert engine.strategy.memory_bytes()["mem_grads_bytes"] == param_bytes

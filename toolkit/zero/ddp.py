@@ -9,7 +9,9 @@ finished bucket is all-reduced as is, with no copies. Only the last micro-step
 of an accumulation (the boundary) communicates, like DDP's no_sync: a bucket's
 all-reduce starts from the post-accumulate-grad hook of its last parameter, in
 bucket order on every rank, while backward carries on with earlier layers.
-One process is the same code with no collectives.
+One process needs no buckets: its gradients are torch's own tensors, set to
+None after each step, so the next backward writes them instead of adding into
+zeroed memory (GPT-2 1.5B: 7 ms of a 390 ms step spent zeroing and adding).
 """
 from __future__ import annotations
 
@@ -36,15 +38,17 @@ class DataParallel:
         self.model, self.recipe, self.device, self.info = model, recipe, device, info
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
-        self.flat_grads: list[torch.Tensor] = []
+        self.flat_grads: list[torch.Tensor] = []  # several ranks: the all-reduce buckets the .grad views live in
         for bucket in bucket_params(list(reversed(named)), recipe.zero.reduce_bucket_size):
             params = [p for _, p in bucket]
+            self.buckets.append(params)
+            if not info.active:
+                continue
             flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
             offset = 0
             for p in params:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-            self.buckets.append(params)
             self.flat_grads.append(flat)
         self.params = [p for bucket in self.buckets for p in bucket]
         self.optimizer = build_optimizer(model, recipe.optimizer, device.type)
@@ -58,9 +62,11 @@ class DataParallel:
 
     def describe(self) -> str:
         """One line for the start-up table."""
+        if not self.info.active:
+            return "stage 0 (data parallel) over 1 rank: one process, no communication"
         size = max(f.numel() for f in self.flat_grads)
         comm = (f"gradients all-reduced in {len(self.buckets)} bucket(s) of up to {size:,} elements, overlapped "
-                f"with the last micro-step's backward" if self.info.active else "one process, no communication")
+                f"with the last micro-step's backward")
         return f"stage 0 (data parallel) over {self.info.world_size} rank(s): {comm}"
 
     # -- backward: bucketed all-reduce at the boundary -------------------------------
@@ -101,13 +107,21 @@ class DataParallel:
 
     # -- the step (the same calls as one process always made) -------------------------
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradients as they are held: the flat buckets, or (one process) each parameter's .grad."""
+        if self.info.active:
+            return self.flat_grads
+        return [p.grad for p in self.params if p.grad is not None]
+
     def grads_overflow(self) -> bool:
         """True when the (already averaged, identical on every rank) gradients hold an inf or NaN."""
-        return any_true(has_inf_or_nan(self.flat_grads), self.info, self.device)
+        return any_true(has_inf_or_nan(self.grad_tensors()), self.info, self.device)
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every gradient by `factor`."""
-        torch._foreach_mul_(self.flat_grads, factor)
+        grads = self.grad_tensors()
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """torch's clip_grad_norm_ over all parameters (0 or less: measure only)."""
@@ -118,9 +132,12 @@ class DataParallel:
         self.optimizer.step()
 
     def zero_grad(self) -> None:
-        """Zero the flat gradient buckets in place (the .grad views stay)."""
+        """Zero the flat gradient buckets in place (the .grad views stay); one process: drop the gradients."""
         for flat in self.flat_grads:
             flat.zero_()
+        if not self.info.active:
+            for p in self.params:
+                p.grad = None
 
     # -- checkpoint state (toolkit/zero/state.py) --------------------------------------
 
@@ -170,5 +187,7 @@ class DataParallel:
         """Model-state bytes held now, from live tensors."""
         optim = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
         return {"mem_params_bytes": tensor_bytes(p.detach() for p in self.params),
-                "mem_grads_bytes": tensor_bytes(self.flat_grads),
+                # one process: gradients live from backward to the step, as large as the parameters
+                "mem_grads_bytes": tensor_bytes(self.flat_grads) if self.info.active else
+                sum(p.numel() * p.element_size() for p in self.params),
                 "mem_optim_bytes": tensor_bytes(optim), "mem_master_bytes": 0, "mem_offload_bytes": 0}
