@@ -1,5 +1,5 @@
-// fused_norm.cu: LayerNorm (GPT-2) and RMSNorm (Llama), forward and backward,
-// over the last dimension of a [rows, cols] tensor, fp32 math whatever the dtype.
+// fused_norm.cu: LayerNorm (GPT-2) and RMSNorm (Llama), the forward pass (the backward
+// pass is fused_norm_backward.cu), over the last dimension of a [rows, cols] tensor, fp32 math.
 //
 // What it computes (w, b fp32 [cols]; mean, rstd fp32 [rows] saved for backward):
 //   LayerNorm  mu = mean(x), rstd = 1/sqrt(mean((x - mu)^2) + eps), y = (x - mu) * rstd * w + b
@@ -8,30 +8,28 @@
 //              dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term)
 //              dw = sum over rows of dy * xhat, db = sum over rows of dy
 //
-// How it is launched: a *row group* of W warps (W = 1 up to 1600-2048 columns,
-// more for wider rows) owns one row; thread t of the group holds the 4-element
-// packs t, t + 32W, t + 64W, ... of the row in registers (fp32: one 16-byte load
-// each, consecutive threads on consecutive packs), so x is read once and y written
-// once. Row sums are warp shuffles, plus one shared-memory step when W > 1; with
-// W = 1 no barrier stops a warp, so each warp's loads overlap the others' maths.
-// A block holds 256 / (32 W) row groups (or one group of 32 W > 256 threads).
-// The backward grid is sized to fill the GPU once; each row group walks rows,
-// keeps its dw/db in registers, the block sums its groups into one partial row,
-// and column_sum_kernel adds the partials in a fixed order (deterministic).
+// How the forward pass is launched: a *row group* of W warps (W = 1 up to 1024
+// columns, 2 up to 2048, at most 8) owns one row; thread t of the group holds the
+// 4-element packs t, t + 32W, t + 64W, ... of the row in registers (fp32: one
+// 16-byte load each, consecutive threads on consecutive packs), so x is read once
+// and y written once. Row sums are warp shuffles, plus one shared-memory step when
+// W > 1; with W = 1 no barrier stops a warp, so each warp's loads overlap the
+// others' maths. A block holds 256 / (32 W) row groups. The backward pass is in
+// fused_norm_backward.cu.
 #include "common.cuh"
 
 namespace toolkit {
 namespace {
 
 constexpr int kVec = 4;             // elements per pack
-constexpr int kBlockThreads = 256;  // threads per block, unless one row group needs more
-constexpr int kMaxWarps = kNormMaxCols / (32 * kVec);  // warps of a row group with one pack per thread
+constexpr int kBlockThreads = 256;  // threads per block
+constexpr int kMaxWarps = kBlockThreads / 32;  // 8 warps x 32 threads x 8 packs x 4 = kNormMaxCols
 
 struct NormLayout {
   int warps;  // warps per row group
   int packs;  // packs per thread (a compiled variant)
   int group() const { return 32 * warps; }
-  int threads() const { return group() > kBlockThreads ? group() : kBlockThreads; }
+  int threads() const { return kBlockThreads; }  // a group has at most 8 warps
   int groups() const { return threads() / group(); }
 };
 
@@ -48,11 +46,9 @@ NormLayout norm_layout(int cols, int max_packs, const int* variants, int num_var
   return l;
 }
 
-constexpr int kFwdVariants[] = {1, 2, 4, 6, 8};  // forward: x in registers only
-constexpr int kBwdVariants[] = {1, 2, 3, 4};     // backward: x, dy, dw, db in registers
+constexpr int kPackVariants[] = {1, 2, 4, 6, 8};  // the compiled kernels (TOOLKIT_NORM_PACKS)
 
-NormLayout fwd_layout(int cols) { return norm_layout(cols, 8, kFwdVariants, 5); }
-NormLayout bwd_layout(int cols) { return norm_layout(cols, 4, kBwdVariants, 4); }
+NormLayout fwd_layout(int cols) { return norm_layout(cols, 8, kPackVariants, 5); }
 
 // The pack starting at column c (a multiple of 4): one wide access when rows are packed,
 // else element by element; past the row end reads give 0 and writes are dropped.
@@ -145,126 +141,20 @@ __global__ void __launch_bounds__(kBlockThreads) norm_fwd_kernel(
   }
 }
 
-template <typename G, typename T, bool kRms, int kPacks>
-// NOTE: launch bounds of 512 threads (a 16-warp group at 8192 columns) cap registers at 128.
-__global__ void __launch_bounds__(2 * kBlockThreads) norm_bwd_kernel(
-    const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
-    const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ partial_w,
-    float* __restrict__ partial_b, int64_t rows, int cols, int warps, bool packed) {
-  __shared__ float2 scratch[kMaxWarps];
-  extern __shared__ float reduce[];  // groups x 2 x span floats, used once at the end
-  const int group = 32 * warps, groups = blockDim.x / group, g = threadIdx.x / group, t = threadIdx.x % group;
-  const int stride = group * kVec;
-  float w[kPacks][kVec], dw[kPacks][kVec], db[kPacks][kVec];
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    load4(weight, t * kVec + k * stride, cols, packed, w[k]);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) dw[k][j] = db[k][j] = 0.f;
-  }
-  // Every thread runs the same number of iterations (row_sum2's barriers need it when W > 1).
-  for (int64_t base = (int64_t)blockIdx.x * groups; base < rows; base += (int64_t)gridDim.x * groups) {
-    const int64_t r = base + g;
-    const bool valid = r < rows;
-    const int bound = valid ? cols : 0;
-    const int64_t offset = (valid ? r : 0) * cols;
-    float xv[kPacks][kVec], gv[kPacks][kVec];
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      load4(x + offset, t * kVec + k * stride, bound, packed, xv[k]);
-      load4(dy + offset, t * kVec + k * stride, bound, packed, gv[k]);
-    }
-    const float mu = (!kRms && valid) ? mean[r] : 0.f, rs = valid ? rstd[r] : 0.f;
-    float sum_g = 0.f, sum_gx = 0.f;
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const float xhat = (xv[k][j] - mu) * rs;  // past the row end dy = 0, so every term below vanishes
-        const float gw = gv[k][j] * w[k][j];
-        dw[k][j] += gv[k][j] * xhat;
-        db[k][j] += gv[k][j];
-        sum_g += gw;
-        sum_gx += gw * xhat;
-        xv[k][j] = xhat;
-        gv[k][j] = gw;
-      }
-    const float2 s = row_sum2(sum_g, sum_gx, warps, scratch);
-    if (valid) {
-      const float mean_g = kRms ? 0.f : s.x / cols, mean_gx = s.y / cols;
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) xv[k][j] = rs * (gv[k][j] - mean_g - xv[k][j] * mean_gx);
-        store4(dx + offset, t * kVec + k * stride, cols, packed, xv[k]);
-      }
-    }
-  }
-  // Sum dw / db over the row groups of this block, then write one partial row. A thread's
-  // element (k, j) sits at column (k * group + t) * kVec + j: the shared layout is by column.
-  const int span = group * kPacks * kVec;
-  float* mine = reduce + (size_t)g * 2 * span;
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      mine[(k * group + t) * kVec + j] = dw[k][j];
-      mine[span + (k * group + t) * kVec + j] = db[k][j];
-    }
-  __syncthreads();
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    float a = 0.f, b = 0.f;
-    for (int k = 0; k < groups; ++k) {
-      a += reduce[(size_t)k * 2 * span + c];
-      b += reduce[(size_t)k * 2 * span + span + c];
-    }
-    partial_w[(int64_t)blockIdx.x * cols + c] = a;
-    if (!kRms) partial_b[(int64_t)blockIdx.x * cols + c] = b;
-  }
-}
-
-// The body once, with NAME a compile-time pack count: the forward's and the backward's variants.
+// The body once, with NAME a compile-time pack count (kPackVariants).
 #define TOOLKIT_NORM_CASE(N, NAME, ...) \
   case N: {                             \
     constexpr int NAME = N;             \
     __VA_ARGS__;                        \
     break;                              \
   }
-#define TOOLKIT_NORM_FWD_PACKS(PACKS, NAME, ...)                                                       \
+#define TOOLKIT_NORM_PACKS(PACKS, NAME, ...)                                                       \
   switch (PACKS) {                                                                                     \
     TOOLKIT_NORM_CASE(1, NAME, __VA_ARGS__) TOOLKIT_NORM_CASE(2, NAME, __VA_ARGS__)                    \
     TOOLKIT_NORM_CASE(4, NAME, __VA_ARGS__) TOOLKIT_NORM_CASE(6, NAME, __VA_ARGS__)                    \
     TOOLKIT_NORM_CASE(8, NAME, __VA_ARGS__)                                                            \
     default: return cudaErrorInvalidValue;                                                             \
   }
-#define TOOLKIT_NORM_BWD_PACKS(PACKS, NAME, ...)                                                       \
-  switch (PACKS) {                                                                                     \
-    TOOLKIT_NORM_CASE(1, NAME, __VA_ARGS__) TOOLKIT_NORM_CASE(2, NAME, __VA_ARGS__)                    \
-    TOOLKIT_NORM_CASE(3, NAME, __VA_ARGS__) TOOLKIT_NORM_CASE(4, NAME, __VA_ARGS__)                    \
-    default: return cudaErrorInvalidValue;                                                             \
-  }
-
-size_t bwd_shared_bytes(const NormLayout& l) { return sizeof(float) * 2 * (size_t)l.group() * l.packs * kVec * l.groups(); }
-
-// Blocks of the backward kernel that fit on the GPU at once (at least one per SM).
-template <typename Kernel>
-int bwd_grid(Kernel kernel, int64_t rows, const NormLayout& l) {
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, l.threads(), bwd_shared_bytes(l)) != cudaSuccess ||
-      per_sm < 1)
-    per_sm = 1;
-  const int64_t blocks_needed = (rows + l.groups() - 1) / l.groups();
-  const int64_t fill = (int64_t)sm_count() * per_sm;
-  return (int)(blocks_needed < fill ? blocks_needed : fill);
-}
-
-// Upper bound of bwd_grid (the workspace is sized before the kernel is chosen).
-int64_t max_bwd_grid(int64_t rows, const NormLayout& l) {
-  const int64_t blocks_needed = (rows + l.groups() - 1) / l.groups();
-  const int64_t fill = (int64_t)sm_count() * (2048 / l.threads());
-  return blocks_needed < fill ? blocks_needed : fill;
-}
-
 bool rows_packed(const void* p, int cols, int elem_bytes) {
   return cols % kVec == 0 && is_aligned(p, kVec * elem_bytes);
 }
@@ -285,7 +175,7 @@ cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bia
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
   TOOLKIT_DISPATCH(x_dtype, T, {
     TOOLKIT_DISPATCH(y_dtype, O, {
-      TOOLKIT_NORM_FWD_PACKS(l.packs, P, {
+      TOOLKIT_NORM_PACKS(l.packs, P, {
         auto kernel = rms ? norm_fwd_kernel<T, O, true, P> : norm_fwd_kernel<T, O, false, P>;
         kernel<<<(unsigned)blocks, l.threads(), 0, stream>>>(static_cast<const T*>(x), weight, bias,
                                                              static_cast<O*>(y), mean, rstd, rows, cols, eps,
@@ -293,49 +183,6 @@ cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bia
       });
     });
   });
-  return cudaGetLastError();
-}
-
-int64_t norm_bwd_workspace(int64_t rows, int cols) {
-  return 2 * max_bwd_grid(rows, bwd_layout(cols)) * cols;
-}
-
-cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
-                            void* dx, float* dweight, float* dbias, float* workspace, int64_t rows, int cols,
-                            DType dy_dtype, DType x_dtype, bool rms, cudaStream_t stream) {
-  if (cols <= 0 || cols > kNormMaxCols) return cudaErrorInvalidValue;
-  if (rows == 0) {
-    cudaError_t err = cudaMemsetAsync(dweight, 0, sizeof(float) * cols, stream);
-    if (err == cudaSuccess && !rms) err = cudaMemsetAsync(dbias, 0, sizeof(float) * cols, stream);
-    return err;
-  }
-  const NormLayout l = bwd_layout(cols);
-  const int64_t max_grid = max_bwd_grid(rows, l);
-  const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype)) && rows_packed(dy, cols, dtype_bytes(dy_dtype)) &&
-                      rows_packed(dx, cols, dtype_bytes(x_dtype)) && is_aligned(weight, 16);
-  const size_t smem = bwd_shared_bytes(l);
-  int grid = 0;
-  TOOLKIT_DISPATCH(dy_dtype, G, {
-    TOOLKIT_DISPATCH(x_dtype, T, {
-      TOOLKIT_NORM_BWD_PACKS(l.packs, P, {
-        auto kernel = rms ? norm_bwd_kernel<G, T, true, P> : norm_bwd_kernel<G, T, false, P>;
-        if (smem > 48 * 1024) {
-          cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-          if (err != cudaSuccess) return err;
-        }
-        grid = bwd_grid(kernel, rows, l);
-        if (grid > max_grid) grid = (int)max_grid;  // the workspace holds max_grid partial rows
-        kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight,
-                                                    mean, rstd, static_cast<T*>(dx), workspace,
-                                                    workspace + (int64_t)grid * cols, rows, cols, l.warps, packed);
-      });
-    });
-  });
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  const dim3 reduce_block(32, 32);
-  column_sum_kernel<<<(cols + 31) / 32, reduce_block, 0, stream>>>(workspace, dweight, grid, cols);
-  if (!rms) column_sum_kernel<<<(cols + 31) / 32, reduce_block, 0, stream>>>(workspace + (int64_t)grid * cols, dbias, grid, cols);
   return cudaGetLastError();
 }
 

@@ -383,7 +383,8 @@ NVCC = ops.find_nvcc() or shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc here")
-@pytest.mark.parametrize("source", ["fused_adamw.cu", "fused_norm.cu", "fused_bias_gelu.cu", "fused_cross_entropy.cu"])
+@pytest.mark.parametrize("source", ["fused_adamw.cu", "fused_norm.cu", "fused_norm_backward.cu",
+                                    "fused_bias_gelu.cu", "fused_cross_entropy.cu"])
 def test_cuda_source_compiles_for_sm90(source, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 

@@ -202,6 +202,10 @@ def test_adamw_step_matches_float64(sizes, grad_dtype, lowp_dtype):
     exp_avg_sqs = [randn((n,), torch.float32, misaligned).abs() * 0.01 for n in sizes]
     lowp = [torch.full((n,), float("nan"), dtype=lowp_dtype, device="cuda") for n in sizes] if lowp_dtype else None
     before = [t.clone() for t in params]
+    # |beta1 m| + |(1 - beta1) g|: m's new value can cancel to far below its terms (one element of
+    # random signs), where fp32 rounding of the terms, not the kernel, sets the error
+    m_terms = [(SETTINGS["beta1"] * m.double().abs() + (1 - SETTINGS["beta1"]) * 0.25 * g.double().abs()).norm()
+               for m, g in zip(exp_avgs, grads)]
     expected = [adamw_float64(p, g, m, v, step=7, grad_scale=0.25)
                 for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs)]
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -213,7 +217,8 @@ def test_adamw_step_matches_float64(sizes, grad_dtype, lowp_dtype):
         # (2^-24 of it), which a few-element update cannot average away
         update_err = (params[i].double() - p_ref).norm()
         assert update_err <= 1e-5 * (p_ref - before[i].double()).norm() + 2 ** -24 * p_ref.norm()
-        assert rel_err(exp_avgs[i], m_ref) < 1e-5 and rel_err(exp_avg_sqs[i], v_ref) < 1e-5
+        assert (exp_avgs[i].double() - m_ref).norm() < 1e-5 * m_terms[i]
+        assert rel_err(exp_avg_sqs[i], v_ref) < 1e-5  # a sum of non-negative terms: no cancellation
         if lowp:
             assert torch.equal(lowp[i], params[i].to(lowp_dtype))
 

@@ -36,7 +36,7 @@ KERNELS = ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")
 # Extension -> its sources under kernels/. LayerNorm and RMSNorm share one extension.
 EXTENSIONS = {
     "adamw": ("fused_adamw.cu", "fused_adamw_binding.cpp"),
-    "norm": ("fused_norm.cu", "fused_norm_binding.cpp"),
+    "norm": ("fused_norm.cu", "fused_norm_backward.cu", "fused_norm_binding.cpp"),
     "bias_gelu": ("fused_bias_gelu.cu", "fused_bias_gelu_binding.cpp"),
     "cross_entropy": ("fused_cross_entropy.cu", "fused_cross_entropy_binding.cpp"),
 }
