@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import CONFIGS, MICRO, SEQ  # noqa: E402
 
-# First match wins: kernel-name patterns (lower case) -> family.
+# First match wins: kernel-name patterns (lower case) -> family. Inductor names a fused kernel after
+# every op in it, so the order matters (a GELU kernel also holds a `_to_copy`).
 FAMILIES = [
     ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
     ("gemm", r"gemm|sm90_xmma|cutlass|nvjet|cublas|matmul|splitk"),
@@ -30,7 +31,7 @@ FAMILIES = [
     ("cross-entropy", r"cross_entropy|nll|log_softmax|softmax"),
     ("grad norm / clip", r"grad_norm|grad_sumsq|multi_tensor_apply|foreach|l2norm"),
     ("norm", r"norm|column_sum"),
-    ("gelu", r"gelu"),
+    ("gelu", r"gelu|tanh"),  # Inductor's GPT-2 GELU: triton_poi_fused__to_copy_add_mul_pow_tanh*
     ("copy / cast", r"copy|cast|convert|memcpy"),
     ("reduce", r"reduce"),
     ("fill", r"fill|zero|memset"),
