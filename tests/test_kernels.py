@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO, run_cli
-from toolkit import fused_ops, ops
+from toolkit import cuda_toolchain, fused_ops, ops
 from toolkit.errors import UserError
 from toolkit.fused_adamw import FusedAdamW, OnePassStep, adamw_step, global_grad_norm
 from toolkit.fused_modules import swap_fused_modules
@@ -42,39 +42,39 @@ GPT2_NEEDS = ("layernorm", "bias_gelu", "cross_entropy", "adamw")
     ("", []),
 ])
 def test_arch_list_parses_what_users_set(text, expected):
-    archs, bad = ops.parse_arch_list(text)
+    archs, bad = cuda_toolchain.parse_arch_list(text)
     assert [str(a) for a in archs] == expected
     assert bad == []
 
 
 def test_arch_list_keeps_good_entries_and_names_bad_ones():
-    archs, bad = ops.parse_arch_list("9.0;banana;;8.x")
+    archs, bad = cuda_toolchain.parse_arch_list("9.0;banana;;8.x")
     assert [str(a) for a in archs] == ["9.0"]
     assert bad == ["banana", "8.x"]
 
 
 def test_gencode_builds_each_arch_and_ptx_of_the_highest_plain_one():
-    flags = ops.gencode_flags([ops.CudaArch(8, 0), ops.CudaArch(9, 0, "a")])
+    flags = cuda_toolchain.gencode_flags([cuda_toolchain.CudaArch(8, 0), cuda_toolchain.CudaArch(9, 0, "a")])
     assert flags == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
                      "-gencode=arch=compute_80,code=compute_80"]
-    assert ops.gencode_flags([ops.CudaArch(9, 0)])[-1] == "-gencode=arch=compute_90,code=compute_90"
+    assert cuda_toolchain.gencode_flags([cuda_toolchain.CudaArch(9, 0)])[-1] == "-gencode=arch=compute_90,code=compute_90"
 
 
 def test_targets_are_the_gpu_present_plus_the_env_list(monkeypatch):
-    monkeypatch.setattr(ops, "_present_archs", lambda: [ops.CudaArch(9, 0)])
-    monkeypatch.setattr(ops, "_nvcc_supported_sms", lambda: frozenset({"80", "86", "90"}))
-    assert [str(a) for a in ops.target_archs("")[0]] == ["9.0"]
-    assert [str(a) for a in ops.target_archs("9.0a")[0]] == ["9.0a"]  # the 'a' variant replaces the plain one
-    archs, notes = ops.target_archs("8.0;7.0;oops")
+    monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [cuda_toolchain.CudaArch(9, 0)])
+    monkeypatch.setattr(cuda_toolchain, "_nvcc_supported_sms", lambda: frozenset({"80", "86", "90"}))
+    assert [str(a) for a in cuda_toolchain.target_archs("")[0]] == ["9.0"]
+    assert [str(a) for a in cuda_toolchain.target_archs("9.0a")[0]] == ["9.0a"]  # the 'a' variant replaces the plain one
+    archs, notes = cuda_toolchain.target_archs("8.0;7.0;oops")
     assert [str(a) for a in archs] == ["8.0", "9.0"]
     assert any("oops" in n for n in notes) and any("7.0" in n for n in notes)
-    monkeypatch.setattr(ops, "_present_archs", lambda: [])
-    assert [str(a) for a in ops.target_archs("")[0]] == ["9.0"]  # nothing known: H100/H200
+    monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [])
+    assert [str(a) for a in cuda_toolchain.target_archs("")[0]] == ["9.0"]  # nothing known: H100/H200
 
 
 def test_cache_key_follows_sources_flags_and_arch(monkeypatch, tmp_path):
     monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path))
-    monkeypatch.setattr(ops, "_present_archs", lambda: [])
+    monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [])
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     hopper = ops.build_plan("adamw")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
@@ -379,7 +379,7 @@ def test_global_grad_norm_unscales_clips_and_flags():
 # ---------------------------------------------------------------------------
 # The CUDA sources compile (where nvcc exists)
 
-NVCC = ops.find_nvcc() or shutil.which("nvcc")
+NVCC = cuda_toolchain.find_nvcc() or shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc here")
@@ -389,7 +389,7 @@ def test_cuda_source_compiles_for_sm90(source, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
     command = [NVCC, "-c", str(REPO / "kernels" / source), "-o", str(tmp_path / "out.o"), *ops.NVCC_FLAGS,
-               *ops.gencode_flags([ops.CudaArch(9, 0)]), *COMMON_NVCC_FLAGS, f"-I{REPO / 'kernels'}"]
+               *cuda_toolchain.gencode_flags([cuda_toolchain.CudaArch(9, 0)]), *COMMON_NVCC_FLAGS, f"-I{REPO / 'kernels'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warning" not in result.stderr.lower(), result.stderr[-3000:]

@@ -135,12 +135,13 @@ def _cmd_doctor(args) -> int:
 
 def _cmd_build_kernels(args) -> int:
     from toolkit import ops
+    from toolkit.cuda_toolchain import target_archs
 
     names = args.kernels or list(ops.KERNELS)
     unknown = [n for n in names if n not in ops.KERNELS]
     if unknown:
         raise UserError(f"build-kernels: unknown kernel {unknown[0]!r}; one of {', '.join(ops.KERNELS)}")
-    archs, notes = ops.target_archs()
+    archs, notes = target_archs()
     print(f"building {', '.join(names)} for {', '.join(map(str, archs))} + PTX into {ops.cache_root()}", flush=True)
     for note in notes:
         print(f"note: {note}")

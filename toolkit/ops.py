@@ -1,15 +1,14 @@
 """The fused CUDA kernels in kernels/: build, load, report and choose.
 
 What lives here: the kernel table (which sources make which extension), the
-CUDA target architectures (read from the GPU present, plus TORCH_CUDA_ARCH_LIST
-in any form users write: "9.0a", "9.0+PTX", "8.0;9.0", "sm_90", "Hopper"), the
 build cache (one folder per extension, keyed by the sources' hash, torch and
 CUDA versions and the target architectures), per-kernel status (loaded / built /
 fallback and why) and `resolve`, which turns `recipe.kernels` into the kernels a
 run uses. A build never stops a run: `auto` falls back to torch with one warning
 that says why and how to fix it; only `on` turns a missing kernel into an error.
 
-What does not: the custom ops and their torch reference implementations
+What does not: the CUDA target architectures and the toolchain checks
+(toolkit/cuda_toolchain.py), the custom ops and their torch reference implementations
 (toolkit/fused_ops.py), the model surgery (toolkit/fused_modules.py), the
 optimizer (toolkit/fused_adamw.py). Importing this module never needs CUDA.
 """
@@ -18,16 +17,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
-import subprocess
 import sys
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
+from toolkit.cuda_toolchain import CudaArch, build_problem, gencode_flags, nvcc_version, target_archs
 from toolkit.errors import UserError
 from toolkit.resources import shipped_dir
 
@@ -53,186 +50,6 @@ CXX_FLAGS = ("-O3",)
 
 class KernelFallbackWarning(UserWarning):
     """A fused kernel recipe.kernels asked for with `auto` is not available: torch runs instead."""
-
-
-# ---------------------------------------------------------------------------
-# Target architectures
-
-@dataclass(frozen=True, order=True)
-class CudaArch:
-    """One compute capability: 9.0 -> sm_90; suffix 'a' / 'f' selects the arch-specific variant (sm_90a)."""
-    major: int
-    minor: int
-    suffix: str = ""
-
-    @property
-    def sm(self) -> str:
-        return f"{self.major}{self.minor}{self.suffix}"
-
-    def __str__(self) -> str:
-        return f"{self.major}.{self.minor}{self.suffix}"
-
-
-# torch's named architectures (torch.utils.cpp_extension), lower-cased.
-_NAMED_ARCHES = {
-    "kepler": "3.5", "maxwell": "5.0;5.2", "pascal": "6.0;6.1", "volta": "7.0", "turing": "7.5",
-    "ampere": "8.0;8.6", "ada": "8.9", "hopper": "9.0", "blackwell": "10.0;12.0",
-}
-_ARCH_TOKEN = re.compile(r"(?:sm_?|compute_?)?(\d+)(?:\.(\d+))?([af]?)(\+ptx)?", re.IGNORECASE)
-
-
-def parse_arch_list(text: str) -> tuple[list[CudaArch], list[str]]:
-    """TORCH_CUDA_ARCH_LIST as users write it -> (architectures, tokens that are not one).
-
-    Separators may be ';', ',' or spaces; "+PTX" is accepted and ignored here (the
-    build always embeds PTX of its highest architecture); "native" / "all" mean
-    "the GPU present" and add nothing.
-    """
-    archs: list[CudaArch] = []
-    bad: list[str] = []
-    for token in (t for t in re.split(r"[;,\s]+", text.strip()) if t):
-        lowered = token.lower().removesuffix("+ptx")
-        if lowered in ("native", "all", "auto"):
-            continue
-        if lowered in _NAMED_ARCHES:
-            archs += parse_arch_list(_NAMED_ARCHES[lowered])[0]
-            continue
-        match = _ARCH_TOKEN.fullmatch(token)
-        if match is None:
-            bad.append(token)
-            continue
-        digits, minor, suffix = match.group(1), match.group(2), match.group(3).lower()
-        if minor is not None:
-            major, minor_value = int(digits), int(minor)
-        elif len(digits) >= 2:
-            major, minor_value = int(digits[:-1]), int(digits[-1])
-        else:
-            major, minor_value = int(digits), 0
-        if major < 1 or minor_value > 9:
-            bad.append(token)
-            continue
-        archs.append(CudaArch(major, minor_value, suffix))
-    return archs, bad
-
-
-@lru_cache(maxsize=None)
-def _nvcc_supported_sms() -> frozenset[str] | None:
-    """The sm_XX codes this nvcc can target, or None when it cannot say."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return None
-    try:
-        out = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    codes = frozenset(c.removeprefix("sm_") for c in out.split() if c.startswith("sm_"))
-    return codes or None
-
-
-def _present_archs() -> list[CudaArch]:
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return []
-        return sorted({CudaArch(*torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
-    except Exception:  # a broken driver must not stop anything here
-        return []
-
-
-def target_archs(env: str | None = None) -> tuple[list[CudaArch], list[str]]:
-    """The architectures to build for and notes about what was dropped.
-
-    The GPUs present always get native code; TORCH_CUDA_ARCH_LIST adds more; with
-    neither (building ahead on a machine without a GPU) the default is 9.0 (H100/H200).
-    Architectures this nvcc cannot target are dropped (the PTX still covers newer GPUs).
-    """
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if env is None else env
-    requested, bad = parse_arch_list(env)
-    notes = [f"TORCH_CUDA_ARCH_LIST entry {token!r} is not an architecture; ignored" for token in bad]
-    present = _present_archs()
-    archs = set(present) | set(requested)
-    # An arch-specific variant (9.0a) replaces the plain one for the same GPU.
-    archs = {a for a in archs if a.suffix or CudaArch(a.major, a.minor, "a") not in archs}
-    if not archs:
-        archs = {CudaArch(9, 0)}
-    supported = _nvcc_supported_sms()
-    if supported is not None:
-        # NOTE: --list-gpu-code lists plain codes only (sm_90, not sm_90a): check the base arch.
-        dropped = sorted(a for a in archs if a.sm.rstrip("af") not in supported)
-        if dropped:
-            notes.append(f"nvcc cannot target {', '.join(map(str, dropped))}; built for the others "
-                         "(the embedded PTX runs on newer GPUs)")
-        archs = {a for a in archs if a.sm.rstrip("af") in supported}
-        if not archs:
-            plain = sorted(CudaArch(int(s[:-1]), int(s[-1])) for s in supported if s.isdigit())
-            archs = {plain[-1]} if plain else set()
-    return sorted(archs), notes
-
-
-def gencode_flags(archs: list[CudaArch]) -> list[str]:
-    """nvcc -gencode flags: machine code for each arch, PTX of the highest plain one (for newer GPUs)."""
-    flags = [f"-gencode=arch=compute_{a.sm},code=sm_{a.sm}" for a in archs]
-    plain = [a for a in archs if not a.suffix] or [CudaArch(a.major, a.minor) for a in archs]
-    if plain:
-        top = max(plain)
-        flags.append(f"-gencode=arch=compute_{top.sm},code=compute_{top.sm}")
-    return flags
-
-
-# ---------------------------------------------------------------------------
-# Environment
-
-def find_nvcc() -> str | None:
-    """The nvcc torch's extension builder will use (CUDA_HOME/bin/nvcc), else the one on PATH."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    try:
-        from torch.utils.cpp_extension import CUDA_HOME
-
-        home = home or CUDA_HOME
-    except Exception:
-        pass
-    if home and (Path(home) / "bin" / "nvcc").is_file():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-@lru_cache(maxsize=None)
-def nvcc_version() -> str | None:
-    """'13.0' for the nvcc found, or None."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return None
-    try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    match = re.search(r"release (\d+\.\d+)", out)
-    return match.group(1) if match else None
-
-
-def build_problem(need_gpu: bool = True) -> tuple[str, str] | None:
-    """Why no kernel can be built or run here, as (reason, fix); None when nothing is missing."""
-    try:
-        import torch
-        from torch.utils import cpp_extension
-    except Exception as exc:  # pragma: no cover - torch is a dependency
-        return f"torch cannot be imported ({exc})", "install torch"
-    if torch.version.cuda is None:
-        return (f"this torch build has no CUDA (torch {torch.__version__})",
-                "install a CUDA build of torch (https://pytorch.org/get-started)")
-    if need_gpu and not torch.cuda.is_available():
-        return "no CUDA device is visible", "run on a machine with an NVIDIA GPU (check nvidia-smi, CUDA_VISIBLE_DEVICES)"
-    if find_nvcc() is None:
-        return ("no CUDA compiler: nvcc not found (CUDA_HOME unset, none on PATH)",
-                f"install the CUDA {torch.version.cuda} toolkit (nvcc) or set CUDA_HOME to it")
-    version = nvcc_version()
-    if version is not None and version.split(".")[0] != torch.version.cuda.split(".")[0]:
-        return (f"nvcc is CUDA {version} but torch was built with CUDA {torch.version.cuda}",
-                f"point CUDA_HOME at a CUDA {torch.version.cuda.split('.')[0]}.x toolkit")
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not installed (torch's extension builder needs it)", "pip install ninja"
-    return None
 
 
 # ---------------------------------------------------------------------------
