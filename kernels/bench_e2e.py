@@ -128,10 +128,10 @@ def main() -> int:
     args = parser.parse_args()
     header = (f"GPT-2 {args.size}, seq {SEQ}, micro batch {MICRO}, bf16, {args.steps} timed steps; "
               f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    lines = [f"### End to end: {header}", "", "| config | kernels | tokens/s | ms/step | MFU | peak GiB | warm-up s |",
-             "|---|---|---|---|---|---|---|"]
     if args.rounds:
         header += f"; interleaved, {args.rounds} rounds"
+    lines = [f"### End to end: {header}", "", "| config | kernels | tokens/s | ms/step | MFU | peak GiB | warm-up s |",
+             "|---|---|---|---|---|---|---|"]
     print(header, flush=True)
 
     def add_row(name: str, kernels: str, r: dict) -> None:

@@ -33,22 +33,18 @@ struct NormLayout {
   int groups() const { return threads() / group(); }
 };
 
-// The fewest warps per row whose threads hold at most `max_packs` packs each, then the
+constexpr int kMaxPacks = 8;  // packs per thread of the widest variant (TOOLKIT_NORM_PACKS: 1, 2, 4, 6, 8)
+
+// The fewest warps per row whose threads hold at most kMaxPacks packs each, then the
 // smallest compiled variant that covers the row.
-NormLayout norm_layout(int cols, int max_packs, const int* variants, int num_variants) {
+NormLayout norm_layout(int cols) {
   const int packs = (cols + kVec - 1) / kVec;
   NormLayout l{1, 0};
-  while (l.warps < kMaxWarps && (packs + l.group() - 1) / l.group() > max_packs) l.warps *= 2;
+  while (l.warps < kMaxWarps && (packs + l.group() - 1) / l.group() > kMaxPacks) l.warps *= 2;
   const int need = (packs + l.group() - 1) / l.group();
-  l.packs = variants[num_variants - 1];
-  for (int i = num_variants - 1; i >= 0; --i)
-    if (variants[i] >= need) l.packs = variants[i];
+  l.packs = need <= 2 ? need : need <= 4 ? 4 : need <= 6 ? 6 : 8;
   return l;
 }
-
-constexpr int kPackVariants[] = {1, 2, 4, 6, 8};  // the compiled kernels (TOOLKIT_NORM_PACKS)
-
-NormLayout fwd_layout(int cols) { return norm_layout(cols, 8, kPackVariants, 5); }
 
 // The pack starting at column c (a multiple of 4): one wide access when rows are packed,
 // else element by element; past the row end reads give 0 and writes are dropped.
@@ -141,20 +137,21 @@ __global__ void __launch_bounds__(kBlockThreads) norm_fwd_kernel(
   }
 }
 
-// The body once, with NAME a compile-time pack count (kPackVariants).
+// The body once, with NAME a compile-time pack count (norm_layout's variants).
 #define TOOLKIT_NORM_CASE(N, NAME, ...) \
   case N: {                             \
     constexpr int NAME = N;             \
     __VA_ARGS__;                        \
     break;                              \
   }
-#define TOOLKIT_NORM_PACKS(PACKS, NAME, ...)                                                       \
-  switch (PACKS) {                                                                                     \
-    TOOLKIT_NORM_CASE(1, NAME, __VA_ARGS__) TOOLKIT_NORM_CASE(2, NAME, __VA_ARGS__)                    \
-    TOOLKIT_NORM_CASE(4, NAME, __VA_ARGS__) TOOLKIT_NORM_CASE(6, NAME, __VA_ARGS__)                    \
-    TOOLKIT_NORM_CASE(8, NAME, __VA_ARGS__)                                                            \
-    default: return cudaErrorInvalidValue;                                                             \
+#define TOOLKIT_NORM_PACKS(PACKS, NAME, ...)                                    \
+  switch (PACKS) {                                                              \
+    TOOLKIT_NORM_CASE(1, NAME, __VA_ARGS__) TOOLKIT_NORM_CASE(2, NAME, __VA_ARGS__) \
+    TOOLKIT_NORM_CASE(4, NAME, __VA_ARGS__) TOOLKIT_NORM_CASE(6, NAME, __VA_ARGS__) \
+    TOOLKIT_NORM_CASE(8, NAME, __VA_ARGS__)                                     \
+    default: return cudaErrorInvalidValue;                                      \
   }
+
 bool rows_packed(const void* p, int cols, int elem_bytes) {
   return cols % kVec == 0 && is_aligned(p, kVec * elem_bytes);
 }
@@ -168,7 +165,7 @@ cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bia
                             cudaStream_t stream) {
   if (cols <= 0 || cols > kNormMaxCols) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  const NormLayout l = fwd_layout(cols);
+  const NormLayout l = norm_layout(cols);
   const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype)) && rows_packed(y, cols, dtype_bytes(y_dtype)) &&
                       is_aligned(weight, 16) && (rms || is_aligned(bias, 16));
   const int64_t blocks = (rows + l.groups() - 1) / l.groups();

@@ -186,8 +186,8 @@ class DataParallel:
     def memory_bytes(self) -> dict:
         """Model-state bytes held now, from live tensors."""
         optim = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-        return {"mem_params_bytes": tensor_bytes(p.detach() for p in self.params),
-                # one process: gradients live from backward to the step, as large as the parameters
-                "mem_grads_bytes": tensor_bytes(self.flat_grads) if self.info.active else
-                sum(p.numel() * p.element_size() for p in self.params),
+        params = tensor_bytes(p.detach() for p in self.params)
+        # one process: gradients live from backward to the step, as large as the parameters
+        return {"mem_params_bytes": params,
+                "mem_grads_bytes": tensor_bytes(self.flat_grads) if self.info.active else params,
                 "mem_optim_bytes": tensor_bytes(optim), "mem_master_bytes": 0, "mem_offload_bytes": 0}
