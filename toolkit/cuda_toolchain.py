@@ -79,12 +79,8 @@ def parse_arch_list(text: str) -> tuple[list[CudaArch], list[str]]:
 @lru_cache(maxsize=None)
 def _nvcc_supported_sms() -> frozenset[str] | None:
     """The sm_XX codes this nvcc can target, or None when it cannot say."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return None
-    try:
-        out = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+    out = _nvcc_output("--list-gpu-code")
+    if out is None:
         return None
     codes = frozenset(c.removeprefix("sm_") for c in out.split() if c.startswith("sm_"))
     return codes or None
@@ -161,15 +157,20 @@ def find_nvcc() -> str | None:
 @lru_cache(maxsize=None)
 def nvcc_version() -> str | None:
     """'13.0' for the nvcc found, or None."""
+    out = _nvcc_output("--version")
+    match = re.search(r"release (\d+\.\d+)", out) if out is not None else None
+    return match.group(1) if match else None
+
+
+def _nvcc_output(flag: str) -> str | None:
+    """What `nvcc <flag>` prints, or None when there is no nvcc or it cannot run."""
     nvcc = find_nvcc()
     if nvcc is None:
         return None
     try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([nvcc, flag], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    match = re.search(r"release (\d+\.\d+)", out)
-    return match.group(1) if match else None
 
 
 def build_problem(need_gpu: bool = True) -> tuple[str, str] | None:
