@@ -44,7 +44,7 @@ def run_toolkit(size: str, steps: int, overrides: list[str]):
                                        f"batch.micro_batch_per_rank={MICRO}", "training.device=cuda",
                                        "training.max_steps=1000", *overrides])
     engine = Engine(recipe)
-    return engine.model, lambda tokens: engine.train_batch([tokens]).loss, engine.kernels.describe()
+    return engine.model, lambda tokens: engine.train_batch([tokens]).loss_tensor, engine.kernels.describe()
 
 
 def run_plain(size: str, steps: int, compiled: bool):

@@ -1,6 +1,7 @@
 """GPU: GPT-2 124M trains for a few hundred steps in bf16 and in fp16 (dynamic
 loss scaling) with the loss falling and never NaN. Figures (tokens/s, peak
-memory) go to $TOOLKIT_FIGURES (a JSONL file) when set, for the benchmark notes."""
+memory) go to $TOOLKIT_FIGURES (a JSONL file) when set, for the benchmark notes.
+A bf16 step never waits for the GPU (the host runs ahead, as plain PyTorch's does)."""
 import json
 import math
 import os
@@ -8,6 +9,7 @@ import os
 import pytest
 import torch
 
+from toolkit.engine import Engine
 from toolkit.recipe import load_recipe
 from toolkit.train import run
 
@@ -42,3 +44,27 @@ def test_gpt2_124m_trains_in_mixed_precision_on_gpu(dtype, tmp_path):
     assert losses[-1] < losses[0] - 0.5, (losses[0], losses[-1])
     assert math.isfinite(result.eval_metrics[-1]["eval_loss"])
     assert train[-1]["skipped_steps"] < STEPS // 10
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_a_bf16_step_never_waits_for_the_gpu(kernels):
+    # The loss, the clipping norm and multiplier, and the divergence check stay on the device;
+    # torch raises on any synchronizing call (a .item(), a device-to-host copy) in this mode.
+    names = ("adamw", "layernorm", "bias_gelu", "cross_entropy")
+    recipe = load_recipe("quickstart", ["training.device=cuda", "precision.dtype=bf16", "training.grad_clip=1.0",
+                                        *(f"kernels.{name}={kernels}" for name in names),
+                                        f"optimizer.implementation={'fused' if kernels == 'on' else 'torch'}"])
+    engine = Engine(recipe)
+    tokens = torch.randint(0, recipe.data.vocab_size, (recipe.batch.micro_batch_per_rank, recipe.data.seq_len + 1),
+                           device="cuda")
+    for _ in range(2):  # kernels loaded, optimizer state and buckets built
+        engine.train_batch([tokens])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = [engine.train_batch([tokens]) for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(math.isfinite(r.loss) and 0 < r.grad_norm < math.inf for r in results)
+    assert results[-1].loss < results[0].loss  # the same batch, learnt

@@ -8,7 +8,9 @@ import torch
 
 from tests.conftest import REPO, run_cli
 from toolkit.data import BatchStream, Dataset
+from toolkit.checkpoint import Checkpointer
 from toolkit.engine import Engine
+from toolkit.errors import UserError
 from toolkit.recipe import load_recipe
 
 GOLDEN = REPO / "tests" / "golden" / "quickstart_losses.json"
@@ -96,3 +98,24 @@ def test_user_mistake_at_run_time_exits_2_without_traceback(tmp_path):
         pytest.skip("this machine has CUDA")
     assert proc.returncode == 2
     assert "recipe.training.device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_divergence_is_reported_at_the_first_bad_step_and_blocks_checkpoints(tmp_path):
+    # The engine keeps the divergence check on the device (a step never waits for the GPU);
+    # reading a loss or saving a checkpoint raises it, naming the first step whose loss was not finite.
+    recipe = load_recipe("quickstart", ["data.num_samples=256", "training.max_steps=4", "scheduler.type=constant"])
+    engine = Engine(recipe)
+    stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=0, seed=recipe.training.seed)
+    first = engine.train_batch(stream.next_step())
+    assert math.isfinite(first.loss)
+    with torch.no_grad():
+        next(engine.model.parameters()).fill_(float("nan"))
+    second, third = (engine.train_batch(stream.next_step()) for _ in range(2))
+    assert math.isnan(float(third.loss_tensor))  # the value itself is readable without the check
+    for result in (third, second):
+        with pytest.raises(UserError, match=r"training diverged at step 2: the loss is not finite"):
+            result.loss
+    checkpointer = Checkpointer(recipe, tmp_path)
+    with pytest.raises(UserError, match="diverged at step 2"):
+        checkpointer.save(engine, stream, None)
+    assert not any(tmp_path.rglob("*.safetensors"))

@@ -130,7 +130,9 @@ class Checkpointer:
         return None
 
     def save(self, engine, stream, wandb_run_id: str | None) -> Path:
-        """Save now, then delete stale and surplus checkpoints (only after the new one is complete)."""
+        """Save now, then delete stale and surplus checkpoints (only after the new one is complete).
+        A diverged run (non-finite loss) raises its error instead of saving."""
+        engine.check_finite()
         state = {"engine": engine.state_dict(), "stream": stream.state_dict(), "rng": capture_rng_state()}
         meta = checkpoint_meta(self.recipe, engine, wandb_run_id)
         info = getattr(engine, "dist", None)

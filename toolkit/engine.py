@@ -11,8 +11,6 @@ data, logging and checkpoint cadence.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,14 +40,32 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@dataclass
 class StepResult:
-    """What one optimizer step did (floats are synced to the host)."""
-    loss: float
-    grad_norm: float
-    lr: float
-    loss_scale: float
-    skipped: bool
+    """What one optimizer step did.
+
+    The loss and the gradient norm stay where they were computed until read: reading `loss` or
+    `grad_norm` waits for the step (and reading `loss` checks the run has not diverged, see
+    Engine.check_finite), so a loop that logs every N steps lets the GPU run ahead in between.
+    """
+
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, lr: float, loss_scale: float,
+                 skipped: bool, check_finite=None):
+        self.loss_tensor = loss  # 0-dim fp32, on the device (no sync)
+        self._grad_norm = grad_norm
+        self.lr, self.loss_scale, self.skipped = lr, loss_scale, skipped
+        self._check_finite = check_finite
+
+    @property
+    def loss(self) -> float:
+        """Mean loss of the step's micro batches over all ranks (syncs)."""
+        if self._check_finite is not None:
+            self._check_finite()
+        return float(self.loss_tensor)
+
+    @property
+    def grad_norm(self) -> float:
+        """Global L2 norm of the unscaled gradients before clipping; NaN for a skipped step (syncs)."""
+        return float(self._grad_norm)
 
 
 class Engine:
@@ -87,6 +103,9 @@ class Engine:
         self.global_step = 0       # optimizer steps taken (skipped fp16 steps included)
         self.skipped_steps = 0
         self._loss_sum = 0.0
+        # The first step whose loss was not finite (0: none yet), kept on the device so that a step
+        # does not wait for the GPU; check_finite() reads it. fp16 runs skip such steps instead.
+        self._first_nonfinite_step = torch.zeros((), dtype=torch.int64, device=self.device)
 
     # -- DeepSpeed-style API -------------------------------------------------
 
@@ -128,7 +147,7 @@ class Engine:
             skipped = self.loss_scaler.update(strategy.grads_overflow())  # the same verdict on every rank
             if not skipped:
                 strategy.scale_grads(1.0 / scale)
-        grad_norm = float("nan")
+        grad_norm: torch.Tensor | float = float("nan")
         if not skipped:
             grad_norm = strategy.clip_grad_norm(self.recipe.training.grad_clip)  # global norm over all ranks
             strategy.optimizer_step()
@@ -136,13 +155,21 @@ class Engine:
         else:
             self.skipped_steps += 1
         strategy.zero_grad()
-        loss = self._mean_over_ranks(float(self._loss_sum) / self.micro_step)
+        loss = self._mean_loss_over_ranks(self._loss_sum / self.micro_step)
         self._loss_sum, self.micro_step = 0.0, 0
         self.global_step += 1
-        if not math.isfinite(loss) and self.loss_scaler is None:
-            raise UserError(f"training diverged at step {self.global_step}: loss is {loss}; "
+        if self.loss_scaler is None:
+            first = self._first_nonfinite_step
+            first.masked_fill_(~torch.isfinite(loss) & (first == 0), self.global_step)
+        return StepResult(loss, grad_norm, lr, scale, skipped, check_finite=self.check_finite)
+
+    def check_finite(self) -> None:
+        """Raise the divergence error if any step's loss so far was inf/NaN (bf16 and fp32; waits for the GPU).
+        Reading a StepResult's loss and saving a checkpoint call it."""
+        first = int(self._first_nonfinite_step)
+        if first:
+            raise UserError(f"training diverged at step {first}: the loss is not finite; "
                             "lower recipe.optimizer.lr or add warmup (recipe.scheduler)")
-        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, loss_scale=scale, skipped=skipped)
 
     def train_batch(self, micro_batches) -> StepResult:
         """One optimizer step over this rank's micro batches (grad_accum_steps of them)."""
@@ -161,6 +188,14 @@ class Engine:
         finally:
             self.model.train()
         return self._mean_over_ranks(float(torch.stack(losses).mean()) if losses else float("nan"))
+
+    def _mean_loss_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over all ranks of this rank's loss (0-dim, fp32), without waiting for it."""
+        if not self.dist.active:
+            return loss.detach().float()
+        total = loss.detach().double().reshape(1)
+        torch.distributed.all_reduce(total)
+        return (total[0] / self.dist.world_size).float()
 
     def _mean_over_ranks(self, value: float) -> float:
         """The mean of a per-rank float over all ranks (the value itself for one process)."""

@@ -9,7 +9,7 @@ CUDA extension (or for tensors it does not take) the same maths runs in torch.
 
 `FusedAdamW` keeps torch.optim.AdamW's parameter groups (lr, betas, eps,
 weight_decay) and state layout (step, exp_avg, exp_avg_sq), so its state dicts
-load into torch's AdamW and back. Its `grad_norm` makes the engine's overflow
+load into torch's AdamW and back. Its `measure_grads` makes the engine's overflow
 check, unscale and clip one read of the gradients instead of four passes.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def adamw_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
         return
     if skip is not None and bool(skip.reshape(-1)[0] != 0):
         return
-    scale = grad_scale * (float(grad_scale_tensor.reshape(-1)[0]) if grad_scale_tensor is not None else 1.0)
+    scale = grad_scale if grad_scale_tensor is None else grad_scale * grad_scale_tensor.reshape(-1)[0].float()
     any_bad = False
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         g32 = g.float() * scale
@@ -102,42 +102,42 @@ class FusedAdamW(torch.optim.Optimizer):
         if lr < 0.0 or eps < 0.0 or weight_decay < 0.0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self._grad_scale = 1.0  # what the next step() multiplies gradients by (set by grad_norm)
+        self._grad_scale: float | Tensor = 1.0  # what the next step() multiplies gradients by
         self._buckets: dict[int, tuple] = {}  # group index -> (parameter ids, [_Bucket]); see _buckets_for
 
     @torch.no_grad()
-    def grad_norm(self, grad_scale: float = 1.0, max_norm: float = 0.0) -> tuple[float, bool]:
-        """(global norm of grad_scale * grads, any inf/NaN), one read of the gradients and one host sync.
-
-        The next step() multiplies the gradients by grad_scale and the clip coefficient for max_norm
-        (torch.nn.utils.clip_grad_norm_'s), so the caller neither unscales nor clips them itself.
-        """
+    def measure_grads(self, grad_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+        """(global L2 norm of grad_scale * grads, any inf/NaN) as 0-dim tensors on the gradients' device:
+        one read of the gradients and no host sync (reading either value waits for it)."""
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
-            self._grad_scale = grad_scale
-            return 0.0, False
+            return torch.zeros(()), torch.zeros((), dtype=torch.bool)
         flag = torch.zeros(1, dtype=torch.int32, device=grads[0].device)
         by_kind: dict = {}
         for g in grads:
             by_kind.setdefault((g.device, g.dtype), []).append(g)
         if len(by_kind) == 1:
-            norm_t = global_grad_norm(grads, grad_scale, 0.0, flag)[0]
+            norm = global_grad_norm(grads, grad_scale, 0.0, flag)[0]
         else:  # mixed dtypes: norms per kind, combined
             norms = torch.stack([global_grad_norm(gs, grad_scale, 0.0, flag)[0].to(flag.device) for gs in by_kind.values()])
-            norm_t = norms.double().pow(2).sum().sqrt().float()
-        norm, bad = torch.stack([norm_t.to(flag.device).float(), flag[0].float()]).tolist()
-        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and math.isfinite(norm) else 1.0
-        self._grad_scale = grad_scale * clip
-        return norm, bool(bad) or not math.isfinite(norm)
+            norm = norms.double().pow(2).sum().sqrt().float()
+        norm = norm.to(flag.device)
+        return norm, (flag[0] != 0) | ~torch.isfinite(norm)
+
+    def set_grad_multiplier(self, multiplier: float | Tensor) -> None:
+        """What the next step() multiplies the gradients by (unscale and clip); a tensor stays on the device."""
+        self._grad_scale = multiplier
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step over every parameter with a gradient (scaled as the last grad_norm() said)."""
+        """One AdamW step over every parameter with a gradient (times the set_grad_multiplier() value, then 1 again)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grad_scale, self._grad_scale = self._grad_scale, 1.0
+        scale_tensor = grad_scale.reshape(1).float() if isinstance(grad_scale, Tensor) else None
+        grad_scale = 1.0 if scale_tensor is not None else grad_scale
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -147,7 +147,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 bucket.step += 1
                 adamw_step(bucket.params, [p.grad for p in bucket.params], bucket.exp_avgs, bucket.exp_avg_sqs,
                            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale)
+                           weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale,
+                           grad_scale_tensor=scale_tensor)
         return loss
 
     # NOTE: host time per step matters (GPT-2 124M's whole update is ~0.9 ms of GPU time), so the
@@ -216,36 +217,42 @@ class OnePassStep:
     The engine drives strategies with grads_overflow() -> scale_grads(1/scale) -> clip_grad_norm(max)
     -> optimizer_step(): four passes over the gradients with torch AdamW. Over a FusedAdamW the first
     call measures the norm and the inf/NaN flag in one pass, scale_grads and clip_grad_norm only
-    compute a multiplier on the host, and the fused step applies it. Everything else is the strategy's.
+    compute a multiplier, and the fused step applies it. The norm and the multiplier stay on the
+    device: only grads_overflow (the fp16 loss scaler's decision) waits for the GPU. Everything else
+    is the strategy's.
     """
 
     def __init__(self, strategy):
         self._strategy = strategy
         self._optimizer: FusedAdamW = strategy.optimizer
-        self._measured: tuple[float, bool] | None = None  # (norm of the gradients as they are, any inf/NaN)
+        self._measured: tuple[Tensor, Tensor] | None = None  # (norm of the gradients as they are, any inf/NaN)
         self._factor = 1.0  # scale_grads factors so far
 
     def __getattr__(self, name):
         return getattr(self._strategy, name)
 
-    def _measure(self) -> tuple[float, bool]:
+    def _measure(self) -> tuple[Tensor, Tensor]:
         if self._measured is None:
-            self._measured = self._optimizer.grad_norm(1.0, 0.0)
+            self._measured = self._optimizer.measure_grads()
         return self._measured
 
     def grads_overflow(self) -> bool:
-        """Any inf/NaN in the gradients (stage 0: identical on every rank after the all-reduce)."""
-        return self._measure()[1]
+        """Any inf/NaN in the gradients (stage 0: identical on every rank after the all-reduce). Syncs."""
+        return bool(self._measure()[1])
 
     def scale_grads(self, factor: float) -> None:
         """Deferred: the fused step multiplies by it."""
         self._factor *= factor
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """The norm of the scaled gradients; the clip coefficient joins the step's multiplier."""
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        """The norm of the scaled gradients (0-dim, on the device); the clip coefficient
+        (torch.nn.utils.clip_grad_norm_'s, none for a non-finite norm) joins the step's multiplier."""
         norm = self._measure()[0] * self._factor
-        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and math.isfinite(norm) else 1.0
-        self._optimizer._grad_scale = self._factor * clip
+        if max_norm > 0:
+            clip = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
+            self._optimizer.set_grad_multiplier(clip * self._factor)
+        else:
+            self._optimizer.set_grad_multiplier(self._factor)
         return norm
 
     def optimizer_step(self) -> None:

@@ -7,7 +7,8 @@ One strategy per recipe.zero.stage, all with the same small interface the engine
     end_micro_step()            after backward: flush gradient buckets, wait for collectives
     grads_overflow() -> bool    any inf/NaN on any rank (every rank gets the same answer)
     scale_grads(factor)         unscale after fp16 loss scaling
-    clip_grad_norm(max) -> norm global L2 norm over all ranks' gradients, clipped to max (0: measure)
+    clip_grad_norm(max) -> norm global L2 norm over all ranks' gradients, clipped to max (0: measure);
+                                a float, or a 0-dim tensor left on the device (no sync)
     optimizer_step()            AdamW, then every rank has the new weights
     zero_grad()
     optimizer                   has param_groups with "lr" (toolkit.optim.Schedule writes it)

@@ -92,7 +92,7 @@ def build(args, config: str, device: torch.device):
 
     engine = Engine(engine_recipe(args, config))
     print(engine.strategy.describe() if hasattr(engine.strategy, "describe") else "", file=sys.stderr)
-    return engine.model, lambda tokens: engine.train_batch([tokens]).loss
+    return engine.model, lambda tokens: engine.train_batch([tokens]).loss_tensor
 
 
 def child(args) -> dict | None:

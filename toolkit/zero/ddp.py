@@ -123,9 +123,9 @@ class DataParallel:
         if grads:
             torch._foreach_mul_(grads, factor)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """torch's clip_grad_norm_ over all parameters (0 or less: measure only)."""
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else math.inf))
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ over all parameters (0 or less: measure only); the norm stays on the device."""
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else math.inf)
 
     def optimizer_step(self) -> None:
         """torch AdamW step on the full model."""
