@@ -130,11 +130,15 @@ inline int sm_count() {
 }
 
 namespace {
-// Column sums of a [rows, cols] fp32 matrix of per-block partials (the bias and
-// norm-weight gradients): 32 columns x 32 row lanes per block, launched with
-// grid (cols + 31) / 32 and block dim3(32, 32).
-__global__ void column_sum_kernel(const float* __restrict__ partial, float* __restrict__ out, int rows, int cols) {
+// Column sums of [rows, cols] fp32 matrices of per-block partials (the bias and
+// norm-weight gradients): 32 columns x 32 row lanes per block, launched with grid
+// dim3((cols + 31) / 32, 1 or 2) and block dim3(32, 32); blockIdx.y = 1 sums
+// partial1 into out1 (the norm's db beside its dw in one launch).
+__global__ void column_sum_kernel(const float* __restrict__ partial0, float* __restrict__ out0,
+                                  const float* __restrict__ partial1, float* __restrict__ out1, int rows, int cols) {
   __shared__ float tile[32][33];
+  const float* partial = blockIdx.y ? partial1 : partial0;
+  float* out = blockIdx.y ? out1 : out0;
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
   if (c < cols)

@@ -6,13 +6,16 @@
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term)
 //   dw = sum over rows of dy * xhat, db = sum over rows of dy
 //
-// How it is launched: a *row group* of G = roundup32(cols / 8) threads owns one
-// row, each thread 8 elements held in registers (one 16-byte pack when the rows
-// are aligned, else 8 strided elements). A block holds R = 512 / G row groups;
-// sums over a row are warp shuffles plus one shared-memory step per group. The
-// grid is sized to fill the GPU once; each block walks rows, keeps its dw/db in
-// registers, and writes one partial row; column_sum_kernel sums the partials in a
-// fixed order (deterministic).
+// How it is launched: a *row group* of G = roundup32(cols / P) threads owns one
+// row, each thread P elements held in registers (one or two 16-byte packs when the
+// rows are aligned, else P strided elements). A block holds up to B / G row groups;
+// each group takes R rows per iteration, so R rows' loads are in flight before the
+// one reduction (warp shuffles plus one shared-memory step) they share. The grid is
+// as many blocks as fit on the GPU at once (the occupancy API: one wave); each block
+// walks rows, keeps its dw/db in registers, and writes one partial row; one
+// column_sum_kernel launch sums the partials of dw and db in a fixed order
+// (deterministic). (P, R, B) = (TOOLKIT_NORM_BWD_PER, _ROWS, _BLOCK) for rows of up to
+// P * B columns, (8, 1, 1024) above; kernels/tune_norm.py times the choices.
 // NOTE: a warp-per-row layout like the forward's (4-element packs, dw/db for up to
 // 16 columns per thread) measured slower here on an H200 (RMSNorm 2048 columns:
 // 0.134 vs 0.114 ms; LayerNorm 768: equal) at 97-128 registers per thread.
@@ -21,28 +24,56 @@
 namespace toolkit {
 namespace {
 
-constexpr int kPer = 8;            // elements per thread
-constexpr int kBlockTarget = 512;  // threads per block we aim for
+#ifndef TOOLKIT_NORM_BWD_PER
+#define TOOLKIT_NORM_BWD_PER 8
+#endif
+#ifndef TOOLKIT_NORM_BWD_ROWS
+#define TOOLKIT_NORM_BWD_ROWS 1
+#endif
+#ifndef TOOLKIT_NORM_BWD_BLOCK
+#define TOOLKIT_NORM_BWD_BLOCK 512
+#endif
+#ifndef TOOLKIT_NORM_BWD_PREFETCH  // 1: the next iteration's rows load while this one reduces
+#define TOOLKIT_NORM_BWD_PREFETCH 0
+#endif
+#ifndef TOOLKIT_NORM_BWD_MIN_BLOCKS  // __launch_bounds__'s blocks per SM: caps registers
+#define TOOLKIT_NORM_BWD_MIN_BLOCKS 2
+#endif
+
+// Rows up to kNarrowPer * kNarrowBlock columns; wider ones (up to kNormMaxCols) take the wide shape.
+constexpr int kNarrowPer = TOOLKIT_NORM_BWD_PER, kNarrowRows = TOOLKIT_NORM_BWD_ROWS,
+              kNarrowBlock = TOOLKIT_NORM_BWD_BLOCK, kNarrowMinBlocks = TOOLKIT_NORM_BWD_MIN_BLOCKS;
+constexpr bool kNarrowPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
+constexpr int kWidePer = 8, kWideBlock = 1024, kWideTarget = 512;
+static_assert(kWidePer * kWideBlock >= kNormMaxCols, "the wide shape must hold the widest row");
 
 struct RowLayout {
   int group;   // threads per row group (multiple of 32)
   int groups;  // row groups per block
-  __host__ __device__ int threads() const { return group * groups; }
+  int threads() const { return group * groups; }
 };
 
-inline RowLayout row_layout(int cols) {
+// Row groups of `per` elements a thread, as many per block as fit in `target` threads.
+RowLayout row_layout(int cols, int per, int target) {
   RowLayout l;
-  l.group = ((cols + kPer - 1) / kPer + 31) / 32 * 32;
-  l.groups = l.group >= kBlockTarget ? 1 : kBlockTarget / l.group;
+  l.group = ((cols + per - 1) / per + 31) / 32 * 32;
+  l.groups = l.group >= target ? 1 : target / l.group;
   return l;
 }
 
-// Column of this thread's j-th element: packed rows are 8 contiguous elements per thread.
+bool narrow(int cols) { return cols <= kNarrowPer * kNarrowBlock; }
+
+RowLayout layout_for(int cols) {
+  return narrow(cols) ? row_layout(cols, kNarrowPer, kNarrowBlock) : row_layout(cols, kWidePer, kWideTarget);
+}
+
+// Column of this thread's j-th element: packed rows are kPer contiguous elements per thread.
+template <int kPer>
 __device__ __forceinline__ int col_of(bool packed, int t, int j, int group) {
   return packed ? t * kPer + j : t + j * group;
 }
 
-template <typename T>
+template <typename T, int kPer>
 __device__ __forceinline__ void load_row(const T* __restrict__ row, bool packed, int t, int group, int cols,
                                          float (&v)[kPer]) {
   if (packed) {
@@ -59,7 +90,7 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, bool packed,
   }
 }
 
-template <typename T>
+template <typename T, int kPer>
 __device__ __forceinline__ void store_row(T* __restrict__ row, bool packed, int t, int group, int cols,
                                           const float (&v)[kPer]) {
   if (packed) {
@@ -73,63 +104,108 @@ __device__ __forceinline__ void store_row(T* __restrict__ row, bool packed, int 
   }
 }
 
-// Sums of (a, b) over each row group; every thread gets its group's sums.
-// scratch: 2 x 32 floats. Every thread of the block must call it.
-__device__ __forceinline__ float2 group_sum2(float a, float b, float2* scratch, int group_index, int warps_per_group) {
-  a = warp_sum(a);
-  b = warp_sum(b);
+// v[i] summed over each row group; every thread gets its group's sums.
+// scratch: 32 x N floats. Every thread of the block must call it.
+template <int N>
+__device__ __forceinline__ void group_sums(float (&v)[N], float* scratch, int group_index, int warps_per_group) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
   const int warp = threadIdx.x >> 5;
   __syncthreads();
-  if ((threadIdx.x & 31) == 0) scratch[warp] = make_float2(a, b);
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int i = 0; i < N; ++i) scratch[warp * N + i] = v[i];
   __syncthreads();
-  float2 s = make_float2(0.f, 0.f);
-  for (int w = 0; w < warps_per_group; ++w) {
-    const float2 p = scratch[group_index * warps_per_group + w];
-    s.x += p.x;
-    s.y += p.y;
-  }
-  return s;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = 0.f;
+  for (int w = 0; w < warps_per_group; ++w)
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += scratch[(group_index * warps_per_group + w) * N + i];
 }
 
-// NOTE: launch bounds of 1024 threads (cols up to 8192 in one row group) cap registers at 64.
-template <typename G, typename T, bool kRms>
-__global__ void __launch_bounds__(1024) norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
+// kRows rows of row group g starting at `base`: x and dy into xv / gv, the statistics into mu / rs.
+template <typename G, typename T, bool kRms, int kPer, int kRows>
+__device__ __forceinline__ void load_rows(const G* __restrict__ dy, const T* __restrict__ x,
+                                          const float* __restrict__ mean, const float* __restrict__ rstd, int64_t base,
+                                          int64_t rows, int cols, int groups, int g, int t, int group, bool packed,
+                                          float (&xv)[kRows][kPer], float (&gv)[kRows][kPer], float (&mu)[kRows],
+                                          float (&rs)[kRows]) {
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int64_t r = base + (int64_t)k * groups + g;
+    const bool valid = r < rows;
+    load_row<T, kPer>(x + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, xv[k]);
+    load_row<G, kPer>(dy + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, gv[k]);
+    mu[k] = (!kRms && valid) ? mean[r] : 0.f;
+    rs[k] = valid ? rstd[r] : 0.f;
+  }
+}
+
+template <typename G, typename T, bool kRms, int kPer, int kRows, bool kPrefetch, int kMaxThreads, int kMinBlocks>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
                                 const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
                                 float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows, int cols,
                                 int group, bool packed) {
-  __shared__ float2 scratch[32];
+  __shared__ float scratch[32 * 2 * kRows];
   extern __shared__ float reduce[];  // groups x 2 x (group * kPer) floats, used once at the end
   const int groups = blockDim.x / group, g = threadIdx.x / group, t = threadIdx.x % group, wpg = group / 32;
   float w[kPer], dw[kPer], db[kPer];
-  load_row(weight, packed, t, group, cols, w);
+  load_row<float, kPer>(weight, packed, t, group, cols, w);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) dw[j] = db[j] = 0.f;
-  // Every thread runs the same number of iterations (the barriers in group_sum2 need it).
-  for (int64_t base = (int64_t)blockIdx.x * groups; base < rows; base += (int64_t)gridDim.x * groups) {
-    const int64_t r = base + g;
-    const bool valid = r < rows;
-    float xv[kPer], gv[kPer];
-    load_row(x + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, xv);
-    load_row(dy + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, gv);
-    const float mu = (!kRms && valid) ? mean[r] : 0.f, rs = valid ? rstd[r] : 0.f;
-    float sum_g = 0.f, sum_gx = 0.f;
+  // Every thread runs the same number of iterations (the barriers in group_sums need it).
+  const int64_t rows_per_block = (int64_t)groups * kRows, stride = (int64_t)gridDim.x * rows_per_block;
+  float xn[kRows][kPer], gn[kRows][kPer], mun[kRows], rsn[kRows];  // the next iteration's rows (prefetch)
+  if (kPrefetch)
+    load_rows<G, T, kRms, kPer, kRows>(dy, x, mean, rstd, (int64_t)blockIdx.x * rows_per_block, rows, cols, groups, g,
+                                       t, group, packed, xn, gn, mun, rsn);
+  for (int64_t base = (int64_t)blockIdx.x * rows_per_block; base < rows; base += stride) {
+    float xv[kRows][kPer], gv[kRows][kPer], mu[kRows], rs[kRows], sums[2 * kRows];
+    if (kPrefetch) {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const float xhat = (xv[j] - mu) * rs;  // 0 past the row end: xv = 0 there and the terms vanish below
-      const float gw = gv[j] * w[j];
-      dw[j] += gv[j] * xhat;
-      db[j] += gv[j];
-      sum_g += gw;
-      sum_gx += gw * xhat;
-      xv[j] = xhat;
-      gv[j] = gw;
+      for (int k = 0; k < kRows; ++k) {
+        mu[k] = mun[k];
+        rs[k] = rsn[k];
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          xv[k][j] = xn[k][j];
+          gv[k][j] = gn[k][j];
+        }
+      }
+      if (base + stride < rows)
+        load_rows<G, T, kRms, kPer, kRows>(dy, x, mean, rstd, base + stride, rows, cols, groups, g, t, group, packed,
+                                           xn, gn, mun, rsn);
+    } else {
+      load_rows<G, T, kRms, kPer, kRows>(dy, x, mean, rstd, base, rows, cols, groups, g, t, group, packed, xv, gv, mu,
+                                         rs);
     }
-    const float2 s = group_sum2(sum_g, sum_gx, scratch, g, wpg);
-    if (valid) {
-      const float mean_g = kRms ? 0.f : s.x / cols, mean_gx = s.y / cols;
 #pragma unroll
-      for (int j = 0; j < kPer; ++j) xv[j] = rs * (gv[j] - mean_g - xv[j] * mean_gx);
-      store_row(dx + r * cols, packed, t, group, cols, xv);
+    for (int k = 0; k < kRows; ++k) {
+      float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const float xhat = (xv[k][j] - mu[k]) * rs[k];  // 0 past the row end: xv = 0 there and the terms vanish
+        const float gw = gv[k][j] * w[j];
+        dw[j] += gv[k][j] * xhat;
+        db[j] += gv[k][j];
+        sum_g += gw;
+        sum_gx += gw * xhat;
+        xv[k][j] = xhat;
+        gv[k][j] = gw;
+      }
+      sums[2 * k] = sum_g;
+      sums[2 * k + 1] = sum_gx;
+    }
+    group_sums<2 * kRows>(sums, scratch, g, wpg);
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int64_t r = base + (int64_t)k * groups + g;
+      if (r < rows) {
+        const float mean_g = kRms ? 0.f : sums[2 * k] / cols, mean_gx = sums[2 * k + 1] / cols;
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) xv[k][j] = rs[k] * (gv[k][j] - mean_g - xv[k][j] * mean_gx);
+        store_row<T, kPer>(dx + r * cols, packed, t, group, cols, xv[k]);
+      }
     }
   }
   // Sum dw / db over the row groups of this block, then write one partial row.
@@ -148,7 +224,7 @@ __global__ void __launch_bounds__(1024) norm_bwd_kernel(const G* __restrict__ dy
       b += reduce[(size_t)k * 2 * span + span + i];
     }
     // i = t' * kPer + j' holds column col_of(packed, t', j', group).
-    const int c = col_of(packed, i / kPer, i % kPer, group);
+    const int c = col_of<kPer>(packed, i / kPer, i % kPer, group);
     if (c < cols) {
       partial_w[(int64_t)blockIdx.x * cols + c] = a;
       if (!kRms) partial_b[(int64_t)blockIdx.x * cols + c] = b;
@@ -156,58 +232,104 @@ __global__ void __launch_bounds__(1024) norm_bwd_kernel(const G* __restrict__ dy
   }
 }
 
-int bwd_grid(int64_t rows, const RowLayout& l) {
-  const int64_t blocks_needed = (rows + l.groups - 1) / l.groups;
+// The most blocks the workspace is sized for: one wave at the hardware's 2048 threads per SM
+// (the occupancy API's answer never exceeds it).
+int64_t max_grid(int64_t rows, int cols) {
+  const RowLayout l = layout_for(cols);
+  const int64_t rows_per_block = (int64_t)l.groups * (narrow(cols) ? kNarrowRows : 1);
+  const int64_t needed = (rows + rows_per_block - 1) / rows_per_block;
   const int64_t fill = (int64_t)sm_count() * (2048 / l.threads() > 0 ? 2048 / l.threads() : 1);
-  return (int)(blocks_needed < fill ? blocks_needed : fill);
+  return needed < fill ? needed : fill;
 }
 
-bool rows_packed(const void* p, int cols, int elem_bytes) {
-  return cols % kPer == 0 && is_aligned(p, 16) && (cols * elem_bytes) % 16 == 0;
+// Blocks of `kernel` resident per SM (cached: the host runs this for every norm of every step).
+int resident_blocks(const void* kernel, int threads, size_t smem) {
+  struct Entry {
+    const void* kernel;
+    int threads, device;
+    size_t smem;
+    int blocks;
+  };
+  thread_local Entry cache[32];
+  thread_local int used = 0;
+  int device = 0;
+  cudaGetDevice(&device);
+  for (int i = 0; i < used; ++i)
+    if (cache[i].kernel == kernel && cache[i].threads == threads && cache[i].smem == smem && cache[i].device == device)
+      return cache[i].blocks;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) != cudaSuccess || blocks < 1) {
+    cudaGetLastError();  // clear it: one block per SM still runs correctly
+    blocks = 1;
+  }
+  if (used < 32) cache[used++] = Entry{kernel, threads, device, smem, blocks};
+  return blocks;
+}
+
+bool rows_packed(const void* p, int cols, int elem_bytes, int per) {
+  return cols % per == 0 && is_aligned(p, 16) && (cols * elem_bytes) % 16 == 0;
 }
 
 int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
-}  // namespace
-
-int64_t norm_bwd_workspace(int64_t rows, int cols) {
-  const RowLayout l = row_layout(cols);
-  return 2 * (int64_t)bwd_grid(rows, l) * cols;
-}
-
-cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
-                            void* dx, float* dweight, float* dbias, float* workspace, int64_t rows, int cols,
-                            DType dy_dtype, DType x_dtype, bool rms, cudaStream_t stream) {
-  if (cols <= 0 || cols > kNormMaxCols) return cudaErrorInvalidValue;
-  const RowLayout l = row_layout(cols);
-  if (rows == 0) {
-    cudaError_t err = cudaMemsetAsync(dweight, 0, sizeof(float) * cols, stream);
-    if (err == cudaSuccess && !rms) err = cudaMemsetAsync(dbias, 0, sizeof(float) * cols, stream);
-    return err;
-  }
-  const int grid = bwd_grid(rows, l);
-  float* partial_w = workspace;
-  float* partial_b = workspace + (int64_t)grid * cols;
-  const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype)) && rows_packed(dy, cols, dtype_bytes(dy_dtype)) &&
-                      rows_packed(dx, cols, dtype_bytes(x_dtype)) && is_aligned(weight, 16);
+template <int kPer, int kRows, bool kPrefetch, int kMaxThreads, int kMinBlocks>
+cudaError_t launch_shape(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
+                         void* dx, float* partial_w, float* partial_b, int64_t rows, int cols, DType dy_dtype,
+                         DType x_dtype, bool rms, const RowLayout& l, int grid_limit, int* grid_out,
+                         cudaStream_t stream) {
+  const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype), kPer) &&
+                      rows_packed(dy, cols, dtype_bytes(dy_dtype), kPer) &&
+                      rows_packed(dx, cols, dtype_bytes(x_dtype), kPer) && is_aligned(weight, 16);
   const size_t smem = sizeof(float) * 2 * (size_t)l.group * kPer * l.groups;
+  cudaError_t err = cudaSuccess;
   TOOLKIT_DISPATCH(dy_dtype, G, {
     TOOLKIT_DISPATCH(x_dtype, T, {
-      auto kernel = rms ? norm_bwd_kernel<G, T, true> : norm_bwd_kernel<G, T, false>;
+      auto kernel = rms ? norm_bwd_kernel<G, T, true, kPer, kRows, kPrefetch, kMaxThreads, kMinBlocks>
+                        : norm_bwd_kernel<G, T, false, kPer, kRows, kPrefetch, kMaxThreads, kMinBlocks>;
       if (smem > 48 * 1024) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (err != cudaSuccess) return err;
       }
+      const int64_t wave = (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
+      const int grid = (int)(wave < grid_limit ? wave : grid_limit);
+      *grid_out = grid;
       kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight, mean,
                                                   rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,
                                                   l.group, packed);
     });
   });
-  cudaError_t err = cudaGetLastError();
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t norm_bwd_workspace(int64_t rows, int cols) { return 2 * max_grid(rows, cols) * cols; }
+
+cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
+                            void* dx, float* dweight, float* dbias, float* workspace, int64_t rows, int cols,
+                            DType dy_dtype, DType x_dtype, bool rms, cudaStream_t stream) {
+  if (cols <= 0 || cols > kNormMaxCols) return cudaErrorInvalidValue;
+  if (rows == 0) {
+    cudaError_t err = cudaMemsetAsync(dweight, 0, sizeof(float) * cols, stream);
+    if (err == cudaSuccess && !rms) err = cudaMemsetAsync(dbias, 0, sizeof(float) * cols, stream);
+    return err;
+  }
+  const RowLayout l = layout_for(cols);
+  const int limit = (int)max_grid(rows, cols);  // what the workspace holds
+  float* partial_w = workspace;
+  float* partial_b = workspace + (int64_t)limit * cols;
+  int grid = 0;
+  cudaError_t err =
+      narrow(cols)
+          ? launch_shape<kNarrowPer, kNarrowRows, kNarrowPrefetch, kNarrowBlock, kNarrowMinBlocks>(dy, x, weight, mean, rstd, dx, partial_w, partial_b,
+                                                                rows, cols, dy_dtype, x_dtype, rms, l, limit, &grid,
+                                                                stream)
+          : launch_shape<kWidePer, 1, false, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols,
+                                                  dy_dtype, x_dtype, rms, l, limit, &grid, stream);
   if (err != cudaSuccess) return err;
-  const dim3 reduce_block(32, 32);
-  column_sum_kernel<<<(cols + 31) / 32, reduce_block, 0, stream>>>(partial_w, dweight, grid, cols);
-  if (!rms) column_sum_kernel<<<(cols + 31) / 32, reduce_block, 0, stream>>>(partial_b, dbias, grid, cols);
+  // dw and db partials summed by one launch (blockIdx.y picks which).
+  const dim3 reduce_grid((cols + 31) / 32, rms ? 1 : 2);
+  column_sum_kernel<<<reduce_grid, dim3(32, 32), 0, stream>>>(partial_w, dweight, partial_b, dbias, grid, cols);
   return cudaGetLastError();
 }
 

@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl:
-#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
+#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|tune|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
 #                                                       (default: build tests bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -25,8 +25,8 @@ for stage in $stages; do
       { time timeout 180 python3 -m toolkit build-kernels; python3 -m toolkit doctor; } 2>&1 | tee "$OUT/build.txt"
       cat /tmp/toolkit-kernels/*/build.log > "$OUT/build-logs.txt" 2>/dev/null ;;
     tests)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_kernels_cuda.py \
-        tests/test_zero_cuda.py \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_kernels_cuda.py \
+        tests/test_zero_cuda.py tests/test_cuda_training.py::test_a_bf16_step_never_waits_for_the_gpu \
         2>&1 | tee "$OUT/tests.txt" | tail -60 ;;
     bench)
       timeout 100 python3 kernels/bench.py --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;
@@ -41,6 +41,9 @@ for stage in $stages; do
       else
         echo "$stage skipped: $left s left"
       fi ;;
+    tune)  # shapes of the norm backward kernel side by side (kernels/tune_norm.py; TUNE_SHAPES)
+      timeout 300 python3 kernels/tune_norm.py ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} --markdown "$OUT/tune-norm.md" \
+        2>&1 | tee "$OUT/tune-norm.txt" ;;
     profile|profile1.5b)  # where each configuration's GPU time goes (kernels/profile_e2e.py)
       size=124m; [[ $stage == profile1.5b ]] && size=1.5b
       timeout 400 python3 kernels/profile_e2e.py --size $size \

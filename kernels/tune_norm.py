@@ -1,0 +1,191 @@
+"""Tuning sweep (not a test): shapes of the norm backward kernel, timed side by side on one GPU.
+
+kernels/fused_norm_backward.cu takes its launch shape from macros: TOOLKIT_NORM_BWD_PER
+(elements per thread), _ROWS (rows a row group takes per iteration), _BLOCK (threads per
+block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) and _PREFETCH
+(load the next rows while reducing these). This builds the norm extension once per shape
+(in parallel, each in its own folder), checks each against a float64 reference, and times
+its backward alone (GPU ms from the profiler) on the benchmark's shapes, beside the
+backward of torch.compile (its forward+backward minus its forward).
+
+    python kernels/tune_norm.py [--shapes P,R,B,M,F;...] [--no-compile] [--markdown FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import TOKENS, gpu_ms, table  # noqa: E402
+from toolkit import ops  # noqa: E402
+
+MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "PREFETCH")
+# (P, R, B, M, F); "8,1,32,1,0" sends every benchmark row to the wide shape (8 per thread,
+# 512-thread row-group blocks, 1024 launch bound): the layout before the narrow shape existed.
+SHAPES = ("8,1,32,1,0", "8,1,512,1,0", "8,1,512,2,0", "4,1,512,2,0", "4,1,512,2,1", "4,2,512,2,0",
+          "4,1,256,4,1", "2,2,512,2,1", "4,2,256,4,0")
+CASES = (("LayerNorm 768", 768, False), ("LayerNorm 1600", 1600, False), ("RMSNorm 2048", 2048, True))
+
+
+def build(shape: str):
+    """Build (or find built) the norm extension for one shape; returns (name, directory, flags, error)."""
+    from torch.utils.cpp_extension import load
+
+    plan = ops.build_plan("norm")
+    values = shape.split(",")
+    defines = [f"-DTOOLKIT_NORM_BWD_{m}={v}" for m, v in zip(MACROS, values)]
+    name = "toolkit_norm_tune_" + "_".join(values)
+    directory = ops.cache_root() / "tune" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = [*plan.cuda_flags, *defines]
+    try:
+        load(name=name, sources=[str(s) for s in plan.sources], extra_cflags=list(ops.CXX_FLAGS),
+             extra_cuda_cflags=flags, extra_include_paths=[str(plan.sources[0].parent)],
+             build_directory=str(directory), verbose=False)
+    except Exception as exc:  # one shape that does not build must not hide the others
+        return name, str(directory), flags, f"{type(exc).__name__}: {str(exc)[-300:]}"
+    return name, str(directory), flags, None
+
+
+def load_built(name: str, directory: str, flags: list[str]):
+    from torch.utils.cpp_extension import load
+
+    plan = ops.build_plan("norm")
+    return load(name=name, sources=[str(s) for s in plan.sources], extra_cflags=list(ops.CXX_FLAGS),
+                extra_cuda_cflags=flags, extra_include_paths=[str(plan.sources[0].parent)],
+                build_directory=directory, verbose=False)
+
+
+# Odd row counts and a row width that is no multiple of a pack: correctness only.
+ODD_CASES = ((1037, 771, False), (1037, 768, False), (333, 1600, False), (1037, 2048, True), (5, 96, True))
+
+
+def inputs(cols: int, rms: bool, rows: int = TOKENS):
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda")
+    w = torch.rand(cols, device="cuda") + 0.5
+    b = torch.randn(cols, device="cuda")
+    dy = torch.randn(TOKENS, cols, device="cuda", dtype=torch.bfloat16)
+    return x, w, (None if rms else b), dy
+
+
+def reference(x, w, dy, rms: bool, eps: float):
+    """dx, dw, db in float64 (autograd through the textbook formula)."""
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    b64 = torch.zeros_like(w64, requires_grad=not rms)
+    if rms:
+        y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+    else:
+        y = F.layer_norm(x64, (x.shape[-1],), w64, b64, eps)
+    grads = torch.autograd.grad(y, [x64, w64] + ([] if rms else [b64]), dy.double())
+    return grads
+
+
+def relative_error(got, want) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def time_variant(module, cases_data) -> tuple[list[float], list[float]]:
+    times, errors = [], []
+    for rows, cols, rms in ODD_CASES:
+        x, w, b, dy = inputs(cols, rms, rows)
+        eps = 1e-6 if rms else 1e-5
+        ref = reference(x, w, dy, rms, eps)
+        _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)
+        dx, dw, db = module.norm_bwd(dy, x, w, mean, rstd, rms)
+        errors.append(max(relative_error(dx, ref[0]), relative_error(dw, ref[1]),
+                          0.0 if rms else relative_error(db, ref[2])))
+    for (_, cols, rms), (x, w, b, dy, eps, ref) in zip(CASES, cases_data):
+        _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)  # 1: bf16 out (toolkit.fused_ops codes)
+        dx, dw, db = module.norm_bwd(dy, x, w, mean, rstd, rms)
+        errors.append(max(relative_error(dx, ref[0]), relative_error(dw, ref[1]),
+                          0.0 if rms else relative_error(db, ref[2])))
+        times.append(gpu_ms(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms), iters=20))
+    return times, errors
+
+
+def compile_backward_ms(cases_data) -> list[float]:
+    """torch.compile's backward GPU ms: (forward+backward) - forward of the compiled eager code."""
+    out = []
+    for (_, cols, rms), (x, w, b, dy, eps, _) in zip(CASES, cases_data):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        bg = None if rms else b.clone().requires_grad_()
+        if rms:
+            fn = torch.compile(lambda x, w: (w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
+                               .to(torch.bfloat16))
+            args = (xg, wg)
+        else:
+            fn = torch.compile(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5).to(torch.bfloat16))
+            args = (xg, wg, bg)
+        leaves = [a for a in args if a is not None]
+
+        def forward():
+            with torch.no_grad():
+                fn(*args)
+
+        def both():
+            torch.autograd.grad(fn(*args), leaves, dy)
+
+        both()
+        out.append(gpu_ms(both, iters=20) - gpu_ms(forward, iters=20))
+        torch._dynamo.reset()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F shapes separated by ;")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to tune", file=sys.stderr)
+        return 2
+    shapes = [s for s in args.shapes.split(";") if s]
+    started = time.perf_counter()
+    os.environ.setdefault("MAX_JOBS", "3")
+    with ProcessPoolExecutor(max_workers=min(len(shapes), max(1, (os.cpu_count() or 4) // 2))) as pool:
+        built = list(pool.map(build, shapes))
+    print(f"built {len(shapes)} shapes in {time.perf_counter() - started:.0f}s", flush=True)
+    cases_data = []
+    for _, cols, rms in CASES:
+        x, w, b, dy = inputs(cols, rms)
+        eps = 1e-6 if rms else 1e-5
+        cases_data.append((x, w, b, dy, eps, reference(x, w, dy, rms, eps)))
+    rows = []
+    if not args.no_compile:
+        rows.append(["torch.compile", *[f"{ms:.4f}" for ms in compile_backward_ms(cases_data)], "", "reference"])
+    shipped = ops.load_extension("norm")
+    if shipped is not None:
+        times, errors = time_variant(shipped, cases_data)
+        rows.append(["shipped (source defaults)", *[f"{ms:.4f}" for ms in times], f"{max(errors):.1e}", ""])
+    for shape, (name, directory, flags, error) in zip(shapes, built):
+        if error is not None:
+            rows.append([shape, "", "", "", "", f"build failed: {error[:120]}"])
+            continue
+        times, errors = time_variant(load_built(name, directory, flags), cases_data)
+        ok = max(errors) < 1e-5
+        rows.append([shape, *[f"{ms:.4f}" for ms in times], f"{max(errors):.1e}", "" if ok else "WRONG"])
+        print(f"  {shape}: {times} errors {errors}", flush=True)
+    text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; backward only, x fp32, dy bf16, "
+            f"{TOKENS} rows; GPU ms = kernel time from the profiler\n\n"
+            + table("Norm backward shapes (P elements/thread, R rows/iteration, B block, M min blocks/SM, "
+                    "F prefetch)", ["shape P,R,B,M,F", *[c[0] for c in CASES], "max rel err vs f64", "note"], rows))
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
