@@ -26,7 +26,7 @@ for stage in $stages; do
       cat /tmp/toolkit-kernels/*/build.log > "$OUT/build-logs.txt" 2>/dev/null ;;
     tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/test_kernels_cuda.py \
-        tests/test_zero_cuda.py tests/test_cuda_training.py::test_a_bf16_step_never_waits_for_the_gpu \
+        tests/test_zero_cuda.py tests/test_cuda_training.py::test_the_engine_never_waits_for_the_gpu_in_a_bf16_step \
         2>&1 | tee "$OUT/tests.txt" | tail -60 ;;
     bench)
       timeout 100 python3 kernels/bench.py --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;

@@ -74,7 +74,7 @@ def inputs(cols: int, rms: bool, rows: int = TOKENS):
     x = torch.randn(rows, cols, device="cuda")
     w = torch.rand(cols, device="cuda") + 0.5
     b = torch.randn(cols, device="cuda")
-    dy = torch.randn(TOKENS, cols, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     return x, w, (None if rms else b), dy
 
 
