@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
         const float xhat = (xv[k][j] - mu[k]) * rs[k];  // 0 past the row end: xv = 0 there and the terms vanish
         const float gw = gv[k][j] * w[j];
         dw[j] += gv[k][j] * xhat;
-        db[j] += gv[k][j];
+        if constexpr (!kRms) db[j] += gv[k][j];
         sum_g += gw;
         sum_gx += gw * xhat;
         xv[k][j] = xhat;
@@ -214,20 +214,20 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     mine[t * kPer + j] = dw[j];
-    mine[span + t * kPer + j] = db[j];
+    if constexpr (!kRms) mine[span + t * kPer + j] = db[j];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < span; i += blockDim.x) {
     float a = 0.f, b = 0.f;
     for (int k = 0; k < groups; ++k) {
       a += reduce[(size_t)k * 2 * span + i];
-      b += reduce[(size_t)k * 2 * span + span + i];
+      if constexpr (!kRms) b += reduce[(size_t)k * 2 * span + span + i];
     }
     // i = t' * kPer + j' holds column col_of(packed, t', j', group).
     const int c = col_of<kPer>(packed, i / kPer, i % kPer, group);
     if (c < cols) {
       partial_w[(int64_t)blockIdx.x * cols + c] = a;
-      if (!kRms) partial_b[(int64_t)blockIdx.x * cols + c] = b;
+      if constexpr (!kRms) partial_b[(int64_t)blockIdx.x * cols + c] = b;
     }
   }
 }
