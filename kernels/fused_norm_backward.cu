@@ -14,8 +14,7 @@
 // as many blocks as fit on the GPU at once (the occupancy API: one wave); each block
 // walks rows, keeps its dw/db in registers, and writes one partial row; one
 // column_sum_kernel launch sums the partials of dw and db in a fixed order
-// (deterministic). (P, R, B) = (TOOLKIT_NORM_BWD_PER, _ROWS, _BLOCK) for rows of up to
-// P * B columns, (8, 1, 1024) above; kernels/tune_norm.py times the choices.
+// (deterministic). P, R and B are per norm (below); kernels/tune_norm.py times choices.
 // NOTE: a warp-per-row layout like the forward's (4-element packs, dw/db for up to
 // 16 columns per thread) measured slower here on an H200 (RMSNorm 2048 columns:
 // 0.134 vs 0.114 ms; LayerNorm 768: equal) at 97-128 registers per thread.
@@ -24,26 +23,25 @@
 namespace toolkit {
 namespace {
 
-#ifndef TOOLKIT_NORM_BWD_PER
-#define TOOLKIT_NORM_BWD_PER 8
+// A launch shape: P elements per thread, R rows per row group and iteration, B threads per
+// block at most, M blocks per SM promised to __launch_bounds__ (caps registers), prefetch.
+// Chosen on an H200 with kernels/tune_norm.py (backward GPU ms, 16384 rows, x fp32, dy bf16):
+//   LayerNorm 768 / 1600: (8, 2, 256, 3) 0.042 / 0.091 ms; (8, 1, 512, 2), the shape before, 0.050 / 0.107
+//   RMSNorm 2048:         (8, 1, 256, 4) 0.100 ms; (8, 2, 256, 3) spills and takes 0.110
+// The tuner builds variants with all five TOOLKIT_NORM_BWD_* macros set: one shape for both norms.
+#ifdef TOOLKIT_NORM_BWD_PER
+constexpr int kLnPer = TOOLKIT_NORM_BWD_PER, kLnRows = TOOLKIT_NORM_BWD_ROWS, kLnBlock = TOOLKIT_NORM_BWD_BLOCK,
+              kLnMinBlocks = TOOLKIT_NORM_BWD_MIN_BLOCKS;
+constexpr bool kLnPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
+constexpr int kRmsPer = kLnPer, kRmsRows = kLnRows, kRmsBlock = kLnBlock, kRmsMinBlocks = kLnMinBlocks;
+constexpr bool kRmsPrefetch = kLnPrefetch;
+#else
+constexpr int kLnPer = 8, kLnRows = 2, kLnBlock = 256, kLnMinBlocks = 3;
+constexpr bool kLnPrefetch = false;
+constexpr int kRmsPer = 8, kRmsRows = 1, kRmsBlock = 256, kRmsMinBlocks = 4;
+constexpr bool kRmsPrefetch = false;
 #endif
-#ifndef TOOLKIT_NORM_BWD_ROWS
-#define TOOLKIT_NORM_BWD_ROWS 1
-#endif
-#ifndef TOOLKIT_NORM_BWD_BLOCK
-#define TOOLKIT_NORM_BWD_BLOCK 512
-#endif
-#ifndef TOOLKIT_NORM_BWD_PREFETCH  // 1: the next iteration's rows load while this one reduces
-#define TOOLKIT_NORM_BWD_PREFETCH 0
-#endif
-#ifndef TOOLKIT_NORM_BWD_MIN_BLOCKS  // __launch_bounds__'s blocks per SM: caps registers
-#define TOOLKIT_NORM_BWD_MIN_BLOCKS 2
-#endif
-
-// Rows up to kNarrowPer * kNarrowBlock columns; wider ones (up to kNormMaxCols) take the wide shape.
-constexpr int kNarrowPer = TOOLKIT_NORM_BWD_PER, kNarrowRows = TOOLKIT_NORM_BWD_ROWS,
-              kNarrowBlock = TOOLKIT_NORM_BWD_BLOCK, kNarrowMinBlocks = TOOLKIT_NORM_BWD_MIN_BLOCKS;
-constexpr bool kNarrowPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
+// Rows wider than P * B columns (up to kNormMaxCols) take the wide shape: 512-thread row-group blocks.
 constexpr int kWidePer = 8, kWideBlock = 1024, kWideTarget = 512;
 static_assert(kWidePer * kWideBlock >= kNormMaxCols, "the wide shape must hold the widest row");
 
@@ -61,11 +59,14 @@ RowLayout row_layout(int cols, int per, int target) {
   return l;
 }
 
-bool narrow(int cols) { return cols <= kNarrowPer * kNarrowBlock; }
+bool narrow(int cols, bool rms) { return cols <= (rms ? kRmsPer * kRmsBlock : kLnPer * kLnBlock); }
 
-RowLayout layout_for(int cols) {
-  return narrow(cols) ? row_layout(cols, kNarrowPer, kNarrowBlock) : row_layout(cols, kWidePer, kWideTarget);
+RowLayout layout_for(int cols, bool rms) {
+  if (!narrow(cols, rms)) return row_layout(cols, kWidePer, kWideTarget);
+  return rms ? row_layout(cols, kRmsPer, kRmsBlock) : row_layout(cols, kLnPer, kLnBlock);
 }
+
+int rows_per_group(int cols, bool rms) { return !narrow(cols, rms) ? 1 : rms ? kRmsRows : kLnRows; }
 
 // Column of this thread's j-th element: packed rows are kPer contiguous elements per thread.
 template <int kPer>
@@ -234,9 +235,9 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
 
 // The most blocks the workspace is sized for: one wave at the hardware's 2048 threads per SM
 // (the occupancy API's answer never exceeds it).
-int64_t max_grid(int64_t rows, int cols) {
-  const RowLayout l = layout_for(cols);
-  const int64_t rows_per_block = (int64_t)l.groups * (narrow(cols) ? kNarrowRows : 1);
+int64_t max_grid(int64_t rows, int cols, bool rms) {
+  const RowLayout l = layout_for(cols, rms);
+  const int64_t rows_per_block = (int64_t)l.groups * rows_per_group(cols, rms);
   const int64_t needed = (rows + rows_per_block - 1) / rows_per_block;
   const int64_t fill = (int64_t)sm_count() * (2048 / l.threads() > 0 ? 2048 / l.threads() : 1);
   return needed < fill ? needed : fill;
@@ -272,11 +273,10 @@ bool rows_packed(const void* p, int cols, int elem_bytes, int per) {
 
 int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
-template <int kPer, int kRows, bool kPrefetch, int kMaxThreads, int kMinBlocks>
+template <bool kRms, int kPer, int kRows, bool kPrefetch, int kMaxThreads, int kMinBlocks>
 cudaError_t launch_shape(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
                          void* dx, float* partial_w, float* partial_b, int64_t rows, int cols, DType dy_dtype,
-                         DType x_dtype, bool rms, const RowLayout& l, int grid_limit, int* grid_out,
-                         cudaStream_t stream) {
+                         DType x_dtype, const RowLayout& l, int grid_limit, int* grid_out, cudaStream_t stream) {
   const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype), kPer) &&
                       rows_packed(dy, cols, dtype_bytes(dy_dtype), kPer) &&
                       rows_packed(dx, cols, dtype_bytes(x_dtype), kPer) && is_aligned(weight, 16);
@@ -284,8 +284,7 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
   cudaError_t err = cudaSuccess;
   TOOLKIT_DISPATCH(dy_dtype, G, {
     TOOLKIT_DISPATCH(x_dtype, T, {
-      auto kernel = rms ? norm_bwd_kernel<G, T, true, kPer, kRows, kPrefetch, kMaxThreads, kMinBlocks>
-                        : norm_bwd_kernel<G, T, false, kPer, kRows, kPrefetch, kMaxThreads, kMinBlocks>;
+      auto kernel = norm_bwd_kernel<G, T, kRms, kPer, kRows, kPrefetch, kMaxThreads, kMinBlocks>;
       if (smem > 48 * 1024) {
         err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (err != cudaSuccess) return err;
@@ -303,7 +302,11 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
 
 }  // namespace
 
-int64_t norm_bwd_workspace(int64_t rows, int cols) { return 2 * max_grid(rows, cols) * cols; }
+// The workspace does not depend on rms's shape choice beyond this bound: the larger of the two.
+int64_t norm_bwd_workspace(int64_t rows, int cols) {
+  const int64_t ln = max_grid(rows, cols, false), rms = max_grid(rows, cols, true);
+  return 2 * (ln > rms ? ln : rms) * cols;
+}
 
 cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
                             void* dx, float* dweight, float* dbias, float* workspace, int64_t rows, int cols,
@@ -314,18 +317,25 @@ cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, 
     if (err == cudaSuccess && !rms) err = cudaMemsetAsync(dbias, 0, sizeof(float) * cols, stream);
     return err;
   }
-  const RowLayout l = layout_for(cols);
-  const int limit = (int)max_grid(rows, cols);  // what the workspace holds
+  const RowLayout l = layout_for(cols, rms);
+  const int limit = (int)max_grid(rows, cols, rms);
   float* partial_w = workspace;
   float* partial_b = workspace + (int64_t)limit * cols;
   int grid = 0;
-  cudaError_t err =
-      narrow(cols)
-          ? launch_shape<kNarrowPer, kNarrowRows, kNarrowPrefetch, kNarrowBlock, kNarrowMinBlocks>(dy, x, weight, mean, rstd, dx, partial_w, partial_b,
-                                                                rows, cols, dy_dtype, x_dtype, rms, l, limit, &grid,
-                                                                stream)
-          : launch_shape<kWidePer, 1, false, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols,
-                                                  dy_dtype, x_dtype, rms, l, limit, &grid, stream);
+  cudaError_t err;
+  if (!narrow(cols, rms))
+    err = rms ? launch_shape<true, kWidePer, 1, false, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
+                                                                      partial_b, rows, cols, dy_dtype, x_dtype, l,
+                                                                      limit, &grid, stream)
+              : launch_shape<false, kWidePer, 1, false, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
+                                                                       partial_b, rows, cols, dy_dtype, x_dtype, l,
+                                                                       limit, &grid, stream);
+  else if (rms)
+    err = launch_shape<true, kRmsPer, kRmsRows, kRmsPrefetch, kRmsBlock, kRmsMinBlocks>(
+        dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l, limit, &grid, stream);
+  else
+    err = launch_shape<false, kLnPer, kLnRows, kLnPrefetch, kLnBlock, kLnMinBlocks>(
+        dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l, limit, &grid, stream);
   if (err != cudaSuccess) return err;
   // dw and db partials summed by one launch (blockIdx.y picks which).
   const dim3 reduce_grid((cols + 31) / 32, rms ? 1 : 2);

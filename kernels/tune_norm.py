@@ -3,7 +3,8 @@
 kernels/fused_norm_backward.cu takes its launch shape from macros: TOOLKIT_NORM_BWD_PER
 (elements per thread), _ROWS (rows a row group takes per iteration), _BLOCK (threads per
 block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) and _PREFETCH
-(load the next rows while reducing these). This builds the norm extension once per shape
+(load the next rows while reducing these); set together they replace the shipped shapes of
+both norms (each shape covers rows of up to P * B columns). This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
 its backward alone (GPU ms from the profiler) on the benchmark's shapes, beside the
 backward of torch.compile (its forward+backward minus its forward).
