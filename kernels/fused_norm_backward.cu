@@ -302,11 +302,7 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
 
 }  // namespace
 
-// The workspace does not depend on rms's shape choice beyond this bound: the larger of the two.
-int64_t norm_bwd_workspace(int64_t rows, int cols) {
-  const int64_t ln = max_grid(rows, cols, false), rms = max_grid(rows, cols, true);
-  return 2 * (ln > rms ? ln : rms) * cols;
-}
+int64_t norm_bwd_workspace(int64_t rows, int cols, bool rms) { return 2 * max_grid(rows, cols, rms) * cols; }
 
 cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
                             void* dx, float* dweight, float* dbias, float* workspace, int64_t rows, int cols,

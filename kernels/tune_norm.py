@@ -96,21 +96,23 @@ def relative_error(got, want) -> float:
     return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
 
 
+def forward_and_error(module, x, w, b, dy, eps: float, rms: bool, ref):
+    """(mean, rstd) from the module's forward, and its backward's largest relative error against ref."""
+    _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)  # 1: bf16 out (toolkit.fused_ops codes)
+    dx, dw, db = module.norm_bwd(dy, x, w, mean, rstd, rms)
+    error = max(relative_error(dx, ref[0]), relative_error(dw, ref[1]), 0.0 if rms else relative_error(db, ref[2]))
+    return mean, rstd, error
+
+
 def time_variant(module, cases_data) -> tuple[list[float], list[float]]:
     times, errors = [], []
     for rows, cols, rms in ODD_CASES:
         x, w, b, dy = inputs(cols, rms, rows)
         eps = 1e-6 if rms else 1e-5
-        ref = reference(x, w, dy, rms, eps)
-        _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)
-        dx, dw, db = module.norm_bwd(dy, x, w, mean, rstd, rms)
-        errors.append(max(relative_error(dx, ref[0]), relative_error(dw, ref[1]),
-                          0.0 if rms else relative_error(db, ref[2])))
+        errors.append(forward_and_error(module, x, w, b, dy, eps, rms, reference(x, w, dy, rms, eps))[2])
     for (_, cols, rms), (x, w, b, dy, eps, ref) in zip(CASES, cases_data):
-        _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)  # 1: bf16 out (toolkit.fused_ops codes)
-        dx, dw, db = module.norm_bwd(dy, x, w, mean, rstd, rms)
-        errors.append(max(relative_error(dx, ref[0]), relative_error(dw, ref[1]),
-                          0.0 if rms else relative_error(db, ref[2])))
+        mean, rstd, error = forward_and_error(module, x, w, b, dy, eps, rms, ref)
+        errors.append(error)
         times.append(gpu_ms(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms), iters=20))
     return times, errors
 

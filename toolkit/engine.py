@@ -26,7 +26,7 @@ from toolkit.optim import Schedule
 from toolkit.precision import autocast_context, make_loss_scaler
 from toolkit.specs import Recipe
 from toolkit.zero import build_strategy
-from toolkit.zero.comm import init_distributed, select_cuda_device, sum_floats
+from toolkit.zero.comm import init_distributed, select_cuda_device
 from toolkit.zero.state import (FullStateReader, ShardFilesReader, ordered_param_names, parameter_aliases,
                                 shard_file_name, write_shard)
 
@@ -187,7 +187,8 @@ class Engine:
             losses = [self(batch) for batch in batches]
         finally:
             self.model.train()
-        return self._mean_over_ranks(float(torch.stack(losses).mean()) if losses else float("nan"))
+        mean = torch.stack(losses).mean() if losses else torch.tensor(float("nan"), device=self.device)
+        return float(self._mean_loss_over_ranks(mean))
 
     def _mean_loss_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean over all ranks of this rank's loss (0-dim, fp32), without waiting for it."""
@@ -196,12 +197,6 @@ class Engine:
         total = loss.detach().double().reshape(1)
         torch.distributed.all_reduce(total)
         return (total[0] / self.dist.world_size).float()
-
-    def _mean_over_ranks(self, value: float) -> float:
-        """The mean of a per-rank float over all ranks (the value itself for one process)."""
-        if not self.dist.active:
-            return value
-        return sum_floats([value], self.dist, self.device)[0] / self.dist.world_size
 
     def offload_metrics(self) -> dict:
         """mem_offload_bytes (CPU memory ZeRO-Offload holds on this rank) when offload is on, else nothing."""
