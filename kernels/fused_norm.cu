@@ -71,13 +71,13 @@ __device__ __forceinline__ void store4(T* __restrict__ row, int c, int cols, boo
 
 // Sums of (a, b) over a row group of `warps` warps; every thread gets its group's sums.
 // `warps` is the same for the whole block, so either no thread or every thread reaches the
-// barriers. scratch: one float2 per warp of the block.
+// barrier. scratch: one float2 per warp of the block, used by this call only (so one barrier,
+// between its writes and its reads, suffices).
 __device__ __forceinline__ float2 row_sum2(float a, float b, int warps, float2* scratch) {
   a = warp_sum(a);
   b = warp_sum(b);
   if (warps == 1) return make_float2(a, b);
   const int warp = threadIdx.x >> 5, first = warp / warps * warps;
-  __syncthreads();  // the previous sums have been read
   if ((threadIdx.x & 31) == 0) scratch[warp] = make_float2(a, b);
   __syncthreads();
   float2 s = make_float2(0.f, 0.f);
@@ -92,7 +92,7 @@ template <typename T, typename O, bool kRms, int kPacks>
 __global__ void __launch_bounds__(kBlockThreads) norm_fwd_kernel(
     const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, O* __restrict__ y,
     float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int cols, float eps, int warps, bool packed) {
-  __shared__ float2 scratch[kMaxWarps];
+  __shared__ float2 scratch[2][kMaxWarps];  // one per row_sum2 call
   const int group = 32 * warps, t = threadIdx.x % group, stride = group * kVec;
   const int64_t r = (int64_t)blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
   const bool valid = r < rows;
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kBlockThreads) norm_fwd_kernel(
     for (int k = 0; k < kPacks; ++k)
 #pragma unroll
       for (int j = 0; j < kVec; ++j) s += v[k][j];
-    mu = row_sum2(s, 0.f, warps, scratch).x / cols;
+    mu = row_sum2(s, 0.f, warps, scratch[0]).x / cols;
   }
   float ss = 0.f;
 #pragma unroll
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kBlockThreads) norm_fwd_kernel(
       const float d = t * kVec + k * stride + j < cols ? v[k][j] - mu : 0.f;
       ss += d * d;
     }
-  const float rs = rsqrtf(row_sum2(ss, 0.f, warps, scratch).x / cols + eps);
+  const float rs = rsqrtf(row_sum2(ss, 0.f, warps, scratch[1]).x / cols + eps);
   if (!valid) return;
   O* yr = y + r * cols;
 #pragma unroll

@@ -61,7 +61,7 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
   at::Tensor dx = at::empty_like(x);
   at::Tensor dweight = at::empty({cols}, x.options().dtype(at::kFloat));
   at::Tensor dbias = at::empty({rms ? 0 : cols}, x.options().dtype(at::kFloat));
-  at::Tensor workspace = at::empty({std::max<int64_t>(toolkit::norm_bwd_workspace(rows, cols, rms), 1)},
+  at::Tensor workspace = at::empty({std::max<int64_t>(toolkit::norm_bwd_workspace(rows, cols), 1)},
                                    x.options().dtype(at::kFloat));
   check_launch(toolkit::launch_norm_bwd(dy.data_ptr(), x.data_ptr(), weight.data_ptr<float>(),
                                         rms ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),

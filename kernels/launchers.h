@@ -67,7 +67,7 @@ cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bia
                             cudaStream_t stream);
 
 // Floats of workspace launch_norm_bwd needs.
-int64_t norm_bwd_workspace(int64_t rows, int cols, bool rms);
+int64_t norm_bwd_workspace(int64_t rows, int cols);
 
 // dx has x's dtype; dweight / dbias are fp32 (dbias ignored when rms).
 cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,

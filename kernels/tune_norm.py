@@ -2,15 +2,14 @@
 
 kernels/fused_norm_backward.cu takes its launch shape from macros: TOOLKIT_NORM_BWD_PER
 (elements per thread), _ROWS (rows a row group takes per iteration), _BLOCK (threads per
-block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) and _STAGES
-(0: loads into registers; 2 or more: cp.async stages in shared memory, the next rows in flight
-while these are reduced); set together they replace the shipped shapes of
+block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) and _PREFETCH
+(load the next rows while reducing these); set together they replace the shipped shapes of
 both norms (each shape covers rows of up to P * B columns). This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
 its backward alone (GPU ms from the profiler) on the benchmark's shapes, beside the
 backward of torch.compile (its forward+backward minus its forward).
 
-    python kernels/tune_norm.py [--shapes P,R,B,M,S;...] [--no-compile] [--markdown FILE]
+    python kernels/tune_norm.py [--shapes P,R,B,M,F;...] [--no-compile] [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -30,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import TOKENS, gpu_ms, table  # noqa: E402
 from toolkit import ops  # noqa: E402
 
-MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "STAGES")
-# (P, R, B, M, S); "8,1,32,1,0" sends every benchmark row to the wide shape (8 per thread,
+MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "PREFETCH")
+# (P, R, B, M, F); "8,1,32,1,0" sends every benchmark row to the wide shape (8 per thread,
 # 512-thread row-group blocks, 1024 launch bound): the layout before the narrow shape existed.
-SHAPES = ("8,1,32,1,0", "8,1,256,4,0", "8,2,256,3,0", "8,1,256,4,2", "8,1,256,4,3", "8,1,256,3,3",
-          "8,2,256,3,2", "8,1,512,2,2", "4,1,512,2,2", "16,1,128,4,2")
+SHAPES = ("8,1,32,1,0", "8,1,512,1,0", "8,1,512,2,0", "4,1,512,2,0", "4,1,512,2,1", "4,2,512,2,0",
+          "4,1,256,4,1", "2,2,512,2,1", "4,2,256,4,0")
 CASES = (("LayerNorm 768", 768, False), ("LayerNorm 1600", 1600, False), ("RMSNorm 2048", 2048, True))
 
 
@@ -118,6 +117,29 @@ def time_variant(module, cases_data) -> tuple[list[float], list[float]]:
     return times, errors
 
 
+def kernels_us(fn, iters: int = 20) -> str:
+    """GPU microseconds per call of each kernel `fn` launches (where a backward's time goes)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    return "; ".join(f"{e.key[:60]} {e.self_device_time_total / iters:.1f}" for e in events)
+
+
+def shipped_breakdown(module, cases_data) -> list[str]:
+    lines = []
+    for (label, _, rms), (x, w, b, dy, eps, _) in zip(CASES, cases_data):
+        _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)
+        lines.append(f"- {label}: {kernels_us(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms))}")
+    return lines
+
+
 def compile_backward_ms(cases_data) -> list[float]:
     """torch.compile's backward GPU ms: (forward+backward) - forward of the compiled eager code."""
     out = []
@@ -148,7 +170,7 @@ def compile_backward_ms(cases_data) -> list[float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,S shapes separated by ;")
+    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F shapes separated by ;")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -166,13 +188,14 @@ def main() -> int:
         x, w, b, dy = inputs(cols, rms)
         eps = 1e-6 if rms else 1e-5
         cases_data.append((x, w, b, dy, eps, reference(x, w, dy, rms, eps)))
-    rows = []
+    rows, breakdown = [], []
     if not args.no_compile:
         rows.append(["torch.compile", *[f"{ms:.4f}" for ms in compile_backward_ms(cases_data)], "", "reference"])
     shipped = ops.load_extension("norm")
     if shipped is not None:
         times, errors = time_variant(shipped, cases_data)
         rows.append(["shipped (source defaults)", *[f"{ms:.4f}" for ms in times], f"{max(errors):.1e}", ""])
+        breakdown = shipped_breakdown(shipped, cases_data)
     for shape, (name, directory, flags, error) in zip(shapes, built):
         if error is not None:
             rows.append([shape, "", "", "", "", f"build failed: {error[:120]}"])
@@ -184,7 +207,9 @@ def main() -> int:
     text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; backward only, x fp32, dy bf16, "
             f"{TOKENS} rows; GPU ms = kernel time from the profiler\n\n"
             + table("Norm backward shapes (P elements/thread, R rows/iteration, B block, M min blocks/SM, "
-                    "S cp.async stages)", ["shape P,R,B,M,S", *[c[0] for c in CASES], "max rel err vs f64", "note"], rows))
+                    "F prefetch)", ["shape P,R,B,M,F", *[c[0] for c in CASES], "max rel err vs f64", "note"], rows))
+    if breakdown:
+        text += "\nKernels of the shipped backward, GPU us per call:\n" + "\n".join(breakdown) + "\n"
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
