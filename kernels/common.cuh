@@ -142,6 +142,7 @@ __global__ void column_sum_kernel(const float* __restrict__ partial0, float* __r
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
   if (c < cols)
+#pragma unroll 16  // the loads of 16 rows in flight at once (one block per 32 columns: few blocks, latency-bound)
     for (int r = threadIdx.y; r < rows; r += 32) acc += partial[(int64_t)r * cols + c];
   tile[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();

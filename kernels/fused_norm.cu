@@ -33,7 +33,12 @@ struct NormLayout {
   int groups() const { return threads() / group(); }
 };
 
-constexpr int kMaxPacks = 8;  // packs per thread of the widest variant (TOOLKIT_NORM_PACKS: 1, 2, 4, 6, 8)
+// Packs per thread of the widest variant (TOOLKIT_NORM_PACKS: 1, 2, 4, 6, 8); kernels/tune_norm.py
+// tries others through TOOLKIT_NORM_FWD_MAX_PACKS.
+#ifndef TOOLKIT_NORM_FWD_MAX_PACKS
+#define TOOLKIT_NORM_FWD_MAX_PACKS 8
+#endif
+constexpr int kMaxPacks = TOOLKIT_NORM_FWD_MAX_PACKS;
 
 // The fewest warps per row whose threads hold at most kMaxPacks packs each, then the
 // smallest compiled variant that covers the row.
@@ -70,16 +75,16 @@ __device__ __forceinline__ void store4(T* __restrict__ row, int c, int cols, boo
 }
 
 // Sums of (a, b) over a row group of `warps` warps; every thread gets its group's sums.
-// `warps` is the same for the whole block, so either no thread or every thread reaches the
-// barrier. scratch: one float2 per warp of the block, used by this call only (so one barrier,
-// between its writes and its reads, suffices).
+// The barrier is the row group's own (bar.sync with an id per group, 0 being __syncthreads'):
+// a group waits for its warps only, not the block's other rows. scratch: one float2 per warp of
+// the block, used by this call only (so one barrier, between its writes and its reads, suffices).
 __device__ __forceinline__ float2 row_sum2(float a, float b, int warps, float2* scratch) {
   a = warp_sum(a);
   b = warp_sum(b);
   if (warps == 1) return make_float2(a, b);
   const int warp = threadIdx.x >> 5, first = warp / warps * warps;
   if ((threadIdx.x & 31) == 0) scratch[warp] = make_float2(a, b);
-  __syncthreads();
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + warp / warps), "r"(32 * warps) : "memory");
   float2 s = make_float2(0.f, 0.f);
   for (int w = 0; w < warps; ++w) {
     s.x += scratch[first + w].x;

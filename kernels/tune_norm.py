@@ -1,15 +1,17 @@
-"""Tuning sweep (not a test): shapes of the norm backward kernel, timed side by side on one GPU.
+"""Tuning sweep (not a test): launch shapes of the norm kernels, timed side by side on one GPU.
 
 kernels/fused_norm_backward.cu takes its launch shape from macros: TOOLKIT_NORM_BWD_PER
 (elements per thread), _ROWS (rows a row group takes per iteration), _BLOCK (threads per
 block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) and _PREFETCH
-(load the next rows while reducing these); set together they replace the shipped shapes of
-both norms (each shape covers rows of up to P * B columns). This builds the norm extension once per shape
+(load the next rows while reducing these); set together they replace the shipped shape of
+both norms (each shape covers rows of up to P * B columns). An optional sixth value sets
+kernels/fused_norm.cu's TOOLKIT_NORM_FWD_MAX_PACKS (the forward's 4-element packs per thread
+at most, which sets its warps per row). This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
-its backward alone (GPU ms from the profiler) on the benchmark's shapes, beside the
-backward of torch.compile (its forward+backward minus its forward).
+its forward and its backward (GPU ms from the profiler) on the benchmark's shapes, beside
+torch.compile's (its backward: forward+backward minus forward).
 
-    python kernels/tune_norm.py [--shapes P,R,B,M,F;...] [--no-compile] [--markdown FILE]
+    python kernels/tune_norm.py [--shapes P,R,B,M,F[,X];...] [--no-compile] [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def build(shape: str):
     plan = ops.build_plan("norm")
     values = shape.split(",")
     defines = [f"-DTOOLKIT_NORM_BWD_{m}={v}" for m, v in zip(MACROS, values)]
+    if len(values) > len(MACROS):  # a sixth value: the forward's packs per thread at most
+        defines.append(f"-DTOOLKIT_NORM_FWD_MAX_PACKS={values[len(MACROS)]}")
     name = "toolkit_norm_tune_" + "_".join(values)
     directory = ops.cache_root() / "tune" / name
     directory.mkdir(parents=True, exist_ok=True)
@@ -80,7 +84,7 @@ def inputs(cols: int, rms: bool, rows: int = TOKENS):
 
 
 def reference(x, w, dy, rms: bool, eps: float):
-    """dx, dw, db in float64 (autograd through the textbook formula)."""
+    """dx, dw, (db,) and y in float64 (autograd through the textbook formula)."""
     x64 = x.double().requires_grad_()
     w64 = w.double().requires_grad_()
     b64 = torch.zeros_like(w64, requires_grad=not rms)
@@ -89,7 +93,7 @@ def reference(x, w, dy, rms: bool, eps: float):
     else:
         y = F.layer_norm(x64, (x.shape[-1],), w64, b64, eps)
     grads = torch.autograd.grad(y, [x64, w64] + ([] if rms else [b64]), dy.double())
-    return grads
+    return (*grads, y.detach())
 
 
 def relative_error(got, want) -> float:
@@ -97,24 +101,35 @@ def relative_error(got, want) -> float:
 
 
 def forward_and_error(module, x, w, b, dy, eps: float, rms: bool, ref):
-    """(mean, rstd) from the module's forward, and its backward's largest relative error against ref."""
-    _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)  # 1: bf16 out (toolkit.fused_ops codes)
+    """(mean, rstd) from the module's forward; its backward's largest relative error against ref
+    (fp32 out: bound 1e-5), and its forward's (bf16 out: bound 1e-2)."""
+    y, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)  # 1: bf16 out (toolkit.fused_ops codes)
     dx, dw, db = module.norm_bwd(dy, x, w, mean, rstd, rms)
     error = max(relative_error(dx, ref[0]), relative_error(dw, ref[1]), 0.0 if rms else relative_error(db, ref[2]))
-    return mean, rstd, error
+    return mean, rstd, error, relative_error(y, ref[-1])
 
 
-def time_variant(module, cases_data) -> tuple[list[float], list[float]]:
+BOUNDS = (1e-5, 1e-2)  # backward, forward
+
+
+def time_variant(module, cases_data) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+    """(forward ms, backward ms) per case, and the largest (backward, forward) errors over all shapes."""
     times, errors = [], []
     for rows, cols, rms in ODD_CASES:
         x, w, b, dy = inputs(cols, rms, rows)
         eps = 1e-6 if rms else 1e-5
-        errors.append(forward_and_error(module, x, w, b, dy, eps, rms, reference(x, w, dy, rms, eps))[2])
+        errors.append(forward_and_error(module, x, w, b, dy, eps, rms, reference(x, w, dy, rms, eps))[2:])
     for (_, cols, rms), (x, w, b, dy, eps, ref) in zip(CASES, cases_data):
-        mean, rstd, error = forward_and_error(module, x, w, b, dy, eps, rms, ref)
-        errors.append(error)
-        times.append(gpu_ms(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms), iters=20))
-    return times, errors
+        mean, rstd, *error = forward_and_error(module, x, w, b, dy, eps, rms, ref)
+        errors.append(tuple(error))
+        forward = gpu_ms(lambda: module.norm_fwd(x, w, b, eps, rms, 1), iters=20)
+        times.append((forward, gpu_ms(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms), iters=20)))
+    return times, (max(e[0] for e in errors), max(e[1] for e in errors))
+
+
+def errors_cell(errors: tuple[float, float]) -> list[str]:
+    wrong = any(e >= bound for e, bound in zip(errors, BOUNDS))
+    return [f"{errors[0]:.1e} / {errors[1]:.1e}", "WRONG" if wrong else ""]
 
 
 def kernels_us(fn, iters: int = 20) -> str:
@@ -140,8 +155,12 @@ def shipped_breakdown(module, cases_data) -> list[str]:
     return lines
 
 
-def compile_backward_ms(cases_data) -> list[float]:
-    """torch.compile's backward GPU ms: (forward+backward) - forward of the compiled eager code."""
+def cell(times: tuple[float, float]) -> str:
+    return f"{times[0]:.4f} / {times[1]:.4f}"
+
+
+def compile_backward_ms(cases_data) -> list[tuple[float, float]]:
+    """torch.compile's forward and backward GPU ms (the backward: forward+backward minus forward)."""
     out = []
     for (_, cols, rms), (x, w, b, dy, eps, _) in zip(CASES, cases_data):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -163,14 +182,15 @@ def compile_backward_ms(cases_data) -> list[float]:
             torch.autograd.grad(fn(*args), leaves, dy)
 
         both()
-        out.append(gpu_ms(both, iters=20) - gpu_ms(forward, iters=20))
+        forward_ms = gpu_ms(forward, iters=20)
+        out.append((forward_ms, gpu_ms(both, iters=20) - forward_ms))
         torch._dynamo.reset()
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F shapes separated by ;")
+    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F[,X] shapes separated by ;")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -190,24 +210,24 @@ def main() -> int:
         cases_data.append((x, w, b, dy, eps, reference(x, w, dy, rms, eps)))
     rows, breakdown = [], []
     if not args.no_compile:
-        rows.append(["torch.compile", *[f"{ms:.4f}" for ms in compile_backward_ms(cases_data)], "", "reference"])
+        rows.append(["torch.compile", *map(cell, compile_backward_ms(cases_data)), "", "reference"])
     shipped = ops.load_extension("norm")
     if shipped is not None:
         times, errors = time_variant(shipped, cases_data)
-        rows.append(["shipped (source defaults)", *[f"{ms:.4f}" for ms in times], f"{max(errors):.1e}", ""])
+        rows.append(["shipped (source defaults)", *map(cell, times), *errors_cell(errors)])
         breakdown = shipped_breakdown(shipped, cases_data)
     for shape, (name, directory, flags, error) in zip(shapes, built):
         if error is not None:
             rows.append([shape, "", "", "", "", f"build failed: {error[:120]}"])
             continue
         times, errors = time_variant(load_built(name, directory, flags), cases_data)
-        ok = max(errors) < 1e-5
-        rows.append([shape, *[f"{ms:.4f}" for ms in times], f"{max(errors):.1e}", "" if ok else "WRONG"])
+        rows.append([shape, *map(cell, times), *errors_cell(errors)])
         print(f"  {shape}: {times} errors {errors}", flush=True)
-    text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; backward only, x fp32, dy bf16, "
+    text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; x fp32, y bf16, dy bf16, "
             f"{TOKENS} rows; GPU ms = kernel time from the profiler\n\n"
-            + table("Norm backward shapes (P elements/thread, R rows/iteration, B block, M min blocks/SM, "
-                    "F prefetch)", ["shape P,R,B,M,F", *[c[0] for c in CASES], "max rel err vs f64", "note"], rows))
+            + table("Norm shapes, forward / backward GPU ms (backward: P elements/thread, R rows/iteration, "
+                    "B block, M min blocks/SM, F prefetch; forward: X packs/thread at most)",
+                    ["shape P,R,B,M,F[,X]", *[c[0] for c in CASES], "max rel err vs f64 (bwd / fwd)", "note"], rows))
     if breakdown:
         text += "\nKernels of the shipped backward, GPU us per call:\n" + "\n".join(breakdown) + "\n"
     print(text)

@@ -212,9 +212,10 @@ def test_adamw_step_matches_float64(sizes, grad_dtype, lowp_dtype):
     adamw_step(params, grads, exp_avgs, exp_avg_sqs, step=7, grad_scale=0.25, lowp=lowp, nonfinite=flag, **SETTINGS)
     assert flag.item() == 0
     for i, (p_ref, m_ref, v_ref) in enumerate(expected):
-        assert rel_err(params[i], p_ref) < 1e-5
         # the update itself, to 1e-5 of its size, plus the one rounding of the stored fp32 parameter
-        # (2^-24 of it), which a few-element update cannot average away
+        # (2^-24 of it), which a few-element update cannot average away. Not the parameter's own
+        # relative error: decay and update can cancel it to near zero (a 1-element run once ended at
+        # 2e-4 with 1.4e-4 relative error, all of it the fp32 rounding of terms near 1)
         update_err = (params[i].double() - p_ref).norm()
         assert update_err <= 1e-5 * (p_ref - before[i].double()).norm() + 2 ** -24 * p_ref.norm()
         assert (exp_avgs[i].double() - m_ref).norm() < 1e-5 * m_terms[i]
