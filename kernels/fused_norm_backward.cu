@@ -11,10 +11,10 @@
 // rows are aligned, else P strided elements). A block holds up to B / G row groups;
 // each group takes R rows per iteration, so R rows' loads are in flight before the
 // one reduction (warp shuffles plus one shared-memory step) they share. The grid is
-// at most as many blocks as fit on the GPU at once (the occupancy API: one wave), each
-// walking the same number of rows; each block keeps its dw/db in registers and writes
-// one partial row; one column_sum_kernel launch sums the partials of dw and db in a
-// fixed order (deterministic). P, R and B: below, from kernels/tune_norm.py's sweeps.
+// as many blocks as fit on the GPU at once (the occupancy API: one wave); each block
+// walks rows, keeps its dw/db in registers, and writes one partial row; one
+// column_sum_kernel launch sums the partials of dw and db in a fixed order
+// (deterministic). P, R and B: below, from kernels/tune_norm.py's sweeps.
 // NOTE: a warp-per-row layout like the forward's (4-element packs, dw/db for up to
 // 16 columns per thread) measured slower here on an H200 (RMSNorm 2048 columns:
 // 0.134 vs 0.114 ms; LayerNorm 768: equal) at 97-128 registers per thread.
@@ -291,12 +291,7 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
         if (err != cudaSuccess) return err;
       }
       const int64_t wave = (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
-      // As few blocks as the wave's iteration count needs, so every block walks as many rows
-      // (a full wave left 16 of 528 blocks a last row of their own: a tail of one row's latency).
-      const int64_t row_sets = (rows + (int64_t)l.groups * kRows - 1) / ((int64_t)l.groups * kRows);
-      const int64_t blocks = wave < grid_limit ? wave : grid_limit;
-      const int64_t iterations = (row_sets + blocks - 1) / blocks;
-      const int grid = (int)((row_sets + iterations - 1) / iterations);
+      const int grid = (int)(wave < grid_limit ? wave : grid_limit);
       *grid_out = grid;
       kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight, mean,
                                                   rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,
