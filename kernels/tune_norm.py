@@ -83,11 +83,11 @@ def inputs(cols: int, rms: bool, rows: int = TOKENS):
     return x, w, (None if rms else b), dy
 
 
-def reference(x, w, dy, rms: bool, eps: float):
+def reference(x, w, b, dy, rms: bool, eps: float):
     """dx, dw, (db,) and y in float64 (autograd through the textbook formula)."""
     x64 = x.double().requires_grad_()
     w64 = w.double().requires_grad_()
-    b64 = torch.zeros_like(w64, requires_grad=not rms)
+    b64 = (torch.zeros_like(w64) if rms else b.double()).requires_grad_(not rms)
     if rms:
         y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
     else:
@@ -118,7 +118,7 @@ def time_variant(module, cases_data) -> tuple[list[tuple[float, float]], tuple[f
     for rows, cols, rms in ODD_CASES:
         x, w, b, dy = inputs(cols, rms, rows)
         eps = 1e-6 if rms else 1e-5
-        errors.append(forward_and_error(module, x, w, b, dy, eps, rms, reference(x, w, dy, rms, eps))[2:])
+        errors.append(forward_and_error(module, x, w, b, dy, eps, rms, reference(x, w, b, dy, rms, eps))[2:])
     for (_, cols, rms), (x, w, b, dy, eps, ref) in zip(CASES, cases_data):
         mean, rstd, *error = forward_and_error(module, x, w, b, dy, eps, rms, ref)
         errors.append(tuple(error))
@@ -207,7 +207,7 @@ def main() -> int:
     for _, cols, rms in CASES:
         x, w, b, dy = inputs(cols, rms)
         eps = 1e-6 if rms else 1e-5
-        cases_data.append((x, w, b, dy, eps, reference(x, w, dy, rms, eps)))
+        cases_data.append((x, w, b, dy, eps, reference(x, w, b, dy, rms, eps)))
     rows, breakdown = [], []
     if not args.no_compile:
         rows.append(["torch.compile", *map(cell, compile_backward_ms(cases_data)), "", "reference"])
