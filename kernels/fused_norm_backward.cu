@@ -27,7 +27,7 @@ namespace {
 // B threads per block at most, M blocks per SM promised to __launch_bounds__ (caps registers),
 // prefetch of the next rows into registers. Chosen on an H200 with kernels/tune_norm.py (backward
 // GPU ms, 16384 rows, x fp32, dy bf16; LayerNorm 768 / LayerNorm 1600 / RMSNorm 2048):
-//   (8, 1, 256, 4, 0)  0.042 / 0.087 / 0.094   torch.compile 0.049 / 0.110 / 0.094
+//   (8, 1, 256, 4, 0)  0.044 / 0.091 / 0.094   torch.compile 0.048 / 0.109 / 0.093
 //   (8, 2, 256, 3, 0)  0.045 / 0.093 / 0.110   (two rows in flight: RMSNorm spills)
 //   the next rows staged in shared memory by cp.async, 2 or 3 stages: 0.049 / 0.095 / 0.118
 // The tuner sets all five TOOLKIT_NORM_BWD_* macros.
