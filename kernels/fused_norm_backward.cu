@@ -30,7 +30,7 @@ namespace {
 //   (8, 1, 256, 4, 0)  0.044 / 0.091 / 0.094   torch.compile 0.048 / 0.109 / 0.093
 //   (8, 2, 256, 3, 0)  0.045 / 0.093 / 0.110   (two rows in flight: RMSNorm spills)
 //   the next rows staged in shared memory by cp.async, 2 or 3 stages: 0.049 / 0.095 / 0.118
-// The tuner sets these five TOOLKIT_NORM_BWD_* macros, and may set TOOLKIT_NORM_BWD_SPLIT.
+// The tuner sets all five TOOLKIT_NORM_BWD_* macros.
 #ifndef TOOLKIT_NORM_BWD_PER
 #define TOOLKIT_NORM_BWD_PER 8
 #define TOOLKIT_NORM_BWD_ROWS 1
@@ -41,12 +41,6 @@ namespace {
 constexpr int kPer = TOOLKIT_NORM_BWD_PER, kRows = TOOLKIT_NORM_BWD_ROWS, kBlock = TOOLKIT_NORM_BWD_BLOCK,
               kMinBlocks = TOOLKIT_NORM_BWD_MIN_BLOCKS;
 constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
-// 0: the grid is one wave of resident blocks that walk all rows. N > 0 (a tuner experiment, after
-// torch.compile's layout: 16-row programs): one block per N row sets, scheduled by the hardware.
-#ifndef TOOLKIT_NORM_BWD_SPLIT
-#define TOOLKIT_NORM_BWD_SPLIT 0
-#endif
-constexpr int kSplit = TOOLKIT_NORM_BWD_SPLIT;
 // Rows wider than P * B columns (up to kNormMaxCols) take the wide shape: 512-thread row-group blocks.
 constexpr int kWidePer = 8, kWideBlock = 1024, kWideTarget = 512;
 static_assert(kWidePer * kWideBlock >= kNormMaxCols, "the wide shape must hold the widest row");
@@ -240,15 +234,12 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
   }
 }
 
-bool split(int cols) { return kSplit > 0 && narrow(cols); }
-
 // The most blocks the workspace is sized for: one wave at the hardware's 2048 threads per SM
-// (the occupancy API's answer never exceeds it), or the split's block count.
+// (the occupancy API's answer never exceeds it).
 int64_t max_grid(int64_t rows, int cols) {
   const RowLayout l = layout_for(cols);
   const int64_t rows_per_block = (int64_t)l.groups * rows_per_group(cols);
   const int64_t needed = (rows + rows_per_block - 1) / rows_per_block;
-  if (split(cols)) return (needed + kSplit - 1) / (kSplit > 0 ? kSplit : 1);  // (no division by 0 to warn of)
   const int64_t fill = (int64_t)sm_count() * (2048 / l.threads() > 0 ? 2048 / l.threads() : 1);
   return needed < fill ? needed : fill;
 }
@@ -300,7 +291,7 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
         if (err != cudaSuccess) return err;
       }
       const int64_t wave = (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
-      const int grid = split(cols) ? grid_limit : (int)(wave < grid_limit ? wave : grid_limit);
+      const int grid = (int)(wave < grid_limit ? wave : grid_limit);
       *grid_out = grid;
       kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight, mean,
                                                   rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,

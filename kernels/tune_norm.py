@@ -4,15 +4,14 @@ kernels/fused_norm_backward.cu takes its launch shape from macros: TOOLKIT_NORM_
 (elements per thread), _ROWS (rows a row group takes per iteration), _BLOCK (threads per
 block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) and _PREFETCH
 (load the next rows while reducing these); set together they replace the shipped shape of
-both norms (each shape covers rows of up to P * B columns). Optional name=value tails:
-x=N sets kernels/fused_norm.cu's TOOLKIT_NORM_FWD_MAX_PACKS (the forward's 4-element packs per
-thread at most, which sets its warps per row), s=N TOOLKIT_NORM_BWD_SPLIT (a block per N row
-sets instead of one wave of resident blocks). This builds the norm extension once per shape
+both norms (each shape covers rows of up to P * B columns). An optional x=N tail sets
+kernels/fused_norm.cu's TOOLKIT_NORM_FWD_MAX_PACKS (the forward's 4-element packs per thread at
+most, which sets its warps per row). This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
 its forward and its backward (GPU ms from the profiler) on the benchmark's shapes, beside
 torch.compile's (its backward: forward+backward minus forward).
 
-    python kernels/tune_norm.py [--shapes P,R,B,M,F[,x=N][,s=N];...] [--no-compile] [--markdown FILE]
+    python kernels/tune_norm.py [--shapes P,R,B,M,F[,x=N];...] [--no-compile] [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from bench import TOKENS, gpu_ms, table  # noqa: E402
 from toolkit import ops  # noqa: E402
 
 MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "PREFETCH")
-EXTRAS = {"x": "TOOLKIT_NORM_FWD_MAX_PACKS", "s": "TOOLKIT_NORM_BWD_SPLIT"}  # optional name=value tail
+EXTRAS = {"x": "TOOLKIT_NORM_FWD_MAX_PACKS"}  # optional name=value tail
 # (P, R, B, M, F); "8,1,32,1,0" sends every benchmark row to the wide shape (8 per thread,
 # 512-thread row-group blocks, 1024 launch bound): the layout before the narrow shape existed.
 SHAPES = ("8,1,32,1,0", "8,1,512,1,0", "8,1,512,2,0", "4,1,512,2,0", "4,1,512,2,1", "4,2,512,2,0",
@@ -191,7 +190,7 @@ def compile_backward_ms(cases_data) -> list[tuple[float, float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F[,x=N][,s=N] shapes separated by ;")
+    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F[,x=N] shapes separated by ;")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -227,8 +226,8 @@ def main() -> int:
     text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; x fp32, y bf16, dy bf16, "
             f"{TOKENS} rows; GPU ms = kernel time from the profiler\n\n"
             + table("Norm shapes, forward / backward GPU ms (backward: P elements/thread, R rows/iteration, "
-                    "B block, M min blocks/SM, F prefetch, s rows/block; forward: x packs/thread at most)",
-                    ["shape P,R,B,M,F[,x=N][,s=N]", *[c[0] for c in CASES], "max rel err vs f64 (bwd / fwd)", "note"], rows))
+                    "B block, M min blocks/SM, F prefetch; forward: x packs/thread at most)",
+                    ["shape P,R,B,M,F[,x=N]", *[c[0] for c in CASES], "max rel err vs f64 (bwd / fwd)", "note"], rows))
     if breakdown:
         text += "\nKernels of the shipped backward, GPU us per call:\n" + "\n".join(breakdown) + "\n"
     print(text)
