@@ -56,12 +56,8 @@ def time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
-def gpu_ms(fn, iters: int = 10) -> float:
-    """GPU time of one call: the sum of its kernels' (and copies') durations from the profiler, in ms.
-
-    NOTE: the wall figure of time_ms includes host overhead when the host, not the GPU, is the limit
-    (custom ops, compiled-function guards at these sizes); this one is the kernels alone.
-    """
+def kernel_us(fn, iters: int = 10) -> dict[str, float]:
+    """GPU microseconds per call of each kernel (and copy) `fn` launches, from the profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -71,8 +67,16 @@ def gpu_ms(fn, iters: int = 10) -> float:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
-    return total_us / iters / 1e3
+    return {e.key: e.self_device_time_total / iters for e in prof.key_averages() if e.device_type == DeviceType.CUDA}
+
+
+def gpu_ms(fn, iters: int = 10) -> float:
+    """GPU time of one call: the sum of its kernels' (and copies') durations from the profiler, in ms.
+
+    NOTE: the wall figure of time_ms includes host overhead when the host, not the GPU, is the limit
+    (custom ops, compiled-function guards at these sizes); this one is the kernels alone.
+    """
+    return sum(kernel_us(fn, iters).values()) / 1e3
 
 
 def table(title: str, header: list[str], rows: list[list]) -> str:

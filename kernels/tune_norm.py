@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import TOKENS, gpu_ms, table  # noqa: E402
+from bench import TOKENS, gpu_ms, kernel_us, table  # noqa: E402
 from toolkit import ops  # noqa: E402
 
 MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "PREFETCH")
@@ -132,26 +132,12 @@ def errors_cell(errors: tuple[float, float]) -> list[str]:
     return [f"{errors[0]:.1e} / {errors[1]:.1e}", "WRONG" if wrong else ""]
 
 
-def kernels_us(fn, iters: int = 20) -> str:
-    """GPU microseconds per call of each kernel `fn` launches (where a backward's time goes)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
-    return "; ".join(f"{e.key[:60]} {e.self_device_time_total / iters:.1f}" for e in events)
-
-
 def shipped_breakdown(module, cases_data) -> list[str]:
     lines = []
     for (label, _, rms), (x, w, b, dy, eps, _) in zip(CASES, cases_data):
         _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, 1)
-        lines.append(f"- {label}: {kernels_us(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms))}")
+        kernels = kernel_us(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms), iters=20)
+        lines.append(f"- {label}: " + "; ".join(f"{name[:60]} {us:.1f}" for name, us in kernels.items() if us > 0))
     return lines
 
 
