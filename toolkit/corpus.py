@@ -20,7 +20,7 @@ from typing import Iterator
 from toolkit.errors import UserError
 
 # The variables `${name}` a path in a recipe may use; the schema's descriptions and the
-# README list the same names (tests/test_data.py checks that they agree).
+# README list the same names (tests/test_data_recipes.py checks that they agree).
 PATH_VARIABLES = {
     "python_stdlib": "the running Python's standard library folder (sysconfig 'stdlib')",
     "recipe_dir": "the folder of the recipe file (the working directory for a recipe built in Python)",
