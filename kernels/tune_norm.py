@@ -145,7 +145,7 @@ def cell(times: tuple[float, float]) -> str:
     return f"{times[0]:.4f} / {times[1]:.4f}"
 
 
-def compile_backward_ms(cases_data) -> list[tuple[float, float]]:
+def compile_ms(cases_data) -> list[tuple[float, float]]:
     """torch.compile's forward and backward GPU ms (the backward: forward+backward minus forward)."""
     out = []
     for (_, cols, rms), (x, w, b, dy, eps, _) in zip(CASES, cases_data):
@@ -196,7 +196,7 @@ def main() -> int:
         cases_data.append((x, w, b, dy, eps, reference(x, w, b, dy, rms, eps)))
     rows, breakdown = [], []
     if not args.no_compile:
-        rows.append(["torch.compile", *map(cell, compile_backward_ms(cases_data)), "", "reference"])
+        rows.append(["torch.compile", *map(cell, compile_ms(cases_data)), "", "reference"])
     shipped = ops.load_extension("norm")
     if shipped is not None:
         times, errors = time_variant(shipped, cases_data)
