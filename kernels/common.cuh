@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "launchers.h"
 
 namespace toolkit {
@@ -36,19 +38,53 @@ struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
   T v[N];
 };
 
-template <typename T, int N>
+// Cache hints: kStream marks data read or written once (ld/st.global.cs, evict first), so it
+// does not push out of L1/L2 what the kernel reuses (a norm's weight, say).
+template <bool kStream, typename W>
+__device__ __forceinline__ W load_word(const W* p) {
+  if constexpr (kStream) return __ldcs(p);
+  else return *p;
+}
+
+template <bool kStream, typename W>
+__device__ __forceinline__ void store_word(W* p, W v) {
+  if constexpr (kStream) __stcs(p, v);
+  else *p = v;
+}
+
+// The pack's bytes as 16-, 8- or 4-byte words (one instruction each).
+template <int kBytes>
+using PackWord = typename std::conditional<kBytes % 16 == 0, int4,
+                 typename std::conditional<kBytes % 8 == 0, int2, int>::type>::type;
+
+template <typename T, int N, bool kStream = false>
 __device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
-  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+  Pack<T, N> pk;
+  if constexpr (kStream && sizeof(pk) % 4 == 0) {
+    using W = PackWord<sizeof(pk)>;
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(pk) / sizeof(W)); ++i)
+      reinterpret_cast<W*>(&pk)[i] = load_word<true>(reinterpret_cast<const W*>(p) + i);
+  } else {
+    pk = *reinterpret_cast<const Pack<T, N>*>(p);
+  }
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
 }
 
-template <typename T, int N>
+template <typename T, int N, bool kStream = false>
 __device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
   Pack<T, N> pk;
 #pragma unroll
   for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
-  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+  if constexpr (kStream && sizeof(pk) % 4 == 0) {
+    using W = PackWord<sizeof(pk)>;
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(pk) / sizeof(W)); ++i)
+      store_word<true>(reinterpret_cast<W*>(p) + i, reinterpret_cast<const W*>(&pk)[i]);
+  } else {
+    *reinterpret_cast<Pack<T, N>*>(p) = pk;
+  }
 }
 
 __host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {

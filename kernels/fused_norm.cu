@@ -39,6 +39,16 @@ struct NormLayout {
 #define TOOLKIT_NORM_FWD_MAX_PACKS 8
 #endif
 constexpr int kMaxPacks = TOOLKIT_NORM_FWD_MAX_PACKS;
+// Blocks per SM promised to __launch_bounds__ (caps registers; 1 leaves them to the compiler).
+#ifndef TOOLKIT_NORM_FWD_MIN_BLOCKS
+#define TOOLKIT_NORM_FWD_MIN_BLOCKS 1
+#endif
+// Cache hints on x and y, which are touched once (common.cuh's kStream), a bit mask: 1 the loads
+// of x, 2 the stores of y.
+#ifndef TOOLKIT_NORM_FWD_STREAM
+#define TOOLKIT_NORM_FWD_STREAM 0
+#endif
+constexpr bool kStreamX = (TOOLKIT_NORM_FWD_STREAM & 1) != 0, kStreamY = (TOOLKIT_NORM_FWD_STREAM & 2) != 0;
 
 // The fewest warps per row whose threads hold at most kMaxPacks packs each, then the
 // smallest compiled variant that covers the row.
@@ -53,20 +63,20 @@ NormLayout norm_layout(int cols) {
 
 // The pack starting at column c (a multiple of 4): one wide access when rows are packed,
 // else element by element; past the row end reads give 0 and writes are dropped.
-template <typename T>
+template <bool kStream, typename T>
 __device__ __forceinline__ void load4(const T* __restrict__ row, int c, int cols, bool packed, float (&v)[kVec]) {
   if (packed && c < cols) {
-    load_pack<T, kVec>(row + c, v);
+    load_pack<T, kVec, kStream>(row + c, v);
     return;
   }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) v[j] = (!packed && c + j < cols) ? to_float(row[c + j]) : 0.f;
 }
 
-template <typename T>
+template <bool kStream, typename T>
 __device__ __forceinline__ void store4(T* __restrict__ row, int c, int cols, bool packed, const float (&v)[kVec]) {
   if (packed) {
-    if (c < cols) store_pack<T, kVec>(row + c, v);
+    if (c < cols) store_pack<T, kVec, kStream>(row + c, v);
     return;
   }
 #pragma unroll
@@ -94,7 +104,7 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, int warps, float2* 
 }
 
 template <typename T, typename O, bool kRms, int kPacks>
-__global__ void __launch_bounds__(kBlockThreads) norm_fwd_kernel(
+__global__ void __launch_bounds__(kBlockThreads, TOOLKIT_NORM_FWD_MIN_BLOCKS) norm_fwd_kernel(
     const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, O* __restrict__ y,
     float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int cols, float eps, int warps, bool packed) {
   __shared__ float2 scratch[2][kMaxWarps];  // one per row_sum2 call
@@ -105,7 +115,7 @@ __global__ void __launch_bounds__(kBlockThreads) norm_fwd_kernel(
   const T* xr = x + (valid ? r : 0) * cols;
   float v[kPacks][kVec];
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k) load4(xr, t * kVec + k * stride, bound, packed, v[k]);
+  for (int k = 0; k < kPacks; ++k) load4<kStreamX>(xr, t * kVec + k * stride, bound, packed, v[k]);
   float mu = 0.f;
   if (!kRms) {
     float s = 0.f;
@@ -130,11 +140,11 @@ __global__ void __launch_bounds__(kBlockThreads) norm_fwd_kernel(
   for (int k = 0; k < kPacks; ++k) {
     const int c = t * kVec + k * stride;
     float w[kVec], b[kVec];
-    load4(weight, c, cols, packed, w);
-    if (!kRms) load4(bias, c, cols, packed, b);
+    load4<false>(weight, c, cols, packed, w);
+    if (!kRms) load4<false>(bias, c, cols, packed, b);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[k][j] = (v[k][j] - mu) * rs * w[j] + (kRms ? 0.f : b[j]);
-    store4(yr, c, cols, packed, v[k]);
+    store4<kStreamY>(yr, c, cols, packed, v[k]);
   }
   if (t == 0) {
     if (!kRms) mean[r] = mu;

@@ -41,6 +41,23 @@ namespace {
 constexpr int kPer = TOOLKIT_NORM_BWD_PER, kRows = TOOLKIT_NORM_BWD_ROWS, kBlock = TOOLKIT_NORM_BWD_BLOCK,
               kMinBlocks = TOOLKIT_NORM_BWD_MIN_BLOCKS;
 constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
+// Per norm (_LN, _RMS): cache hints on what is touched once (common.cuh's kStream), a bit mask:
+// 1 the loads of x and dy, 2 the stores of dx; and W_REGS: 1 keeps w in registers for the whole
+// kernel, 0 reads it again (from L1) for every row, which frees kPer registers a thread.
+#ifndef TOOLKIT_NORM_BWD_STREAM_LN
+#define TOOLKIT_NORM_BWD_STREAM_LN 0
+#define TOOLKIT_NORM_BWD_STREAM_RMS 0
+#endif
+#ifndef TOOLKIT_NORM_BWD_W_REGS_LN
+#define TOOLKIT_NORM_BWD_W_REGS_LN 1
+#define TOOLKIT_NORM_BWD_W_REGS_RMS 1
+#endif
+template <bool kRms>
+struct BackwardHints {
+  static constexpr int stream = kRms ? TOOLKIT_NORM_BWD_STREAM_RMS : TOOLKIT_NORM_BWD_STREAM_LN;
+  static constexpr bool stream_in = (stream & 1) != 0, stream_out = (stream & 2) != 0;
+  static constexpr bool weight_in_registers = (kRms ? TOOLKIT_NORM_BWD_W_REGS_RMS : TOOLKIT_NORM_BWD_W_REGS_LN) != 0;
+};
 // Rows wider than P * B columns (up to kNormMaxCols) take the wide shape: 512-thread row-group blocks.
 constexpr int kWidePer = 8, kWideBlock = 1024, kWideTarget = 512;
 static_assert(kWidePer * kWideBlock >= kNormMaxCols, "the wide shape must hold the widest row");
@@ -73,11 +90,11 @@ __device__ __forceinline__ int col_of(bool packed, int t, int j, int group) {
   return packed ? t * kPer + j : t + j * group;
 }
 
-template <typename T, int kPer>
+template <typename T, int kPer, bool kStream = false>
 __device__ __forceinline__ void load_row(const T* __restrict__ row, bool packed, int t, int group, int cols,
                                          float (&v)[kPer]) {
   if (packed) {
-    if (t * kPer < cols) load_pack<T, kPer>(row + t * kPer, v);
+    if (t * kPer < cols) load_pack<T, kPer, kStream>(row + t * kPer, v);
     else
 #pragma unroll
       for (int j = 0; j < kPer; ++j) v[j] = 0.f;
@@ -90,17 +107,44 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, bool packed,
   }
 }
 
-template <typename T, int kPer>
+template <typename T, int kPer, bool kStream = false>
 __device__ __forceinline__ void store_row(T* __restrict__ row, bool packed, int t, int group, int cols,
                                           const float (&v)[kPer]) {
   if (packed) {
-    if (t * kPer < cols) store_pack<T, kPer>(row + t * kPer, v);
+    if (t * kPer < cols) store_pack<T, kPer, kStream>(row + t * kPer, v);
   } else {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int c = t + j * group;
       if (c < cols) row[c] = from_float<T>(v[j]);
     }
+  }
+}
+
+// This thread's weights, read again for each row: asm volatile keeps the compiler from hoisting the
+// loads out of the row loop (which would hold w in registers again). L1 hits after the first row.
+template <int kPer>
+__device__ __forceinline__ void reload_weight(const float* __restrict__ weight, bool packed, int t, int group,
+                                              int cols, float (&w)[kPer]) {
+  if (packed && kPer % 4 == 0) {
+    const bool inside = t * kPer < cols;
+#pragma unroll
+    for (int q = 0; q < kPer; q += 4) {
+      float a = 0.f, b = 0.f, c = 0.f, d = 0.f;
+      if (inside)
+        asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(a), "=f"(b), "=f"(c), "=f"(d)
+                     : "l"(weight + t * kPer + q));
+      w[q] = a, w[q + 1] = b, w[q + 2] = c, w[q + 3] = d;
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int c = col_of<kPer>(packed, t, j, group);
+    float v = 0.f;
+    if (c < cols) asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(weight + c));
+    w[j] = v;
   }
 }
 
@@ -135,8 +179,8 @@ __device__ __forceinline__ void load_rows(const G* __restrict__ dy, const T* __r
   for (int k = 0; k < kRows; ++k) {
     const int64_t r = base + (int64_t)k * groups + g;
     const bool valid = r < rows;
-    load_row<T, kPer>(x + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, xv[k]);
-    load_row<G, kPer>(dy + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, gv[k]);
+    load_row<T, kPer, BackwardHints<kRms>::stream_in>(x + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, xv[k]);
+    load_row<G, kPer, BackwardHints<kRms>::stream_in>(dy + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, gv[k]);
     mu[k] = (!kRms && valid) ? mean[r] : 0.f;
     rs[k] = valid ? rstd[r] : 0.f;
   }
@@ -150,8 +194,9 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
   __shared__ float scratch[2][32 * 2 * kRows];  // halves alternate by iteration: one barrier per group_sums
   extern __shared__ float reduce[];  // groups x 2 x (group * kPer) floats, used once at the end
   const int groups = blockDim.x / group, g = threadIdx.x / group, t = threadIdx.x % group, wpg = group / 32;
+  constexpr bool kWeightInRegisters = BackwardHints<kRms>::weight_in_registers;
   float w[kPer], dw[kPer], db[kPer];
-  load_row<float, kPer>(weight, packed, t, group, cols, w);
+  if (kWeightInRegisters) load_row<float, kPer>(weight, packed, t, group, cols, w);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) dw[j] = db[j] = 0.f;
   // Every thread runs the same number of iterations (the barriers in group_sums need it).
@@ -181,6 +226,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
       load_rows<G, T, kRms, kPer, kRows>(dy, x, mean, rstd, base, rows, cols, groups, g, t, group, packed, xv, gv, mu,
                                          rs);
     }
+    if (!kWeightInRegisters) reload_weight<kPer>(weight, packed, t, group, cols, w);
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
       float sum_g = 0.f, sum_gx = 0.f;
@@ -206,7 +252,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
         const float mean_g = kRms ? 0.f : sums[2 * k] / cols, mean_gx = sums[2 * k + 1] / cols;
 #pragma unroll
         for (int j = 0; j < kPer; ++j) xv[k][j] = rs[k] * (gv[k][j] - mean_g - xv[k][j] * mean_gx);
-        store_row<T, kPer>(dx + r * cols, packed, t, group, cols, xv[k]);
+        store_row<T, kPer, BackwardHints<kRms>::stream_out>(dx + r * cols, packed, t, group, cols, xv[k]);
       }
     }
   }

@@ -4,14 +4,16 @@ kernels/fused_norm_backward.cu takes its launch shape from macros: TOOLKIT_NORM_
 (elements per thread), _ROWS (rows a row group takes per iteration), _BLOCK (threads per
 block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) and _PREFETCH
 (load the next rows while reducing these); set together they replace the shipped shape of
-both norms (each shape covers rows of up to P * B columns). An optional x=N tail sets
-kernels/fused_norm.cu's TOOLKIT_NORM_FWD_MAX_PACKS (the forward's 4-element packs per thread at
-most, which sets its warps per row). This builds the norm extension once per shape
+both norms (each shape covers rows of up to P * B columns). Optional name=N tails set the
+other knobs (EXTRAS): x, the forward's 4-element packs per thread at most (which sets its warps
+per row); fm, the forward's blocks per SM for __launch_bounds__; fs and s, the forward's and
+the backward's streaming cache hints (a bit mask: 1 loads, 2 stores); w=0, the backward reads w
+per row. This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
 its forward and its backward (GPU ms from the profiler) on the benchmark's shapes, beside
 torch.compile's (its backward: forward+backward minus forward).
 
-    python kernels/tune_norm.py [--shapes P,R,B,M,F[,x=N];...] [--no-compile] [--markdown FILE]
+    python kernels/tune_norm.py [--shapes P,R,B,M,F[,name=N...];...] [--no-compile] [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ from bench import TOKENS, gpu_ms, kernel_us, table  # noqa: E402
 from toolkit import ops  # noqa: E402
 
 MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "PREFETCH")
-EXTRAS = {"x": "TOOLKIT_NORM_FWD_MAX_PACKS"}  # optional name=value tail
+# Optional name=value tails, each setting macros (the backward's for both norms).
+EXTRAS = {"x": ("TOOLKIT_NORM_FWD_MAX_PACKS",), "fm": ("TOOLKIT_NORM_FWD_MIN_BLOCKS",),
+          "fs": ("TOOLKIT_NORM_FWD_STREAM",),
+          "s": ("TOOLKIT_NORM_BWD_STREAM_LN", "TOOLKIT_NORM_BWD_STREAM_RMS"),
+          "w": ("TOOLKIT_NORM_BWD_W_REGS_LN", "TOOLKIT_NORM_BWD_W_REGS_RMS")}
 # (P, R, B, M, F); "8,1,32,1,0" sends every benchmark row to the wide shape (8 per thread,
 # 512-thread row-group blocks, 1024 launch bound): the layout before the narrow shape existed.
 SHAPES = ("8,1,32,1,0", "8,1,512,1,0", "8,1,512,2,0", "4,1,512,2,0", "4,1,512,2,1", "4,2,512,2,0",
@@ -47,7 +53,9 @@ def build(shape: str):
     plan = ops.build_plan("norm")
     values = shape.split(",")
     defines = [f"-DTOOLKIT_NORM_BWD_{m}={v}" for m, v in zip(MACROS, values)]
-    defines += [f"-D{EXTRAS[v.split('=')[0]]}={v.split('=')[1]}" for v in values[len(MACROS):]]
+    for extra in values[len(MACROS):]:
+        key, value = extra.split("=")
+        defines += [f"-D{macro}={value}" for macro in EXTRAS[key]]
     name = "toolkit_norm_tune_" + "_".join(v.replace("=", "") for v in values)
     directory = ops.cache_root() / "tune" / name
     directory.mkdir(parents=True, exist_ok=True)
@@ -176,7 +184,7 @@ def compile_ms(cases_data) -> list[tuple[float, float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F[,x=N] shapes separated by ;")
+    parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F[,name=N] shapes separated by ;")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -212,8 +220,8 @@ def main() -> int:
     text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; x fp32, y bf16, dy bf16, "
             f"{TOKENS} rows; GPU ms = kernel time from the profiler\n\n"
             + table("Norm shapes, forward / backward GPU ms (backward: P elements/thread, R rows/iteration, "
-                    "B block, M min blocks/SM, F prefetch; forward: x packs/thread at most)",
-                    ["shape P,R,B,M,F[,x=N]", *[c[0] for c in CASES], "max rel err vs f64 (bwd / fwd)", "note"], rows))
+                    "B block, M min blocks/SM, F prefetch; tails: EXTRAS)",
+                    ["shape P,R,B,M,F[,name=N]", *[c[0] for c in CASES], "max rel err vs f64 (bwd / fwd)", "note"], rows))
     if breakdown:
         text += "\nKernels of the shipped backward, GPU us per call:\n" + "\n".join(breakdown) + "\n"
     print(text)
