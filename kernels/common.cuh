@@ -165,6 +165,30 @@ inline int sm_count() {
   return cached[device];
 }
 
+// Blocks of `kernel` resident per SM (cached: the host runs this for every norm of every step).
+inline int resident_blocks(const void* kernel, int threads, size_t smem) {
+  struct Entry {
+    const void* kernel;
+    int threads, device;
+    size_t smem;
+    int blocks;
+  };
+  thread_local Entry cache[32];
+  thread_local int used = 0;
+  int device = 0;
+  cudaGetDevice(&device);
+  for (int i = 0; i < used; ++i)
+    if (cache[i].kernel == kernel && cache[i].threads == threads && cache[i].smem == smem && cache[i].device == device)
+      return cache[i].blocks;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) != cudaSuccess || blocks < 1) {
+    cudaGetLastError();  // clear it: one block per SM still runs correctly
+    blocks = 1;
+  }
+  if (used < 32) cache[used++] = Entry{kernel, threads, device, smem, blocks};
+  return blocks;
+}
+
 namespace {
 // Column sums of [rows, cols] fp32 matrices of per-block partials (the bias and
 // norm-weight gradients): 32 columns x 32 row lanes per block, launched with grid

@@ -43,12 +43,23 @@ constexpr int kMaxPacks = TOOLKIT_NORM_FWD_MAX_PACKS;
 #ifndef TOOLKIT_NORM_FWD_MIN_BLOCKS
 #define TOOLKIT_NORM_FWD_MIN_BLOCKS 1
 #endif
-// Cache hints on x and y, which are touched once (common.cuh's kStream), a bit mask: 1 the loads
-// of x, 2 the stores of y.
-#ifndef TOOLKIT_NORM_FWD_STREAM
-#define TOOLKIT_NORM_FWD_STREAM 0
+// Per norm (_LN, _RMS): cache hints on x and y, which are touched once (common.cuh's kStream), a
+// bit mask: 1 the loads of x, 2 the stores of y.
+#ifndef TOOLKIT_NORM_FWD_STREAM_LN
+#define TOOLKIT_NORM_FWD_STREAM_LN 3
+#define TOOLKIT_NORM_FWD_STREAM_RMS 2
 #endif
-constexpr bool kStreamX = (TOOLKIT_NORM_FWD_STREAM & 1) != 0, kStreamY = (TOOLKIT_NORM_FWD_STREAM & 2) != 0;
+// 0: a block per `groups` rows; 1: one wave of blocks, each row group walking rows; 2: the same,
+// w (and b) held in registers across rows.
+#ifndef TOOLKIT_NORM_FWD_PERSISTENT
+#define TOOLKIT_NORM_FWD_PERSISTENT 0
+#endif
+constexpr bool kPersistent = TOOLKIT_NORM_FWD_PERSISTENT >= 1, kAffineInRegisters = TOOLKIT_NORM_FWD_PERSISTENT >= 2;
+template <bool kRms>
+struct ForwardHints {
+  static constexpr int stream = kRms ? TOOLKIT_NORM_FWD_STREAM_RMS : TOOLKIT_NORM_FWD_STREAM_LN;
+  static constexpr bool stream_x = (stream & 1) != 0, stream_y = (stream & 2) != 0;
+};
 
 // The fewest warps per row whose threads hold at most kMaxPacks packs each, then the
 // smallest compiled variant that covers the row.
@@ -103,19 +114,20 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, int warps, float2* 
   return s;
 }
 
-template <typename T, typename O, bool kRms, int kPacks>
-__global__ void __launch_bounds__(kBlockThreads, TOOLKIT_NORM_FWD_MIN_BLOCKS) norm_fwd_kernel(
-    const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, O* __restrict__ y,
-    float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int cols, float eps, int warps, bool packed) {
-  __shared__ float2 scratch[2][kMaxWarps];  // one per row_sum2 call
-  const int group = 32 * warps, t = threadIdx.x % group, stride = group * kVec;
-  const int64_t r = (int64_t)blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
-  const bool valid = r < rows;
-  const int bound = valid ? cols : 0;  // a row past the end reads as zeros (it still joins the barriers)
-  const T* xr = x + (valid ? r : 0) * cols;
+// Row r of x normalised into y (and its mean / rstd saved) by a row group; scratch: this call's.
+// w and b: the thread's packs held in registers (kAffineInRegisters), else read here.
+template <typename T, typename O, bool kRms, int kPacks, int kHeld>
+__device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const float* __restrict__ weight,
+                                             const float* __restrict__ bias, O* __restrict__ y,
+                                             float* __restrict__ mean, float* __restrict__ rstd, int64_t r, int cols,
+                                             float eps, int warps, bool packed, int t, float2 (&scratch)[2][kMaxWarps],
+                                             const float (&wh)[kHeld][kVec], const float (&bh)[kHeld][kVec]) {
+  using Hints = ForwardHints<kRms>;
+  const int stride = 32 * warps * kVec;
+  const T* xr = x + r * cols;
   float v[kPacks][kVec];
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k) load4<kStreamX>(xr, t * kVec + k * stride, bound, packed, v[k]);
+  for (int k = 0; k < kPacks; ++k) load4<Hints::stream_x>(xr, t * kVec + k * stride, cols, packed, v[k]);
   float mu = 0.f;
   if (!kRms) {
     float s = 0.f;
@@ -134,22 +146,55 @@ __global__ void __launch_bounds__(kBlockThreads, TOOLKIT_NORM_FWD_MIN_BLOCKS) no
       ss += d * d;
     }
   const float rs = rsqrtf(row_sum2(ss, 0.f, warps, scratch[1]).x / cols + eps);
-  if (!valid) return;
   O* yr = y + r * cols;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
     const int c = t * kVec + k * stride;
     float w[kVec], b[kVec];
-    load4<false>(weight, c, cols, packed, w);
-    if (!kRms) load4<false>(bias, c, cols, packed, b);
+    if (kAffineInRegisters) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) w[j] = wh[k % kHeld][j], b[j] = bh[k % kHeld][j];
+    } else {
+      load4<false>(weight, c, cols, packed, w);
+      if (!kRms) load4<false>(bias, c, cols, packed, b);
+    }
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[k][j] = (v[k][j] - mu) * rs * w[j] + (kRms ? 0.f : b[j]);
-    store4<kStreamY>(yr, c, cols, packed, v[k]);
+    store4<Hints::stream_y>(yr, c, cols, packed, v[k]);
   }
   if (t == 0) {
     if (!kRms) mean[r] = mu;
     rstd[r] = rs;
   }
+}
+
+template <typename T, typename O, bool kRms, int kPacks>
+__global__ void __launch_bounds__(kBlockThreads, TOOLKIT_NORM_FWD_MIN_BLOCKS) norm_fwd_kernel(
+    const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, O* __restrict__ y,
+    float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int cols, float eps, int warps, bool packed) {
+  // [iteration parity][row_sum2 call]: a group's warps are at most one iteration apart (the
+  // barrier in row_sum2), so alternating halves keep a fast warp off the slots a slow one reads.
+  __shared__ float2 scratch[2][2][kMaxWarps];
+  const int group = 32 * warps, t = threadIdx.x % group, groups = blockDim.x / group;
+  constexpr int kHeld = kAffineInRegisters ? kPacks : 1;
+  float wh[kHeld][kVec], bh[kHeld][kVec];
+  if (kAffineInRegisters)
+#pragma unroll
+    for (int k = 0; k < kHeld; ++k) {
+      load4<false>(weight, t * kVec + k * group * kVec, cols, packed, wh[k]);
+      if (!kRms) load4<false>(bias, t * kVec + k * group * kVec, cols, packed, bh[k]);
+    }
+  // A row group's threads share r, so they agree on the iterations (the barriers are the group's).
+  int64_t r = (int64_t)blockIdx.x * groups + threadIdx.x / group;
+  if (!kPersistent) {
+    if (r < rows)
+      norm_fwd_row<T, O, kRms, kPacks, kHeld>(x, weight, bias, y, mean, rstd, r, cols, eps, warps, packed, t,
+                                              scratch[0], wh, bh);
+    return;
+  }
+  for (int it = 0; r < rows; r += (int64_t)gridDim.x * groups, ++it)
+    norm_fwd_row<T, O, kRms, kPacks, kHeld>(x, weight, bias, y, mean, rstd, r, cols, eps, warps, packed, t,
+                                            scratch[it & 1], wh, bh);
 }
 
 // The body once, with NAME a compile-time pack count (norm_layout's variants).
@@ -183,12 +228,17 @@ cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bia
   const NormLayout l = norm_layout(cols);
   const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype)) && rows_packed(y, cols, dtype_bytes(y_dtype)) &&
                       is_aligned(weight, 16) && (rms || is_aligned(bias, 16));
-  const int64_t blocks = (rows + l.groups() - 1) / l.groups();
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+  int64_t blocks = (rows + l.groups() - 1) / l.groups();
+  if (blocks > 0x7fffffffLL && !kPersistent) return cudaErrorInvalidValue;
   TOOLKIT_DISPATCH(x_dtype, T, {
     TOOLKIT_DISPATCH(y_dtype, O, {
       TOOLKIT_NORM_PACKS(l.packs, P, {
         auto kernel = rms ? norm_fwd_kernel<T, O, true, P> : norm_fwd_kernel<T, O, false, P>;
+        if (kPersistent) {
+          const int64_t wave = (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel),
+                                                                     l.threads(), 0);
+          blocks = blocks < wave ? blocks : wave;
+        }
         kernel<<<(unsigned)blocks, l.threads(), 0, stream>>>(static_cast<const T*>(x), weight, bias,
                                                              static_cast<O*>(y), mean, rstd, rows, cols, eps,
                                                              l.warps, packed);

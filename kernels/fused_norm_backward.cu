@@ -45,11 +45,11 @@ constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
 // 1 the loads of x and dy, 2 the stores of dx; and W_REGS: 1 keeps w in registers for the whole
 // kernel, 0 reads it again (from L1) for every row, which frees kPer registers a thread.
 #ifndef TOOLKIT_NORM_BWD_STREAM_LN
-#define TOOLKIT_NORM_BWD_STREAM_LN 0
+#define TOOLKIT_NORM_BWD_STREAM_LN 3
 #define TOOLKIT_NORM_BWD_STREAM_RMS 0
 #endif
 #ifndef TOOLKIT_NORM_BWD_W_REGS_LN
-#define TOOLKIT_NORM_BWD_W_REGS_LN 1
+#define TOOLKIT_NORM_BWD_W_REGS_LN 0
 #define TOOLKIT_NORM_BWD_W_REGS_RMS 1
 #endif
 template <bool kRms>
@@ -288,30 +288,6 @@ int64_t max_grid(int64_t rows, int cols) {
   const int64_t needed = (rows + rows_per_block - 1) / rows_per_block;
   const int64_t fill = (int64_t)sm_count() * (2048 / l.threads() > 0 ? 2048 / l.threads() : 1);
   return needed < fill ? needed : fill;
-}
-
-// Blocks of `kernel` resident per SM (cached: the host runs this for every norm of every step).
-int resident_blocks(const void* kernel, int threads, size_t smem) {
-  struct Entry {
-    const void* kernel;
-    int threads, device;
-    size_t smem;
-    int blocks;
-  };
-  thread_local Entry cache[32];
-  thread_local int used = 0;
-  int device = 0;
-  cudaGetDevice(&device);
-  for (int i = 0; i < used; ++i)
-    if (cache[i].kernel == kernel && cache[i].threads == threads && cache[i].smem == smem && cache[i].device == device)
-      return cache[i].blocks;
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) != cudaSuccess || blocks < 1) {
-    cudaGetLastError();  // clear it: one block per SM still runs correctly
-    blocks = 1;
-  }
-  if (used < 32) cache[used++] = Entry{kernel, threads, device, smem, blocks};
-  return blocks;
 }
 
 bool rows_packed(const void* p, int cols, int elem_bytes, int per) {

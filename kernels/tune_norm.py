@@ -6,7 +6,8 @@ block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) an
 (load the next rows while reducing these); set together they replace the shipped shape of
 both norms (each shape covers rows of up to P * B columns). Optional name=N tails set the
 other knobs (EXTRAS): x, the forward's 4-element packs per thread at most (which sets its warps
-per row); fm, the forward's blocks per SM for __launch_bounds__; fs and s, the forward's and
+per row); fm, the forward's blocks per SM for __launch_bounds__; fp, the forward's persistent
+grid (1; 2 with w and b in registers); fs and s, the forward's and
 the backward's streaming cache hints (a bit mask: 1 loads, 2 stores); w=0, the backward reads w
 per row. This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
@@ -36,7 +37,7 @@ from toolkit import ops  # noqa: E402
 MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "PREFETCH")
 # Optional name=value tails, each setting macros (the backward's for both norms).
 EXTRAS = {"x": ("TOOLKIT_NORM_FWD_MAX_PACKS",), "fm": ("TOOLKIT_NORM_FWD_MIN_BLOCKS",),
-          "fs": ("TOOLKIT_NORM_FWD_STREAM",),
+          "fs": ("TOOLKIT_NORM_FWD_STREAM_LN", "TOOLKIT_NORM_FWD_STREAM_RMS"), "fp": ("TOOLKIT_NORM_FWD_PERSISTENT",),
           "s": ("TOOLKIT_NORM_BWD_STREAM_LN", "TOOLKIT_NORM_BWD_STREAM_RMS"),
           "w": ("TOOLKIT_NORM_BWD_W_REGS_LN", "TOOLKIT_NORM_BWD_W_REGS_RMS")}
 # (P, R, B, M, F); "8,1,32,1,0" sends every benchmark row to the wide shape (8 per thread,
