@@ -39,10 +39,6 @@ struct NormLayout {
 #define TOOLKIT_NORM_FWD_MAX_PACKS 8
 #endif
 constexpr int kMaxPacks = TOOLKIT_NORM_FWD_MAX_PACKS;
-// Blocks per SM promised to __launch_bounds__ (caps registers; 1 leaves them to the compiler).
-#ifndef TOOLKIT_NORM_FWD_MIN_BLOCKS
-#define TOOLKIT_NORM_FWD_MIN_BLOCKS 1
-#endif
 // Per norm (_LN, _RMS): cache hints on x and y, which are touched once (common.cuh's kStream), a
 // bit mask: 1 the loads of x, 2 the stores of y.
 #ifndef TOOLKIT_NORM_FWD_STREAM_LN
@@ -50,15 +46,24 @@ constexpr int kMaxPacks = TOOLKIT_NORM_FWD_MAX_PACKS;
 #define TOOLKIT_NORM_FWD_STREAM_RMS 2
 #endif
 // 0: a block per `groups` rows; 1: one wave of blocks, each row group walking rows; 2: the same,
-// w (and b) held in registers across rows.
+// and w (and b) held in registers across rows where they take at most kAffineRegisters a thread.
 #ifndef TOOLKIT_NORM_FWD_PERSISTENT
-#define TOOLKIT_NORM_FWD_PERSISTENT 0
+#define TOOLKIT_NORM_FWD_PERSISTENT 2
 #endif
-constexpr bool kPersistent = TOOLKIT_NORM_FWD_PERSISTENT >= 1, kAffineInRegisters = TOOLKIT_NORM_FWD_PERSISTENT >= 2;
-template <bool kRms>
+// Blocks per SM promised to __launch_bounds__ by the variants that do not hold w and b (caps
+// registers; 1 leaves them to the compiler).
+#ifndef TOOLKIT_NORM_FWD_MIN_BLOCKS
+#define TOOLKIT_NORM_FWD_MIN_BLOCKS 3
+#endif
+constexpr bool kPersistent = TOOLKIT_NORM_FWD_PERSISTENT >= 1;
+constexpr int kAffineRegisters = 48;
+template <bool kRms, int kPacks>
 struct ForwardHints {
   static constexpr int stream = kRms ? TOOLKIT_NORM_FWD_STREAM_RMS : TOOLKIT_NORM_FWD_STREAM_LN;
   static constexpr bool stream_x = (stream & 1) != 0, stream_y = (stream & 2) != 0;
+  static constexpr bool affine_in_registers =
+      TOOLKIT_NORM_FWD_PERSISTENT >= 2 && kPacks * kVec * (kRms ? 1 : 2) <= kAffineRegisters;
+  static constexpr int min_blocks = affine_in_registers ? 1 : TOOLKIT_NORM_FWD_MIN_BLOCKS;
 };
 
 // The fewest warps per row whose threads hold at most kMaxPacks packs each, then the
@@ -115,14 +120,14 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, int warps, float2* 
 }
 
 // Row r of x normalised into y (and its mean / rstd saved) by a row group; scratch: this call's.
-// w and b: the thread's packs held in registers (kAffineInRegisters), else read here.
+// wh and bh: the thread's packs of w and b held in registers (ForwardHints), else w and b are read here.
 template <typename T, typename O, bool kRms, int kPacks, int kHeld>
 __device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const float* __restrict__ weight,
                                              const float* __restrict__ bias, O* __restrict__ y,
                                              float* __restrict__ mean, float* __restrict__ rstd, int64_t r, int cols,
                                              float eps, int warps, bool packed, int t, float2 (&scratch)[2][kMaxWarps],
                                              const float (&wh)[kHeld][kVec], const float (&bh)[kHeld][kVec]) {
-  using Hints = ForwardHints<kRms>;
+  using Hints = ForwardHints<kRms, kPacks>;
   const int stride = 32 * warps * kVec;
   const T* xr = x + r * cols;
   float v[kPacks][kVec];
@@ -151,7 +156,7 @@ __device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const floa
   for (int k = 0; k < kPacks; ++k) {
     const int c = t * kVec + k * stride;
     float w[kVec], b[kVec];
-    if (kAffineInRegisters) {
+    if (Hints::affine_in_registers) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) w[j] = wh[k % kHeld][j], b[j] = bh[k % kHeld][j];
     } else {
@@ -169,16 +174,17 @@ __device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const floa
 }
 
 template <typename T, typename O, bool kRms, int kPacks>
-__global__ void __launch_bounds__(kBlockThreads, TOOLKIT_NORM_FWD_MIN_BLOCKS) norm_fwd_kernel(
+__global__ void __launch_bounds__(kBlockThreads, (ForwardHints<kRms, kPacks>::min_blocks)) norm_fwd_kernel(
     const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, O* __restrict__ y,
     float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int cols, float eps, int warps, bool packed) {
   // [iteration parity][row_sum2 call]: a group's warps are at most one iteration apart (the
   // barrier in row_sum2), so alternating halves keep a fast warp off the slots a slow one reads.
   __shared__ float2 scratch[2][2][kMaxWarps];
   const int group = 32 * warps, t = threadIdx.x % group, groups = blockDim.x / group;
-  constexpr int kHeld = kAffineInRegisters ? kPacks : 1;
+  constexpr bool kHold = ForwardHints<kRms, kPacks>::affine_in_registers;
+  constexpr int kHeld = kHold ? kPacks : 1;
   float wh[kHeld][kVec], bh[kHeld][kVec];
-  if (kAffineInRegisters)
+  if (kHold)
 #pragma unroll
     for (int k = 0; k < kHeld; ++k) {
       load4<false>(weight, t * kVec + k * group * kVec, cols, packed, wh[k]);
