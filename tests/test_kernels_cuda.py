@@ -160,7 +160,11 @@ def test_cross_entropy_forward_and_backward_match_float64(shape, dtype):
     # target logit (terms of size max|logit|), which cancel when a row's loss is near zero
     bound = 1e-5 * abs(ref.item()) + 2 ** -22 * float(l64.detach().abs().max())
     assert abs(loss.item() - ref.item()) <= bound
-    assert logits.grad.dtype == dtype and rel_err(logits.grad, l64.grad) < TOL[dtype]
+    # The target's gradient is p - 1 over n rows: terms of size 1 / n that cancel when p is near 1 (a
+    # tiny vocabulary), in any fp32 softmax; the floor is their norm, 1 / sqrt(n) (it failed once at (1, 2):
+    # p = 0.99927, relative error 7.6e-5 of a gradient of norm 1e-3, 8e-8 of the floor).
+    floor = 1 / math.sqrt(max(int((targets != -100).sum()), 1))
+    assert logits.grad.dtype == dtype and rel_err(logits.grad, l64.grad, floor) < TOL[dtype]
 
 
 def test_cross_entropy_all_rows_ignored_gives_zero_loss_and_gradient():
