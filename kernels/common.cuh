@@ -38,17 +38,39 @@ struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
   T v[N];
 };
 
-// Cache hints: kStream marks data read or written once (ld/st.global.cs, evict first), so it
-// does not push out of L1/L2 what the kernel reuses (a norm's weight, say).
-template <bool kStream, typename W>
+// Cache hints for data touched once: kCacheStream (ld/st.global.cs, evict first) keeps it from
+// pushing out of L1/L2 what the kernel reuses (a norm's weight, say); kCacheNoAllocate (loads of
+// read-only data: ld.global.nc.L1::no_allocate.L2::256B) skips L1 and fetches 256-byte L2 sectors.
+enum CacheHint : int { kCacheDefault = 0, kCacheStream = 1, kCacheNoAllocate = 2 };
+
+__device__ __forceinline__ int4 load_no_allocate(const int4* p) {
+  int4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int2 load_no_allocate(const int2* p) {
+  int2 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int load_no_allocate(const int* p) {
+  int v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+template <int kHint, typename W>
 __device__ __forceinline__ W load_word(const W* p) {
-  if constexpr (kStream) return __ldcs(p);
+  if constexpr (kHint == kCacheStream) return __ldcs(p);
+  else if constexpr (kHint == kCacheNoAllocate) return load_no_allocate(p);
   else return *p;
 }
 
-template <bool kStream, typename W>
+template <int kHint, typename W>
 __device__ __forceinline__ void store_word(W* p, W v) {
-  if constexpr (kStream) __stcs(p, v);
+  if constexpr (kHint == kCacheStream) __stcs(p, v);
   else *p = v;
 }
 
@@ -57,14 +79,14 @@ template <int kBytes>
 using PackWord = typename std::conditional<kBytes % 16 == 0, int4,
                  typename std::conditional<kBytes % 8 == 0, int2, int>::type>::type;
 
-template <typename T, int N, bool kStream = false>
+template <typename T, int N, int kHint = kCacheDefault>
 __device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
   Pack<T, N> pk;
-  if constexpr (kStream && sizeof(pk) % 4 == 0) {
+  if constexpr (kHint != kCacheDefault && sizeof(pk) % 4 == 0) {
     using W = PackWord<sizeof(pk)>;
 #pragma unroll
     for (int i = 0; i < (int)(sizeof(pk) / sizeof(W)); ++i)
-      reinterpret_cast<W*>(&pk)[i] = load_word<true>(reinterpret_cast<const W*>(p) + i);
+      reinterpret_cast<W*>(&pk)[i] = load_word<kHint>(reinterpret_cast<const W*>(p) + i);
   } else {
     pk = *reinterpret_cast<const Pack<T, N>*>(p);
   }
@@ -72,16 +94,16 @@ __device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
 }
 
-template <typename T, int N, bool kStream = false>
+template <typename T, int N, int kHint = kCacheDefault>
 __device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
   Pack<T, N> pk;
 #pragma unroll
   for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
-  if constexpr (kStream && sizeof(pk) % 4 == 0) {
+  if constexpr (kHint != kCacheDefault && sizeof(pk) % 4 == 0) {
     using W = PackWord<sizeof(pk)>;
 #pragma unroll
     for (int i = 0; i < (int)(sizeof(pk) / sizeof(W)); ++i)
-      store_word<true>(reinterpret_cast<W*>(p) + i, reinterpret_cast<const W*>(&pk)[i]);
+      store_word<kHint>(reinterpret_cast<W*>(p) + i, reinterpret_cast<const W*>(&pk)[i]);
   } else {
     *reinterpret_cast<Pack<T, N>*>(p) = pk;
   }

@@ -47,8 +47,9 @@ struct NormLayout {
 #define TOOLKIT_NORM_FWD_MAX_PACKS 8
 #endif
 constexpr int kMaxPacks = TOOLKIT_NORM_FWD_MAX_PACKS;
-// Per norm (_LN, _RMS): cache hints on x and y, which are touched once (common.cuh's kStream), a
-// bit mask: 1 the loads of x, 2 the stores of y.
+// Per norm (_LN, _RMS): cache hints on x and y, which are touched once (common.cuh's CacheHint), a
+// bit mask: 1 the loads of x streaming, 2 the stores of y streaming, 4 the loads of x skipping L1
+// (over 1).
 #ifndef TOOLKIT_NORM_FWD_STREAM_LN
 #define TOOLKIT_NORM_FWD_STREAM_LN 3
 #define TOOLKIT_NORM_FWD_STREAM_RMS 2
@@ -68,7 +69,8 @@ constexpr int kAffineRegisters = 48;
 template <bool kRms, int kPacks>
 struct ForwardHints {
   static constexpr int stream = kRms ? TOOLKIT_NORM_FWD_STREAM_RMS : TOOLKIT_NORM_FWD_STREAM_LN;
-  static constexpr bool stream_x = (stream & 1) != 0, stream_y = (stream & 2) != 0;
+  static constexpr int load_x = (stream & 4) ? kCacheNoAllocate : (stream & 1) ? kCacheStream : kCacheDefault;
+  static constexpr int store_y = (stream & 2) ? kCacheStream : kCacheDefault;
   static constexpr bool affine_in_registers =
       TOOLKIT_NORM_FWD_PERSISTENT >= 2 && kPacks * kVec * (kRms ? 1 : 2) <= kAffineRegisters;
   static constexpr int min_blocks = affine_in_registers ? 1 : TOOLKIT_NORM_FWD_MIN_BLOCKS;
@@ -87,20 +89,20 @@ NormLayout norm_layout(int cols) {
 
 // The pack starting at column c (a multiple of 4): one wide access when rows are packed,
 // else element by element; past the row end reads give 0 and writes are dropped.
-template <bool kStream, typename T>
+template <int kHint, typename T>
 __device__ __forceinline__ void load4(const T* __restrict__ row, int c, int cols, bool packed, float (&v)[kVec]) {
   if (packed && c < cols) {
-    load_pack<T, kVec, kStream>(row + c, v);
+    load_pack<T, kVec, kHint>(row + c, v);
     return;
   }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) v[j] = (!packed && c + j < cols) ? to_float(row[c + j]) : 0.f;
 }
 
-template <bool kStream, typename T>
+template <int kHint, typename T>
 __device__ __forceinline__ void store4(T* __restrict__ row, int c, int cols, bool packed, const float (&v)[kVec]) {
   if (packed) {
-    if (c < cols) store_pack<T, kVec, kStream>(row + c, v);
+    if (c < cols) store_pack<T, kVec, kHint>(row + c, v);
     return;
   }
 #pragma unroll
@@ -140,7 +142,7 @@ __device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const floa
   const T* xr = x + r * cols;
   float v[kPacks][kVec];
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k) load4<Hints::stream_x>(xr, t * kVec + k * stride, cols, packed, v[k]);
+  for (int k = 0; k < kPacks; ++k) load4<Hints::load_x>(xr, t * kVec + k * stride, cols, packed, v[k]);
   float mu = 0.f;
   if (!kRms) {
     float s = 0.f;
@@ -168,12 +170,12 @@ __device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const floa
 #pragma unroll
       for (int j = 0; j < kVec; ++j) w[j] = wh[k % kHeld][j], b[j] = bh[k % kHeld][j];
     } else {
-      load4<false>(weight, c, cols, packed, w);
-      if (!kRms) load4<false>(bias, c, cols, packed, b);
+      load4<kCacheDefault>(weight, c, cols, packed, w);
+      if (!kRms) load4<kCacheDefault>(bias, c, cols, packed, b);
     }
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[k][j] = (v[k][j] - mu) * rs * w[j] + (kRms ? 0.f : b[j]);
-    store4<Hints::stream_y>(yr, c, cols, packed, v[k]);
+    store4<Hints::store_y>(yr, c, cols, packed, v[k]);
   }
   if (t == 0) {
     if (!kRms) mean[r] = mu;
@@ -195,8 +197,8 @@ __global__ void __launch_bounds__(kBlockThreads, (ForwardHints<kRms, kPacks>::mi
   if (kHold)
 #pragma unroll
     for (int k = 0; k < kHeld; ++k) {
-      load4<false>(weight, t * kVec + k * group * kVec, cols, packed, wh[k]);
-      if (!kRms) load4<false>(bias, t * kVec + k * group * kVec, cols, packed, bh[k]);
+      load4<kCacheDefault>(weight, t * kVec + k * group * kVec, cols, packed, wh[k]);
+      if (!kRms) load4<kCacheDefault>(bias, t * kVec + k * group * kVec, cols, packed, bh[k]);
     }
   // A row group's threads share r, so they agree on the iterations (the barriers are the group's).
   int64_t r = (int64_t)blockIdx.x * groups + threadIdx.x / group;

@@ -43,8 +43,8 @@ namespace {
 constexpr int kPer = TOOLKIT_NORM_BWD_PER, kRows = TOOLKIT_NORM_BWD_ROWS, kBlock = TOOLKIT_NORM_BWD_BLOCK,
               kMinBlocks = TOOLKIT_NORM_BWD_MIN_BLOCKS;
 constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
-// Per norm (_LN, _RMS): cache hints on what is touched once (common.cuh's kStream), a bit mask:
-// 1 the loads of x and dy, 2 the stores of dx; and W_REGS: 1 keeps w in registers for the whole
+// Per norm (_LN, _RMS): cache hints on what is touched once (common.cuh's CacheHint), a bit mask:
+// 1 the loads of x and dy streaming, 2 the stores of dx streaming, 4 the loads skipping L1 (over 1); and W_REGS: 1 keeps w in registers for the whole
 // kernel, 0 reads it again (from L1) for every row, which frees kPer registers a thread.
 // Measured (tuner, GPU ms, LayerNorm 768 / 1600 / RMSNorm 2048): no hints, w held 0.0445 / 0.0915 /
 // 0.0937; hints 3, w held 0.0417 / 0.0857 / 0.0982; hints 3, w per row 0.0415 / 0.0843 / 0.1001;
@@ -60,7 +60,8 @@ constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
 template <bool kRms>
 struct BackwardHints {
   static constexpr int stream = kRms ? TOOLKIT_NORM_BWD_STREAM_RMS : TOOLKIT_NORM_BWD_STREAM_LN;
-  static constexpr bool stream_in = (stream & 1) != 0, stream_out = (stream & 2) != 0;
+  static constexpr int load_in = (stream & 4) ? kCacheNoAllocate : (stream & 1) ? kCacheStream : kCacheDefault;
+  static constexpr int store_out = (stream & 2) ? kCacheStream : kCacheDefault;
   static constexpr bool weight_in_registers = (kRms ? TOOLKIT_NORM_BWD_W_REGS_RMS : TOOLKIT_NORM_BWD_W_REGS_LN) != 0;
 };
 // Rows wider than P * B columns (up to kNormMaxCols) take the wide shape: 512-thread row-group blocks.
@@ -95,11 +96,11 @@ __device__ __forceinline__ int col_of(bool packed, int t, int j, int group) {
   return packed ? t * kPer + j : t + j * group;
 }
 
-template <typename T, int kPer, bool kStream = false>
+template <typename T, int kPer, int kHint = kCacheDefault>
 __device__ __forceinline__ void load_row(const T* __restrict__ row, bool packed, int t, int group, int cols,
                                          float (&v)[kPer]) {
   if (packed) {
-    if (t * kPer < cols) load_pack<T, kPer, kStream>(row + t * kPer, v);
+    if (t * kPer < cols) load_pack<T, kPer, kHint>(row + t * kPer, v);
     else
 #pragma unroll
       for (int j = 0; j < kPer; ++j) v[j] = 0.f;
@@ -112,11 +113,11 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, bool packed,
   }
 }
 
-template <typename T, int kPer, bool kStream = false>
+template <typename T, int kPer, int kHint = kCacheDefault>
 __device__ __forceinline__ void store_row(T* __restrict__ row, bool packed, int t, int group, int cols,
                                           const float (&v)[kPer]) {
   if (packed) {
-    if (t * kPer < cols) store_pack<T, kPer, kStream>(row + t * kPer, v);
+    if (t * kPer < cols) store_pack<T, kPer, kHint>(row + t * kPer, v);
   } else {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
@@ -184,8 +185,8 @@ __device__ __forceinline__ void load_rows(const G* __restrict__ dy, const T* __r
   for (int k = 0; k < kRows; ++k) {
     const int64_t r = base + (int64_t)k * groups + g;
     const bool valid = r < rows;
-    load_row<T, kPer, BackwardHints<kRms>::stream_in>(x + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, xv[k]);
-    load_row<G, kPer, BackwardHints<kRms>::stream_in>(dy + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, gv[k]);
+    load_row<T, kPer, BackwardHints<kRms>::load_in>(x + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, xv[k]);
+    load_row<G, kPer, BackwardHints<kRms>::load_in>(dy + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, gv[k]);
     mu[k] = (!kRms && valid) ? mean[r] : 0.f;
     rs[k] = valid ? rstd[r] : 0.f;
   }
@@ -257,7 +258,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
         const float mean_g = kRms ? 0.f : sums[2 * k] / cols, mean_gx = sums[2 * k + 1] / cols;
 #pragma unroll
         for (int j = 0; j < kPer; ++j) xv[k][j] = rs[k] * (gv[k][j] - mean_g - xv[k][j] * mean_gx);
-        store_row<T, kPer, BackwardHints<kRms>::stream_out>(dx + r * cols, packed, t, group, cols, xv[k]);
+        store_row<T, kPer, BackwardHints<kRms>::store_out>(dx + r * cols, packed, t, group, cols, xv[k]);
       }
     }
   }
