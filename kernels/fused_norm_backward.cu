@@ -44,8 +44,9 @@ constexpr int kPer = TOOLKIT_NORM_BWD_PER, kRows = TOOLKIT_NORM_BWD_ROWS, kBlock
               kMinBlocks = TOOLKIT_NORM_BWD_MIN_BLOCKS;
 constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
 // Per norm (_LN, _RMS): cache hints on what is touched once (common.cuh's CacheHint), a bit mask:
-// 1 the loads of x and dy streaming, 2 the stores of dx streaming, 4 the loads skipping L1 (over 1); and W_REGS: 1 keeps w in registers for the whole
-// kernel, 0 reads it again (from L1) for every row, which frees kPer registers a thread.
+// 1 the loads of x and dy streaming, 2 the stores of dx streaming, 4 the loads skipping L1 (over 1);
+// and W_REGS: 1 keeps w in registers for the whole kernel, 0 reads it again (from L1) for every
+// row, which frees kPer registers a thread.
 // Measured (tuner, GPU ms, LayerNorm 768 / 1600 / RMSNorm 2048): no hints, w held 0.0445 / 0.0915 /
 // 0.0937; hints 3, w held 0.0417 / 0.0857 / 0.0982; hints 3, w per row 0.0415 / 0.0843 / 0.1001;
 // no hints, w per row 0.0417 / 0.0866 / 0.0970. Hence LayerNorm 3 and 0, RMSNorm 0 and 1.
@@ -185,8 +186,9 @@ __device__ __forceinline__ void load_rows(const G* __restrict__ dy, const T* __r
   for (int k = 0; k < kRows; ++k) {
     const int64_t r = base + (int64_t)k * groups + g;
     const bool valid = r < rows;
-    load_row<T, kPer, BackwardHints<kRms>::load_in>(x + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, xv[k]);
-    load_row<G, kPer, BackwardHints<kRms>::load_in>(dy + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, gv[k]);
+    constexpr int kHint = BackwardHints<kRms>::load_in;
+    load_row<T, kPer, kHint>(x + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, xv[k]);
+    load_row<G, kPer, kHint>(dy + (valid ? r : 0) * cols, packed && valid, valid ? t : cols, group, cols, gv[k]);
     mu[k] = (!kRms && valid) ? mean[r] : 0.f;
     rs[k] = valid ? rstd[r] : 0.f;
   }

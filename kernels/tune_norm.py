@@ -7,9 +7,9 @@ block), _MIN_BLOCKS (__launch_bounds__'s blocks per SM, which caps registers) an
 both norms (each shape covers rows of up to P * B columns). Optional name=N tails set the
 other knobs (EXTRAS): x, the forward's 4-element packs per thread at most (which sets its warps
 per row); fm, the forward's blocks per SM for __launch_bounds__; fp, the forward's persistent
-grid (1; 2 with w and b in registers); fs and s, the forward's and
-the backward's streaming cache hints (a bit mask: 1 loads, 2 stores); w=0, the backward reads w
-per row. This builds the norm extension once per shape
+grid (1; 2 with w and b in registers); fs and s, the forward's and the backward's cache hints
+(a bit mask: 1 streaming loads, 2 streaming stores, 4 loads that skip L1); w=0, the backward
+reads w per row. This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
 its forward and its backward (GPU ms from the profiler) on the benchmark's shapes, beside
 torch.compile's (its backward: forward+backward minus forward).
@@ -222,7 +222,8 @@ def main() -> int:
             f"{TOKENS} rows; GPU ms = kernel time from the profiler\n\n"
             + table("Norm shapes, forward / backward GPU ms (backward: P elements/thread, R rows/iteration, "
                     "B block, M min blocks/SM, F prefetch; tails: EXTRAS)",
-                    ["shape P,R,B,M,F[,name=N]", *[c[0] for c in CASES], "max rel err vs f64 (bwd / fwd)", "note"], rows))
+                    ["shape P,R,B,M,F[,name=N]", *[c[0] for c in CASES], "max rel err vs f64 (bwd / fwd)",
+                     "note"], rows))
     if breakdown:
         text += "\nKernels of the shipped backward, GPU us per call:\n" + "\n".join(breakdown) + "\n"
     print(text)
