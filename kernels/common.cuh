@@ -43,6 +43,11 @@ struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
 // read-only data: ld.global.nc.L1::no_allocate.L2::256B) skips L1 and fetches 256-byte L2 sectors.
 enum CacheHint : int { kCacheDefault = 0, kCacheStream = 1, kCacheNoAllocate = 2 };
 
+// The kernels' hint masks (their tuning macros): 1 streaming loads, 2 streaming stores, 4 loads
+// that skip L1 (over 1).
+constexpr int load_hint(int mask) { return (mask & 4) ? kCacheNoAllocate : (mask & 1) ? kCacheStream : kCacheDefault; }
+constexpr int store_hint(int mask) { return (mask & 2) ? kCacheStream : kCacheDefault; }
+
 __device__ __forceinline__ int4 load_no_allocate(const int4* p) {
   int4 v;
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"

@@ -47,9 +47,8 @@ struct NormLayout {
 #define TOOLKIT_NORM_FWD_MAX_PACKS 8
 #endif
 constexpr int kMaxPacks = TOOLKIT_NORM_FWD_MAX_PACKS;
-// Per norm (_LN, _RMS): cache hints on x and y, which are touched once (common.cuh's CacheHint), a
-// bit mask: 1 the loads of x streaming, 2 the stores of y streaming, 4 the loads of x skipping L1
-// (over 1).
+// Per norm (_LN, _RMS): cache hints on x and y, which are touched once, as common.cuh's hint mask
+// (1 streaming loads of x, 2 streaming stores of y, 4 loads of x that skip L1).
 #ifndef TOOLKIT_NORM_FWD_STREAM_LN
 #define TOOLKIT_NORM_FWD_STREAM_LN 3
 #define TOOLKIT_NORM_FWD_STREAM_RMS 2
@@ -69,8 +68,7 @@ constexpr int kAffineRegisters = 48;
 template <bool kRms, int kPacks>
 struct ForwardHints {
   static constexpr int stream = kRms ? TOOLKIT_NORM_FWD_STREAM_RMS : TOOLKIT_NORM_FWD_STREAM_LN;
-  static constexpr int load_x = (stream & 4) ? kCacheNoAllocate : (stream & 1) ? kCacheStream : kCacheDefault;
-  static constexpr int store_y = (stream & 2) ? kCacheStream : kCacheDefault;
+  static constexpr int load_x = load_hint(stream), store_y = store_hint(stream);
   static constexpr bool affine_in_registers =
       TOOLKIT_NORM_FWD_PERSISTENT >= 2 && kPacks * kVec * (kRms ? 1 : 2) <= kAffineRegisters;
   static constexpr int min_blocks = affine_in_registers ? 1 : TOOLKIT_NORM_FWD_MIN_BLOCKS;

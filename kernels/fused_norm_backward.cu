@@ -43,10 +43,10 @@ namespace {
 constexpr int kPer = TOOLKIT_NORM_BWD_PER, kRows = TOOLKIT_NORM_BWD_ROWS, kBlock = TOOLKIT_NORM_BWD_BLOCK,
               kMinBlocks = TOOLKIT_NORM_BWD_MIN_BLOCKS;
 constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
-// Per norm (_LN, _RMS): cache hints on what is touched once (common.cuh's CacheHint), a bit mask:
-// 1 the loads of x and dy streaming, 2 the stores of dx streaming, 4 the loads skipping L1 (over 1);
-// and W_REGS: 1 keeps w in registers for the whole kernel, 0 reads it again (from L1) for every
-// row, which frees kPer registers a thread.
+// Per norm (_LN, _RMS): cache hints on what is touched once, as common.cuh's hint mask (1 streaming
+// loads of x and dy, 2 streaming stores of dx, 4 loads that skip L1); and W_REGS: 1 keeps w in
+// registers for the whole kernel, 0 reads it again (from L1) for every row, which frees kPer
+// registers a thread.
 // Measured (tuner, GPU ms, LayerNorm 768 / 1600 / RMSNorm 2048): no hints, w held 0.0445 / 0.0915 /
 // 0.0937; hints 3, w held 0.0417 / 0.0857 / 0.0982; hints 3, w per row 0.0415 / 0.0843 / 0.1001;
 // no hints, w per row 0.0417 / 0.0866 / 0.0970. Hence LayerNorm 3 and 0, RMSNorm 0 and 1.
@@ -61,8 +61,7 @@ constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
 template <bool kRms>
 struct BackwardHints {
   static constexpr int stream = kRms ? TOOLKIT_NORM_BWD_STREAM_RMS : TOOLKIT_NORM_BWD_STREAM_LN;
-  static constexpr int load_in = (stream & 4) ? kCacheNoAllocate : (stream & 1) ? kCacheStream : kCacheDefault;
-  static constexpr int store_out = (stream & 2) ? kCacheStream : kCacheDefault;
+  static constexpr int load_in = load_hint(stream), store_out = store_hint(stream);
   static constexpr bool weight_in_registers = (kRms ? TOOLKIT_NORM_BWD_W_REGS_RMS : TOOLKIT_NORM_BWD_W_REGS_LN) != 0;
 };
 // Rows wider than P * B columns (up to kNormMaxCols) take the wide shape: 512-thread row-group blocks.
