@@ -16,8 +16,8 @@
 // W > 1; with W = 1 no barrier stops a warp, so each warp's loads overlap the
 // others' maths. A block holds 256 / (32 W) row groups; the grid is one wave (as many
 // blocks as fit on the GPU at once) and each row group walks rows, holding w (and b) in
-// registers across them where that costs at most 48 registers a thread. x and y go
-// through streaming cache hints (ld/st.global.cs). Measured on an H200 with
+// registers across them where that costs at most 48 registers a thread. x and y take
+// cache hints chosen per norm (below). Measured on an H200 with
 // kernels/tune_norm.py (16384 rows, x fp32, y bf16; LayerNorm 768 / 1600 / RMSNorm 2048, GPU ms):
 //   shipped                                  0.0207 / 0.0511 / 0.0507   torch.compile 0.0194 / 0.0682 / 0.0501
 //   a block per 256 / (32 W) rows, no hints  0.0238 / 0.0606 / 0.0559

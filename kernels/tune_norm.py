@@ -35,7 +35,7 @@ from bench import TOKENS, gpu_ms, kernel_us, table  # noqa: E402
 from toolkit import ops  # noqa: E402
 
 MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "PREFETCH")
-# Optional name=value tails, each setting macros (the backward's for both norms).
+# Optional name=value tails, each setting macros (the per-norm ones for both norms).
 EXTRAS = {"x": ("TOOLKIT_NORM_FWD_MAX_PACKS",), "fm": ("TOOLKIT_NORM_FWD_MIN_BLOCKS",),
           "fs": ("TOOLKIT_NORM_FWD_STREAM_LN", "TOOLKIT_NORM_FWD_STREAM_RMS"), "fp": ("TOOLKIT_NORM_FWD_PERSISTENT",),
           "s": ("TOOLKIT_NORM_BWD_STREAM_LN", "TOOLKIT_NORM_BWD_STREAM_RMS"),
