@@ -18,6 +18,7 @@
 // NOTE: a warp-per-row layout like the forward's (4-element packs, dw/db for up to
 // 16 columns per thread) measured slower here on an H200 (RMSNorm 2048 columns:
 // 0.134 vs 0.114 ms; LayerNorm 768: equal) at 97-128 registers per thread.
+#include "bulk_copy.cuh"
 #include "common.cuh"
 
 namespace toolkit {
@@ -58,11 +59,20 @@ constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
 #define TOOLKIT_NORM_BWD_W_REGS_LN 0
 #define TOOLKIT_NORM_BWD_W_REGS_RMS 1
 #endif
+// BULK: stages of rows the copy engine brings into shared memory ahead of the row loop (bulk_copy.cuh;
+// sm_90+, aligned rows of the narrow shape), 0 loads them into registers. More bytes in flight
+// without registers: the backward's rows move 20 bytes a column (RMSNorm, x fp32, dy bf16) through
+// 64-register threads that hold no room for a prefetch.
+#ifndef TOOLKIT_NORM_BWD_BULK_LN
+#define TOOLKIT_NORM_BWD_BULK_LN 0
+#define TOOLKIT_NORM_BWD_BULK_RMS 0
+#endif
 template <bool kRms>
 struct BackwardHints {
   static constexpr int stream = kRms ? TOOLKIT_NORM_BWD_STREAM_RMS : TOOLKIT_NORM_BWD_STREAM_LN;
   static constexpr int load_in = load_hint(stream), store_out = store_hint(stream);
   static constexpr bool weight_in_registers = (kRms ? TOOLKIT_NORM_BWD_W_REGS_RMS : TOOLKIT_NORM_BWD_W_REGS_LN) != 0;
+  static constexpr int bulk_stages = kRms ? TOOLKIT_NORM_BWD_BULK_RMS : TOOLKIT_NORM_BWD_BULK_LN;
 };
 // Rows wider than P * B columns (up to kNormMaxCols) take the wide shape: 512-thread row-group blocks.
 constexpr int kWidePer = 8, kWideBlock = 1024, kWideTarget = 512;
@@ -193,13 +203,71 @@ __device__ __forceinline__ void load_rows(const G* __restrict__ dy, const T* __r
   }
 }
 
-template <typename G, typename T, bool kRms, int kPer, int kRows, bool kPrefetch, int kMaxThreads, int kMinBlocks>
+// The bulk-copied rows: stage s of the dynamic shared memory holds one iteration's rows of a block
+// (rows first .. first + rows_per_block - 1, contiguous in memory), all of x then all of dy.
+template <typename G, typename T>
+struct RowStages {
+  unsigned char* memory;
+  int64_t cols;
+  int rows_per_block;
+  __device__ int64_t x_bytes() const { return rows_per_block * cols * (int64_t)sizeof(T); }
+  __device__ int64_t stage_bytes() const { return x_bytes() + rows_per_block * cols * (int64_t)sizeof(G); }
+  // One thread: start copying the rows from `first` into `stage`; `landed` completes when they are in.
+  __device__ void start(int stage, uint64_t* landed, const T* x, const G* dy, int64_t first, int64_t rows) const {
+    const int64_t n = rows - first < rows_per_block ? rows - first : rows_per_block;
+    const uint32_t xb = (uint32_t)(n * cols * sizeof(T)), gb = (uint32_t)(n * cols * sizeof(G));
+    unsigned char* at = memory + stage * stage_bytes();
+    barrier_expect_bytes(landed, xb + gb);
+    bulk_copy_to_shared(at, x + first * cols, xb, landed);
+    bulk_copy_to_shared(at + x_bytes(), dy + first * cols, gb, landed);
+  }
+  __device__ const T* x_row(int stage, int i) const {
+    return reinterpret_cast<const T*>(memory + stage * stage_bytes()) + i * cols;
+  }
+  __device__ const G* dy_row(int stage, int i) const {
+    return reinterpret_cast<const G*>(memory + stage * stage_bytes() + x_bytes()) + i * cols;
+  }
+};
+
+// load_rows from a stage (packed rows only): the statistics from global memory first, so their
+// latency overlaps the wait for the stage to land.
+template <typename G, typename T, bool kRms, int kPer, int kRows>
+__device__ __forceinline__ void load_staged_rows(const RowStages<G, T>& stages, int stage, uint64_t* landed,
+                                                 uint32_t parity,
+                                                 const float* __restrict__ mean, const float* __restrict__ rstd,
+                                                 int64_t base, int64_t rows, int cols, int groups, int g, int t,
+                                                 float (&xv)[kRows][kPer], float (&gv)[kRows][kPer],
+                                                 float (&mu)[kRows], float (&rs)[kRows]) {
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int64_t r = base + (int64_t)k * groups + g;
+    mu[k] = (!kRms && r < rows) ? mean[r] : 0.f;
+    rs[k] = r < rows ? rstd[r] : 0.f;
+  }
+  barrier_wait(landed, parity);
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    if (base + (int64_t)k * groups + g < rows && t * kPer < cols) {
+      load_pack<T, kPer>(stages.x_row(stage, k * groups + g) + t * kPer, xv[k]);
+      load_pack<G, kPer>(stages.dy_row(stage, k * groups + g) + t * kPer, gv[k]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) xv[k][j] = gv[k][j] = 0.f;
+    }
+  }
+}
+
+template <typename G, typename T, bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads,
+          int kMinBlocks>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
                                 const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
                                 float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows, int cols,
                                 int group, bool packed) {
+  static_assert(!(kPrefetch && kStages > 0), "the bulk-copied stages replace the register prefetch");
   __shared__ float scratch[2][32 * 2 * kRows];  // halves alternate by iteration: one barrier per group_sums
-  extern __shared__ float reduce[];  // groups x 2 x (group * kPer) floats, used once at the end
+  __shared__ uint64_t landed[kStages > 0 ? kStages : 1];  // a barrier per stage (bulk copies)
+  // The bulk-copied stages while rows are walked; at the end groups x 2 x (group * kPer) floats.
+  extern __shared__ __align__(128) float reduce[];
   const int groups = blockDim.x / group, g = threadIdx.x / group, t = threadIdx.x % group, wpg = group / 32;
   constexpr bool kWeightInRegisters = BackwardHints<kRms>::weight_in_registers;
   float w[kPer], dw[kPer], db[kPer];
@@ -209,13 +277,27 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
   // Every thread runs the same number of iterations (the barriers in group_sums need it).
   const int64_t rows_per_block = (int64_t)groups * kRows, stride = (int64_t)gridDim.x * rows_per_block;
   float xn[kRows][kPer], gn[kRows][kPer], mun[kRows], rsn[kRows];  // the next iteration's rows (prefetch)
+  const RowStages<G, T> stages{reinterpret_cast<unsigned char*>(reduce), cols, (int)rows_per_block};
+  if constexpr (kStages > 0) {
+    if (threadIdx.x == 0)
+      for (int s = 0; s < kStages; ++s) barrier_init(&landed[s], 1);
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int s = 0; s < kStages; ++s) {
+        const int64_t first = (int64_t)blockIdx.x * rows_per_block + s * stride;
+        if (first < rows) stages.start(s, &landed[s], x, dy, first, rows);
+      }
+  }
   if (kPrefetch)
     load_rows<G, T, kRms, kPer, kRows>(dy, x, mean, rstd, (int64_t)blockIdx.x * rows_per_block, rows, cols, groups, g,
                                        t, group, packed, xn, gn, mun, rsn);
   int it = 0;
   for (int64_t base = (int64_t)blockIdx.x * rows_per_block; base < rows; base += stride, ++it) {
     float xv[kRows][kPer], gv[kRows][kPer], mu[kRows], rs[kRows], sums[2 * kRows];
-    if (kPrefetch) {
+    if constexpr (kStages > 0) {
+      load_staged_rows<G, T, kRms, kPer, kRows>(stages, it % kStages, &landed[it % kStages], (it / kStages) & 1, mean,
+                                                rstd, base, rows, cols, groups, g, t, xv, gv, mu, rs);
+    } else if (kPrefetch) {
 #pragma unroll
       for (int k = 0; k < kRows; ++k) {
         mu[k] = mun[k];
@@ -252,6 +334,10 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const
       sums[2 * k + 1] = sum_gx;
     }
     group_sums<2 * kRows>(sums, scratch[it & 1], g, wpg);
+    // Its barrier saw every thread read this stage: refill it with the rows kStages iterations on.
+    if constexpr (kStages > 0)
+      if (threadIdx.x == 0 && base + kStages * stride < rows)
+        stages.start(it % kStages, &landed[it % kStages], x, dy, base + kStages * stride, rows);
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
       const int64_t r = base + (int64_t)k * groups + g;
@@ -303,31 +389,41 @@ bool rows_packed(const void* p, int cols, int elem_bytes, int per) {
 
 int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
-template <bool kRms, int kPer, int kRows, bool kPrefetch, int kMaxThreads, int kMinBlocks>
+// kStages: the bulk-copied stages where the rows are packed and the GPU has bulk copies, else none.
+template <bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads, int kMinBlocks>
 cudaError_t launch_shape(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
                          void* dx, float* partial_w, float* partial_b, int64_t rows, int cols, DType dy_dtype,
                          DType x_dtype, const RowLayout& l, int grid_limit, int* grid_out, cudaStream_t stream) {
   const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype), kPer) &&
                       rows_packed(dy, cols, dtype_bytes(dy_dtype), kPer) &&
                       rows_packed(dx, cols, dtype_bytes(x_dtype), kPer) && is_aligned(weight, 16);
-  const size_t smem = sizeof(float) * 2 * (size_t)l.group * kPer * l.groups;
+  const bool staged = kStages > 0 && packed && bulk_copy_supported();
+  const size_t reduce_bytes = sizeof(float) * 2 * (size_t)l.group * kPer * l.groups;
+  const size_t stage_bytes = (size_t)l.groups * kRows * cols * (dtype_bytes(x_dtype) + dtype_bytes(dy_dtype));
+  const size_t smem = staged && kStages * stage_bytes > reduce_bytes ? kStages * stage_bytes : reduce_bytes;
   cudaError_t err = cudaSuccess;
-  TOOLKIT_DISPATCH(dy_dtype, G, {
-    TOOLKIT_DISPATCH(x_dtype, T, {
-      auto kernel = norm_bwd_kernel<G, T, kRms, kPer, kRows, kPrefetch, kMaxThreads, kMinBlocks>;
-      if (smem > 48 * 1024) {
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (err != cudaSuccess) return err;
-      }
-      const int64_t wave = (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
-      const int grid = (int)(wave < grid_limit ? wave : grid_limit);
-      *grid_out = grid;
-      kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight, mean,
-                                                  rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,
-                                                  l.group, packed);
+  // One launch of the kernel with S stages (a generic lambda: S is a compile-time constant).
+  auto run = [&](auto stages) -> cudaError_t {
+    constexpr int S = decltype(stages)::value;
+    TOOLKIT_DISPATCH(dy_dtype, G, {
+      TOOLKIT_DISPATCH(x_dtype, T, {
+        auto kernel = norm_bwd_kernel<G, T, kRms, kPer, kRows, kPrefetch, S, kMaxThreads, kMinBlocks>;
+        if (smem > 48 * 1024) {
+          err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+          if (err != cudaSuccess) return err;
+        }
+        const int64_t wave =
+            (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
+        const int grid = (int)(wave < grid_limit ? wave : grid_limit);
+        *grid_out = grid;
+        kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight,
+                                                    mean, rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,
+                                                    l.group, packed);
+      });
     });
-  });
-  return cudaGetLastError();
+    return cudaGetLastError();
+  };
+  return staged ? run(std::integral_constant<int, kStages>{}) : run(std::integral_constant<int, 0>{});
 }
 
 }  // namespace
@@ -350,17 +446,17 @@ cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, 
   int grid = 0;
   cudaError_t err;
   if (!narrow(cols))
-    err = rms ? launch_shape<true, kWidePer, 1, false, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
+    err = rms ? launch_shape<true, kWidePer, 1, false, 0, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
                                                                       partial_b, rows, cols, dy_dtype, x_dtype, l,
                                                                       limit, &grid, stream)
-              : launch_shape<false, kWidePer, 1, false, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
+              : launch_shape<false, kWidePer, 1, false, 0, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
                                                                        partial_b, rows, cols, dy_dtype, x_dtype, l,
                                                                        limit, &grid, stream);
   else
-    err = rms ? launch_shape<true, kPer, kRows, kPrefetch, kBlock, kMinBlocks>(dy, x, weight, mean, rstd, dx, partial_w,
+    err = rms ? launch_shape<true, kPer, kRows, kPrefetch, BackwardHints<true>::bulk_stages, kBlock, kMinBlocks>(dy, x, weight, mean, rstd, dx, partial_w,
                                                                              partial_b, rows, cols, dy_dtype, x_dtype,
                                                                              l, limit, &grid, stream)
-              : launch_shape<false, kPer, kRows, kPrefetch, kBlock, kMinBlocks>(dy, x, weight, mean, rstd, dx,
+              : launch_shape<false, kPer, kRows, kPrefetch, BackwardHints<false>::bulk_stages, kBlock, kMinBlocks>(dy, x, weight, mean, rstd, dx,
                                                                               partial_w, partial_b, rows, cols,
                                                                               dy_dtype, x_dtype, l, limit, &grid,
                                                                               stream);

@@ -37,7 +37,7 @@ EXTENSIONS = {
     "bias_gelu": ("fused_bias_gelu.cu", "fused_bias_gelu_binding.cpp"),
     "cross_entropy": ("fused_cross_entropy.cu", "fused_cross_entropy_binding.cpp"),
 }
-HEADERS = ("common.cuh", "launchers.h", "torch_utils.h")
+HEADERS = ("bulk_copy.cuh", "common.cuh", "launchers.h", "torch_utils.h")
 EXTENSION_OF = {"adamw": "adamw", "layernorm": "norm", "rmsnorm": "norm", "bias_gelu": "bias_gelu",
                 "cross_entropy": "cross_entropy"}
 
