@@ -259,10 +259,11 @@ __device__ __forceinline__ void load_staged_rows(const RowStages<G, T>& stages, 
 
 template <typename G, typename T, bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads,
           int kMinBlocks>
-__global__ void __launch_bounds__(kMaxThreads, kMinBlocks) norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
-                                const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
-                                float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows, int cols,
-                                int group, bool packed) {
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
+    norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
+                    const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
+                    float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows, int cols, int group,
+                    bool packed) {
   static_assert(!(kPrefetch && kStages > 0), "the bulk-copied stages replace the register prefetch");
   __shared__ float scratch[2][32 * 2 * kRows];  // halves alternate by iteration: one barrier per group_sums
   __shared__ uint64_t landed[kStages > 0 ? kStages : 1];  // a barrier per stage (bulk copies)
@@ -453,13 +454,12 @@ cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, 
                                                                        partial_b, rows, cols, dy_dtype, x_dtype, l,
                                                                        limit, &grid, stream);
   else
-    err = rms ? launch_shape<true, kPer, kRows, kPrefetch, BackwardHints<true>::bulk_stages, kBlock, kMinBlocks>(dy, x, weight, mean, rstd, dx, partial_w,
-                                                                             partial_b, rows, cols, dy_dtype, x_dtype,
-                                                                             l, limit, &grid, stream)
-              : launch_shape<false, kPer, kRows, kPrefetch, BackwardHints<false>::bulk_stages, kBlock, kMinBlocks>(dy, x, weight, mean, rstd, dx,
-                                                                              partial_w, partial_b, rows, cols,
-                                                                              dy_dtype, x_dtype, l, limit, &grid,
-                                                                              stream);
+    err = rms ? launch_shape<true, kPer, kRows, kPrefetch, BackwardHints<true>::bulk_stages, kBlock, kMinBlocks>(
+                    dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l, limit,
+                    &grid, stream)
+              : launch_shape<false, kPer, kRows, kPrefetch, BackwardHints<false>::bulk_stages, kBlock, kMinBlocks>(
+                    dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l, limit,
+                    &grid, stream);
   if (err != cudaSuccess) return err;
   // dw and db partials summed by one launch (blockIdx.y picks which).
   const dim3 reduce_grid((cols + 31) / 32, rms ? 1 : 2);
