@@ -390,6 +390,9 @@ bool rows_packed(const void* p, int cols, int elem_bytes, int per) {
 
 int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
+// At least the kernel's static shared memory (scratch and barriers: 1 KB at two rows per iteration).
+constexpr size_t kStaticSmemBound = 4096;
+
 // kStages: the bulk-copied stages where the rows are packed and the GPU has bulk copies, else none.
 template <bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads, int kMinBlocks>
 cudaError_t launch_shape(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
@@ -409,7 +412,7 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
     TOOLKIT_DISPATCH(dy_dtype, G, {
       TOOLKIT_DISPATCH(x_dtype, T, {
         auto kernel = norm_bwd_kernel<G, T, kRms, kPer, kRows, kPrefetch, S, kMaxThreads, kMinBlocks>;
-        if (smem > 48 * 1024) {
+        if (smem + kStaticSmemBound > 48 * 1024) {  // the default cap counts static shared memory too
           err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
           if (err != cudaSuccess) return err;
         }
