@@ -218,26 +218,52 @@ inline int resident_blocks(const void* kernel, int threads, size_t smem) {
 
 namespace {
 // Column sums of [rows, cols] fp32 matrices of per-block partials (the bias and
-// norm-weight gradients): 32 columns x 32 row lanes per block, launched with grid
-// dim3((cols + 31) / 32, 1 or 2) and block dim3(32, 32); blockIdx.y = 1 sums
-// partial1 into out1 (the norm's db beside its dw in one launch).
-__global__ void column_sum_kernel(const float* __restrict__ partial0, float* __restrict__ out0,
-                                  const float* __restrict__ partial1, float* __restrict__ out1, int rows, int cols) {
-  __shared__ float tile[32][33];
+// norm-weight gradients), in a fixed order (deterministic). A block of 1024 threads takes
+// kTile columns: lane l of each of its 32 warps reads column l % kTile of rows l / kTile,
+// l / kTile + 32 / kTile, ... of its slice (a warp covers 32 / kTile rows, 16 rows' loads in
+// flight); warp shuffles, then one shared-memory step sum the lanes. blockIdx.y = 1 sums
+// partial1 into out1 (the norm's db beside its dw in one launch). Launch: launch_column_sum.
+template <int kTile>
+__global__ void __launch_bounds__(1024) column_sum_kernel(const float* __restrict__ partial0, float* __restrict__ out0,
+                                                          const float* __restrict__ partial1, float* __restrict__ out1,
+                                                          int rows, int cols) {
+  constexpr int kRowLanes = 1024 / kTile;
+  __shared__ float tile[32][kTile];
   const float* partial = blockIdx.y ? partial1 : partial0;
   float* out = blockIdx.y ? out1 : out0;
-  const int c = blockIdx.x * 32 + threadIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = blockIdx.x * kTile + lane % kTile;
   float acc = 0.f;
   if (c < cols)
-#pragma unroll 16  // the loads of 16 rows in flight at once (one block per 32 columns: few blocks, latency-bound)
-    for (int r = threadIdx.y; r < rows; r += 32) acc += partial[(int64_t)r * cols + c];
-  tile[threadIdx.y][threadIdx.x] = acc;
+#pragma unroll 16  // the loads of 16 rows in flight at once (few blocks: latency-bound)
+    for (int r = threadIdx.x / kTile; r < rows; r += kRowLanes) acc += partial[(int64_t)r * cols + c];
+#pragma unroll
+  for (int o = 16; o >= kTile; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane < kTile) tile[warp][lane] = acc;
   __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
+  if (threadIdx.x < kTile && c < cols) {
     float s = 0.f;
     for (int k = 0; k < 32; ++k) s += tile[k][threadIdx.x];
     out[c] = s;
   }
+}
+
+// Columns per block (TOOLKIT_COLUMN_SUM_TILE: 8, 16 or 32; 0 picks per launch): the widest tile
+// that still gives every SM two blocks, as the partials are few rows and the launch is latency-bound.
+#ifndef TOOLKIT_COLUMN_SUM_TILE
+#define TOOLKIT_COLUMN_SUM_TILE 0
+#endif
+inline cudaError_t launch_column_sum(const float* partial0, float* out0, const float* partial1, float* out1, int rows,
+                                     int cols, cudaStream_t stream) {
+  const int matrices = partial1 ? 2 : 1;
+  int tile = TOOLKIT_COLUMN_SUM_TILE;
+  if (tile == 0)
+    for (tile = 32; tile > 8 && (int64_t)(cols + tile - 1) / tile * matrices < 2 * sm_count();) tile /= 2;
+  const dim3 grid((cols + tile - 1) / tile, matrices);
+  if (tile == 8) column_sum_kernel<8><<<grid, 1024, 0, stream>>>(partial0, out0, partial1, out1, rows, cols);
+  else if (tile == 16) column_sum_kernel<16><<<grid, 1024, 0, stream>>>(partial0, out0, partial1, out1, rows, cols);
+  else column_sum_kernel<32><<<grid, 1024, 0, stream>>>(partial0, out0, partial1, out1, rows, cols);
+  return cudaGetLastError();
 }
 }  // namespace
 

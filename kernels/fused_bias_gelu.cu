@@ -163,9 +163,7 @@ cudaError_t launch_bias_gelu_bwd(const void* dy, const void* h, const float* bia
   });
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  column_sum_kernel<<<(cols + 31) / 32, dim3(32, 32), 0, stream>>>(workspace, dbias, nullptr, nullptr,
-                                                                (int)grid.y, cols);
-  return cudaGetLastError();
+  return launch_column_sum(workspace, dbias, nullptr, nullptr, (int)grid.y, cols, stream);
 }
 
 }  // namespace toolkit

@@ -12,8 +12,10 @@
 // each group takes R rows per iteration, so R rows' loads are in flight before the
 // one reduction (warp shuffles plus one shared-memory step) they share. The grid is
 // as many blocks as fit on the GPU at once (the occupancy API: one wave); each block
-// walks rows, keeps its dw/db in registers, and writes one partial row; one
-// column_sum_kernel launch sums the partials of dw and db in a fixed order
+// walks rows, keeps its dw/db in registers, and writes one partial row. Aligned rows
+// of the narrow shape reach the threads through shared memory: the copy engine brings a
+// block's rows in two iterations ahead (bulk copies, bulk_copy.cuh; sm_90 and later). One
+// column-sum launch (common.cuh) sums the partials of dw and db in a fixed order
 // (deterministic). P, R and B: below, from kernels/tune_norm.py's sweeps.
 // NOTE: a warp-per-row layout like the forward's (4-element packs, dw/db for up to
 // 16 columns per thread) measured slower here on an H200 (RMSNorm 2048 columns:
@@ -63,9 +65,12 @@ constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
 // sm_90+, aligned rows of the narrow shape), 0 loads them into registers. More bytes in flight
 // without registers: the backward's rows move 20 bytes a column (RMSNorm, x fp32, dy bf16) through
 // 64-register threads that hold no room for a prefetch.
+// Measured (tuner, GPU ms, LayerNorm 768 / 1600 / RMSNorm 2048; registers 0.0415 / 0.0848 / 0.0934):
+// 2 stages 0.0391 / 0.0714 / 0.0932; 3 stages 0.0408 / 0.0725 / 0.0957; 4 stages 0.0417 / 0.0730 /
+// 0.0957; 512- or 1024-thread blocks (2 or 1 per SM) with 2-3 stages, or two rows per iteration, slower.
 #ifndef TOOLKIT_NORM_BWD_BULK_LN
-#define TOOLKIT_NORM_BWD_BULK_LN 0
-#define TOOLKIT_NORM_BWD_BULK_RMS 0
+#define TOOLKIT_NORM_BWD_BULK_LN 2
+#define TOOLKIT_NORM_BWD_BULK_RMS 2
 #endif
 template <bool kRms>
 struct BackwardHints {
@@ -464,10 +469,8 @@ cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, 
                     dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l, limit,
                     &grid, stream);
   if (err != cudaSuccess) return err;
-  // dw and db partials summed by one launch (blockIdx.y picks which).
-  const dim3 reduce_grid((cols + 31) / 32, rms ? 1 : 2);
-  column_sum_kernel<<<reduce_grid, dim3(32, 32), 0, stream>>>(partial_w, dweight, partial_b, dbias, grid, cols);
-  return cudaGetLastError();
+  // dw and db partials summed by one launch.
+  return launch_column_sum(partial_w, dweight, rms ? nullptr : partial_b, rms ? nullptr : dbias, grid, cols, stream);
 }
 
 }  // namespace toolkit
