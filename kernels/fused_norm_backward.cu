@@ -497,11 +497,11 @@ cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, 
   cudaError_t err;
   if (!narrow(cols))
     err = rms ? launch_shape<true, kWidePer, 1, false, 0, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
-                                                                      partial_b, rows, cols, dy_dtype, x_dtype, l,
-                                                                      limit, &grid, stream)
+                                                                         partial_b, rows, cols, dy_dtype, x_dtype, l,
+                                                                         limit, &grid, stream)
               : launch_shape<false, kWidePer, 1, false, 0, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
-                                                                       partial_b, rows, cols, dy_dtype, x_dtype, l,
-                                                                       limit, &grid, stream);
+                                                                          partial_b, rows, cols, dy_dtype, x_dtype, l,
+                                                                          limit, &grid, stream);
   else
     err = rms ? launch_shape<true, kPer, kRows, kPrefetch, BackwardHints<true>::bulk_stages, kBlock, kMinBlocks>(
                     dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l, limit,
