@@ -74,7 +74,8 @@ constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
 #endif
 // CLUSTER: with bulk-copied stages, blocks launched as clusters of this many, which sum their dw / db
 // through each other's shared memory (sm_90) into one partial row: fewer partial rows to write and
-// to sum. 1: a partial row per block.
+// to sum. 1: a partial row per block. Measured (RMSNorm 2048 backward, GPU ms): 1 0.0943, 2 0.0950,
+// 4 0.1256 (the cluster barriers cost more than the partial rows they save).
 #ifndef TOOLKIT_NORM_BWD_CLUSTER_LN
 #define TOOLKIT_NORM_BWD_CLUSTER_LN 1
 #define TOOLKIT_NORM_BWD_CLUSTER_RMS 1

@@ -10,7 +10,7 @@ per row); fm, the forward's blocks per SM for __launch_bounds__; fp, the forward
 grid (1; 2 with w and b in registers); fs and s, the forward's and the backward's cache hints
 (a bit mask: 1 streaming loads, 2 streaming stores, 4 loads that skip L1); w=0, the backward
 reads w per row; b, the backward's stages of rows bulk-copied into shared memory; c, the column
-sums' columns per block (8, 16, 32; 0 picks); k, the backward's cluster size (blocks summing their
+sums' columns per block (8, 16, 32); k, the backward's cluster size (blocks summing their
 dw / db into one partial row). This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
 its forward and its backward (GPU ms from the profiler) on the benchmark's shapes, beside
