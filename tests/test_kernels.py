@@ -2,6 +2,7 @@
 architecture list parses what users set, the custom ops and swapped modules match torch,
 FusedAdamW matches torch.optim.AdamW, and the CUDA sources compile for sm_90 with nvcc."""
 import copy
+import re
 import shutil
 import subprocess
 import warnings
@@ -82,6 +83,16 @@ def test_cache_key_follows_sources_flags_and_arch(monkeypatch, tmp_path):
     assert hopper.key != ampere.key and hopper.directory != ampere.directory
     assert hopper.directory.parent == tmp_path and hopper.module_name.startswith("toolkit_adamw_")
     assert ops.build_plan("norm").key != ampere.key
+
+
+def test_every_header_the_kernels_include_is_in_the_cache_key():
+    """A header left out of ops.HEADERS would let an edit to it reuse a stale build."""
+    kernels = REPO / "kernels"
+    included = set()
+    for path in kernels.iterdir():
+        if path.suffix in {".cu", ".cpp", ".cuh", ".h"}:
+            included |= set(re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.M))
+    assert included and included <= set(ops.HEADERS), sorted(included - set(ops.HEADERS))
 
 
 # ---------------------------------------------------------------------------
