@@ -1,7 +1,6 @@
 // bulk_copy.cuh: Hopper's bulk asynchronous copies, global memory to shared memory
-// (cp.async.bulk: the copy engine moves a contiguous run of bytes, no tensor map), the
-// shared-memory barriers (mbarrier) that say when the bytes have landed, and thread-block
-// clusters (blocks that read each other's shared memory).
+// (cp.async.bulk: the copy engine moves a contiguous run of bytes, no tensor map), and
+// the shared-memory barriers (mbarrier) that say when the bytes have landed.
 //
 // Why: a kernel that streams rows keeps bytes in flight without spending registers on
 // them; one thread starts the copy of a whole row, the block waits on its barrier.
@@ -9,7 +8,6 @@
 // bulk_copy_supported() says so; older targets compile them to a trap.
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -68,31 +66,6 @@ __device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 #else
   __trap();
-#endif
-}
-
-// Clusters: every thread of every block of the cluster waits here; this block's rank in it; `p` (a
-// shared-memory address of this block) in the block of that rank.
-__device__ __forceinline__ void cluster_barrier() {
-#ifndef TOOLKIT_NO_BULK_COPY
-  cooperative_groups::this_cluster().sync();
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ int cluster_rank() {
-#ifndef TOOLKIT_NO_BULK_COPY
-  return (int)cooperative_groups::this_cluster().block_rank();
-#else
-  return 0;
-#endif
-}
-template <typename T>
-__device__ __forceinline__ T* cluster_shared(T* p, int rank) {
-#ifndef TOOLKIT_NO_BULK_COPY
-  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
-#else
-  return p;
 #endif
 }
 

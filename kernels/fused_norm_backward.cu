@@ -67,18 +67,12 @@ constexpr bool kPrefetch = TOOLKIT_NORM_BWD_PREFETCH != 0;
 // 64-register threads that hold no room for a prefetch.
 // Measured (tuner, GPU ms, LayerNorm 768 / 1600 / RMSNorm 2048; registers 0.0415 / 0.0848 / 0.0934):
 // 2 stages 0.0391 / 0.0714 / 0.0932; 3 stages 0.0408 / 0.0725 / 0.0957; 4 stages 0.0417 / 0.0730 /
-// 0.0957; 512- or 1024-thread blocks (2 or 1 per SM) with 2-3 stages, or two rows per iteration, slower.
+// 0.0957; 512- or 1024-thread blocks (2 or 1 per SM) with 2-3 stages, or two rows per iteration, slower;
+// blocks in clusters of 2 / 4 summing their dw in distributed shared memory into one partial row
+// (RMSNorm 0.0950 / 0.1256 against 0.0943; the code: commit f74aae8, since removed).
 #ifndef TOOLKIT_NORM_BWD_BULK_LN
 #define TOOLKIT_NORM_BWD_BULK_LN 2
 #define TOOLKIT_NORM_BWD_BULK_RMS 2
-#endif
-// CLUSTER: with bulk-copied stages, blocks launched as clusters of this many, which sum their dw / db
-// through each other's shared memory (sm_90) into one partial row: fewer partial rows to write and
-// to sum. 1: a partial row per block. Measured (RMSNorm 2048 backward, GPU ms): 1 0.0943, 2 0.0950,
-// 4 0.1256 (the cluster barriers cost more than the partial rows they save).
-#ifndef TOOLKIT_NORM_BWD_CLUSTER_LN
-#define TOOLKIT_NORM_BWD_CLUSTER_LN 1
-#define TOOLKIT_NORM_BWD_CLUSTER_RMS 1
 #endif
 template <bool kRms>
 struct BackwardHints {
@@ -86,7 +80,6 @@ struct BackwardHints {
   static constexpr int load_in = load_hint(stream), store_out = store_hint(stream);
   static constexpr bool weight_in_registers = (kRms ? TOOLKIT_NORM_BWD_W_REGS_RMS : TOOLKIT_NORM_BWD_W_REGS_LN) != 0;
   static constexpr int bulk_stages = kRms ? TOOLKIT_NORM_BWD_BULK_RMS : TOOLKIT_NORM_BWD_BULK_LN;
-  static constexpr int cluster = kRms ? TOOLKIT_NORM_BWD_CLUSTER_RMS : TOOLKIT_NORM_BWD_CLUSTER_LN;
 };
 // Rows wider than P * B columns (up to kNormMaxCols) take the wide shape: 512-thread row-group blocks.
 constexpr int kWidePer = 8, kWideBlock = 1024, kWideTarget = 512;
@@ -271,8 +264,8 @@ __device__ __forceinline__ void load_staged_rows(const RowStages<G, T>& stages, 
   }
 }
 
-template <typename G, typename T, bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kCluster,
-          int kMaxThreads, int kMinBlocks>
+template <typename G, typename T, bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads,
+          int kMinBlocks>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
                     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
@@ -364,8 +357,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
       }
     }
   }
-  // Sum dw / db over the row groups of this block (into group 0's slots), then over the blocks of
-  // its cluster, and write one partial row.
+  // Sum dw / db over the row groups of this block, then write one partial row.
   const int span = group * kPer;
   float* mine = reduce + (size_t)g * 2 * span;
 #pragma unroll
@@ -374,39 +366,19 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     if constexpr (!kRms) mine[span + t * kPer + j] = db[j];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < span; i += blockDim.x) {  // each thread its own slots i: no race
+  for (int i = threadIdx.x; i < span; i += blockDim.x) {
     float a = 0.f, b = 0.f;
     for (int k = 0; k < groups; ++k) {
       a += reduce[(size_t)k * 2 * span + i];
       if constexpr (!kRms) b += reduce[(size_t)k * 2 * span + span + i];
     }
-    reduce[i] = a;
-    if constexpr (!kRms) reduce[span + i] = b;
-  }
-  int first = threadIdx.x, step = blockDim.x;  // this block's share of the partial row
-  if constexpr (kCluster > 1) {
-    cluster_barrier();  // every block of the cluster has its sums in place
-    first += cluster_rank() * blockDim.x;
-    step *= kCluster;
-  }
-  for (int i = first; i < span; i += step) {
-    float a = reduce[i], b = kRms ? 0.f : reduce[span + i];
-    if constexpr (kCluster > 1) {  // the cluster's blocks in rank order (deterministic)
-      a = b = 0.f;
-      for (int q = 0; q < kCluster; ++q) {
-        const float* block_sums = cluster_shared(reduce, q);
-        a += block_sums[i];
-        if constexpr (!kRms) b += block_sums[span + i];
-      }
-    }
     // i = t' * kPer + j' holds column col_of(packed, t', j', group).
     const int c = col_of<kPer>(packed, i / kPer, i % kPer, group);
     if (c < cols) {
-      partial_w[(int64_t)(blockIdx.x / kCluster) * cols + c] = a;
-      if constexpr (!kRms) partial_b[(int64_t)(blockIdx.x / kCluster) * cols + c] = b;
+      partial_w[(int64_t)blockIdx.x * cols + c] = a;
+      if constexpr (!kRms) partial_b[(int64_t)blockIdx.x * cols + c] = b;
     }
   }
-  if constexpr (kCluster > 1) cluster_barrier();  // no block leaves while read
 }
 
 // The most blocks the workspace is sized for: one wave at the hardware's 2048 threads per SM
@@ -443,33 +415,21 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
   cudaError_t err = cudaSuccess;
   // One launch of the kernel with S stages (a generic lambda: S is a compile-time constant).
   auto run = [&](auto stages) -> cudaError_t {
-    constexpr int S = decltype(stages)::value, C = S > 0 ? BackwardHints<kRms>::cluster : 1;
+    constexpr int S = decltype(stages)::value;
     TOOLKIT_DISPATCH(dy_dtype, G, {
       TOOLKIT_DISPATCH(x_dtype, T, {
-        auto kernel = norm_bwd_kernel<G, T, kRms, kPer, kRows, kPrefetch, S, C, kMaxThreads, kMinBlocks>;
+        auto kernel = norm_bwd_kernel<G, T, kRms, kPer, kRows, kPrefetch, S, kMaxThreads, kMinBlocks>;
         if (smem + kStaticSmemBound > 48 * 1024) {  // the default cap counts static shared memory too
           err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
           if (err != cudaSuccess) return err;
         }
         const int64_t wave =
             (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
-        int grid = (int)(wave < grid_limit ? wave : grid_limit);
-        grid = grid < C ? C : grid / C * C;  // whole clusters (blocks past the rows add zeros)
-        *grid_out = grid / C;                // partial rows
-        cudaLaunchConfig_t config = {};
-        cudaLaunchAttribute cluster[1];
-        config.gridDim = dim3(grid);
-        config.blockDim = dim3(l.threads());
-        config.dynamicSmemBytes = smem;
-        config.stream = stream;
-        if (C > 1) {
-          cluster[0].id = cudaLaunchAttributeClusterDimension;
-          cluster[0].val.clusterDim.x = C, cluster[0].val.clusterDim.y = 1, cluster[0].val.clusterDim.z = 1;
-          config.attrs = cluster, config.numAttrs = 1;
-        }
-        err = cudaLaunchKernelEx(&config, kernel, static_cast<const G*>(dy), static_cast<const T*>(x), weight, mean,
-                                 rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols, l.group, packed);
-        if (err != cudaSuccess) return err;
+        const int grid = (int)(wave < grid_limit ? wave : grid_limit);
+        *grid_out = grid;
+        kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight,
+                                                    mean, rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,
+                                                    l.group, packed);
       });
     });
     return cudaGetLastError();
