@@ -216,22 +216,6 @@ inline int resident_blocks(const void* kernel, int threads, size_t smem) {
   return blocks;
 }
 
-// Blocks for `units` of work (rows, row groups) when at most `wave` fit on the GPU at once and
-// each block takes every grid-th unit: the fewest blocks that still finish in as many turns as
-// a full wave, so no block takes a turn more than the others and the last turn is as full as it
-// can be. 16384 rows on 528 resident blocks: 512 blocks of 32 rows each, where 528 left 16 blocks
-// a 32nd row to walk alone at the end (TOOLKIT_BALANCED_GRID=0 restores the full wave, for
-// kernels/tune_norm.py).
-#ifndef TOOLKIT_BALANCED_GRID
-#define TOOLKIT_BALANCED_GRID 1
-#endif
-inline int64_t balanced_grid(int64_t units, int64_t wave) {
-  if (units <= wave) return units;
-  if (!TOOLKIT_BALANCED_GRID) return wave;
-  const int64_t turns = (units + wave - 1) / wave;
-  return (units + turns - 1) / turns;
-}
-
 namespace {
 // Column sums of [rows, cols] fp32 matrices of per-block partials (the bias and
 // norm-weight gradients), in a fixed order (deterministic). A block of 1024 threads takes

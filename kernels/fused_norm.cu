@@ -251,7 +251,7 @@ cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bia
         if (kPersistent) {
           const int64_t wave = (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel),
                                                                      l.threads(), 0);
-          blocks = balanced_grid(blocks, wave);
+          blocks = blocks < wave ? blocks : wave;
         }
         kernel<<<(unsigned)blocks, l.threads(), 0, stream>>>(static_cast<const T*>(x), weight, bias,
                                                              static_cast<O*>(y), mean, rstd, rows, cols, eps,

@@ -425,9 +425,7 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
         }
         const int64_t wave =
             (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
-        const int64_t rows_per_block = (int64_t)l.groups * kRows;
-        const int grid = (int)balanced_grid((rows + rows_per_block - 1) / rows_per_block,
-                                            wave < grid_limit ? wave : grid_limit);
+        const int grid = (int)(wave < grid_limit ? wave : grid_limit);
         *grid_out = grid;
         kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight,
                                                     mean, rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,
