@@ -41,8 +41,9 @@ for stage in $stages; do
       else
         echo "$stage skipped: $left s left"
       fi ;;
-    tune)  # shapes of the norm backward kernel side by side (kernels/tune_norm.py; TUNE_SHAPES)
-      timeout 300 python3 kernels/tune_norm.py ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} --markdown "$OUT/tune-norm.md" \
+    tune)  # shapes of the norm kernels side by side (kernels/tune_norm.py; TUNE_SHAPES, TUNE_ROUNDS)
+      timeout 300 python3 kernels/tune_norm.py ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} --rounds "${TUNE_ROUNDS:-1}" \
+        --markdown "$OUT/tune-norm.md" \
         2>&1 | tee "$OUT/tune-norm.txt" ;;
     profile|profile1.5b)  # where each configuration's GPU time goes (kernels/profile_e2e.py)
       size=124m; [[ $stage == profile1.5b ]] && size=1.5b

@@ -15,7 +15,8 @@ sums' columns per block (8, 16, 32). This builds the norm extension once per sha
 its forward and its backward (GPU ms from the profiler) on the benchmark's shapes, beside
 torch.compile's (its backward: forward+backward minus forward).
 
-    python kernels/tune_norm.py [--shapes P,R,B,M,F[,name=N...];...] [--no-compile] [--markdown FILE]
+    python kernels/tune_norm.py [--shapes P,R,B,M,F[,name=N...];...] [--no-compile] [--rounds N]
+        [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -123,9 +124,10 @@ def forward_and_error(module, x, w, b, dy, eps: float, rms: bool, ref):
 BOUNDS = (1e-5, 1e-2)  # backward, forward
 
 
-def time_variant(module, cases_data) -> tuple[list[tuple[float, float]], tuple[float, float]]:
-    """(forward ms, backward ms) per case, and the largest (backward, forward) errors over all shapes."""
-    times, errors = [], []
+def check_variant(module, cases_data) -> tuple[list, tuple[float, float]]:
+    """The (mean, rstd) its forward saves per case, and its largest (backward, forward) errors over
+    the odd shapes and the benchmark's."""
+    saved, errors = [], []
     for rows, cols, rms in ODD_CASES:
         x, w, b, dy = inputs(cols, rms, rows)
         eps = 1e-6 if rms else 1e-5
@@ -133,9 +135,17 @@ def time_variant(module, cases_data) -> tuple[list[tuple[float, float]], tuple[f
     for (_, cols, rms), (x, w, b, dy, eps, ref) in zip(CASES, cases_data):
         mean, rstd, *error = forward_and_error(module, x, w, b, dy, eps, rms, ref)
         errors.append(tuple(error))
+        saved.append((mean, rstd))
+    return saved, (max(e[0] for e in errors), max(e[1] for e in errors))
+
+
+def time_module(module, cases_data, saved) -> list[tuple[float, float]]:
+    """(forward ms, backward ms) per case."""
+    times = []
+    for (_, cols, rms), (x, w, b, dy, eps, _), (mean, rstd) in zip(CASES, cases_data, saved):
         forward = gpu_ms(lambda: module.norm_fwd(x, w, b, eps, rms, 1), iters=20)
         times.append((forward, gpu_ms(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms), iters=20)))
-    return times, (max(e[0] for e in errors), max(e[1] for e in errors))
+    return times
 
 
 def errors_cell(errors: tuple[float, float]) -> list[str]:
@@ -152,36 +162,56 @@ def shipped_breakdown(module, cases_data) -> list[str]:
     return lines
 
 
-def cell(times: tuple[float, float]) -> str:
-    return f"{times[0]:.4f} / {times[1]:.4f}"
+def median(values: list[float]) -> float:
+    ordered, half = sorted(values), len(values) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
-def compile_ms(cases_data) -> list[tuple[float, float]]:
-    """torch.compile's forward and backward GPU ms (the backward: forward+backward minus forward)."""
-    out = []
+def cell(rounds: list[tuple[float, float]], reference: list[tuple[float, float]] | None) -> str:
+    """Median forward / backward over the rounds; with a reference (torch.compile, timed in the
+    same rounds) and several rounds, the median and range of reference / this forward+backward."""
+    text = f"{median([r[0] for r in rounds]):.4f} / {median([r[1] for r in rounds]):.4f}"
+    if reference is not None and len(rounds) > 1:
+        ratios = [sum(ref) / sum(mine) for ref, mine in zip(reference, rounds)]
+        text += f" ({median(ratios):.3f}x, {min(ratios):.3f}-{max(ratios):.3f})"
+    return text
+
+
+def compiled_cases(cases_data) -> list:
+    """torch.compile's forward and forward+backward per case, compiled and run once."""
+    fns = []
     for (_, cols, rms), (x, w, b, dy, eps, _) in zip(CASES, cases_data):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         bg = None if rms else b.clone().requires_grad_()
-        if rms:
+        if rms:  # dynamic=False: the LayerNorm cases share a code object; a shape-generic kernel is slower
             fn = torch.compile(lambda x, w: (w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
-                               .to(torch.bfloat16))
+                               .to(torch.bfloat16), dynamic=False)
             args = (xg, wg)
         else:
-            fn = torch.compile(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5).to(torch.bfloat16))
+            fn = torch.compile(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5).to(torch.bfloat16),
+                               dynamic=False)
             args = (xg, wg, bg)
         leaves = [a for a in args if a is not None]
 
-        def forward():
+        def forward(fn=fn, args=args):
             with torch.no_grad():
                 fn(*args)
 
-        def both():
+        def both(fn=fn, args=args, leaves=leaves, dy=dy):
             torch.autograd.grad(fn(*args), leaves, dy)
 
+        forward()
         both()
+        fns.append((forward, both))
+    return fns
+
+
+def time_compiled(fns) -> list[tuple[float, float]]:
+    """torch.compile's forward and backward GPU ms per case (the backward: forward+backward minus forward)."""
+    out = []
+    for forward, both in fns:
         forward_ms = gpu_ms(forward, iters=20)
         out.append((forward_ms, gpu_ms(both, iters=20) - forward_ms))
-        torch._dynamo.reset()
     return out
 
 
@@ -189,6 +219,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F[,name=N] shapes separated by ;")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
+    parser.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -197,31 +228,51 @@ def main() -> int:
     shapes = [s for s in args.shapes.split(";") if s]
     started = time.perf_counter()
     os.environ.setdefault("MAX_JOBS", "3")
-    with ProcessPoolExecutor(max_workers=min(len(shapes), max(1, (os.cpu_count() or 4) // 2))) as pool:
-        built = list(pool.map(build, shapes))
+    built = []
+    if shapes:  # --shapes ";" times the shipped kernels alone
+        with ProcessPoolExecutor(max_workers=min(len(shapes), max(1, (os.cpu_count() or 4) // 2))) as pool:
+            built = list(pool.map(build, shapes))
     print(f"built {len(shapes)} shapes in {time.perf_counter() - started:.0f}s", flush=True)
     cases_data = []
     for _, cols, rms in CASES:
         x, w, b, dy = inputs(cols, rms)
         eps = 1e-6 if rms else 1e-5
         cases_data.append((x, w, b, dy, eps, reference(x, w, b, dy, rms, eps)))
-    rows, breakdown = [], []
+    # Every variant (and compile) is timed once per round, in a rotating order: the rounds show the
+    # spread, and compile's time in the same round is each variant's reference.
+    timers, rows, breakdown = [], [], []
     if not args.no_compile:
-        rows.append(["torch.compile", *map(cell, compile_ms(cases_data)), "", "reference"])
+        fns = compiled_cases(cases_data)
+        timers.append(("torch.compile", lambda: time_compiled(fns), ["", "reference"]))
     shipped = ops.load_extension("norm")
     if shipped is not None:
-        times, errors = time_variant(shipped, cases_data)
-        rows.append(["shipped (source defaults)", *map(cell, times), *errors_cell(errors)])
+        saved, errors = check_variant(shipped, cases_data)
+        timers.append(("shipped (source defaults)",
+                       lambda m=shipped, s=saved: time_module(m, cases_data, s), errors_cell(errors)))
         breakdown = shipped_breakdown(shipped, cases_data)
     for shape, (name, directory, flags, error) in zip(shapes, built):
         if error is not None:
             rows.append([shape, "", "", "", "", f"build failed: {error[:120]}"])
             continue
-        times, errors = time_variant(load_built(name, directory, flags), cases_data)
-        rows.append([shape, *map(cell, times), *errors_cell(errors)])
-        print(f"  {shape}: {times} errors {errors}", flush=True)
+        module = load_built(name, directory, flags)
+        saved, errors = check_variant(module, cases_data)
+        timers.append((shape, lambda m=module, s=saved: time_module(m, cases_data, s), errors_cell(errors)))
+        print(f"  {shape}: errors {errors}", flush=True)
+    times = {label: [] for label, _, _ in timers}
+    for round_ in range(args.rounds):
+        for i in range(len(timers)):
+            label, timer, _ = timers[(i + round_) % len(timers)]
+            times[label].append(timer())
+    reference = times.get("torch.compile")
+    for label, _, notes in timers:
+        per_case = list(zip(*times[label]))  # per case, its (fwd, bwd) of each round
+        refs = list(zip(*reference)) if reference and label != "torch.compile" else [None] * len(CASES)
+        rows.append([label, *(cell(list(c), None if r is None else list(r)) for c, r in zip(per_case, refs)),
+                     *notes])
     text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; x fp32, y bf16, dy bf16, "
-            f"{TOKENS} rows; GPU ms = kernel time from the profiler\n\n"
+            f"{TOKENS} rows; GPU ms = kernel time from the profiler, the median of {args.rounds} "
+            "interleaved round(s)" + (" (in brackets: torch.compile's forward+backward over the variant's, per "
+                                      "round: median, range)" if args.rounds > 1 else "") + "\n\n"
             + table("Norm shapes, forward / backward GPU ms (backward: P elements/thread, R rows/iteration, "
                     "B block, M min blocks/SM, F prefetch; tails: EXTRAS)",
                     ["shape P,R,B,M,F[,name=N]", *[c[0] for c in CASES], "max rel err vs f64 (bwd / fwd)",
