@@ -263,10 +263,10 @@ def main() -> int:
         for i in range(len(timers)):
             label, timer, _ = timers[(i + round_) % len(timers)]
             times[label].append(timer())
-    reference = times.get("torch.compile")
+    compiled = times.get("torch.compile")
     for label, _, notes in timers:
         per_case = list(zip(*times[label]))  # per case, its (fwd, bwd) of each round
-        refs = list(zip(*reference)) if reference and label != "torch.compile" else [None] * len(CASES)
+        refs = list(zip(*compiled)) if compiled and label != "torch.compile" else [None] * len(CASES)
         rows.append([label, *(cell(list(c), None if r is None else list(r)) for c, r in zip(per_case, refs)),
                      *notes])
     text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; x fp32, y bf16, dy bf16, "
