@@ -7,9 +7,13 @@
 //   lse[r]  = log(sum_j exp(x_j))            one pass, online max / rescaled sum
 //   loss[r] = lse[r] - x_t                   0 where t == ignore_index; NaN if t is out of range
 //   dx_j    = (exp(x_j - lse[r]) - [j == t]) * dloss[r]    0 where t == ignore_index
+// over the row's first `classes` columns j. A row holds `width` >= classes columns: an LM
+// head padded to a multiple of 128 columns (toolkit/fused_modules.py, so that its GEMMs are
+// aligned) leaves columns past `classes` that are no class: the forward skips them and the
+// backward writes 0 there.
 //
 // How it is launched: one block of 512 threads per row. A row starts wherever
-// r * vocab puts it (GPT-2's vocab, 50257, is odd), so each row is read as a
+// r * width puts it (GPT-2's vocab, 50257, is odd), so each row is read as a
 // scalar head up to the first 16-byte boundary, a body of 16-byte packs and a
 // scalar tail. Exponentials are exp2 of log2(e)-scaled values.
 #include "common.cuh"
@@ -55,15 +59,15 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) cross_entropy_fwd_kernel(const T* __restrict__ logits,
                                                                      const int64_t* __restrict__ targets,
                                                                      float* __restrict__ loss,
-                                                                     float* __restrict__ lse, int64_t vocab,
-                                                                     int64_t ignore_index) {
+                                                                     float* __restrict__ lse, int64_t width,
+                                                                     int64_t classes, int64_t ignore_index) {
   constexpr int kPack = 16 / sizeof(T);
   __shared__ float sm[32], ss[32];
   const int64_t r = blockIdx.x;
-  const T* row = logits + r * vocab;
+  const T* row = logits + r * width;
   const bool scalar_only = (reinterpret_cast<uintptr_t>(row) % sizeof(T)) != 0;
-  const int64_t head = scalar_only ? vocab : head_len(row, vocab);
-  const int64_t packs = (vocab - head) / kPack;
+  const int64_t head = scalar_only ? classes : head_len(row, classes);
+  const int64_t packs = (classes - head) / kPack;
   OnlineLse acc;
   for (int64_t i = threadIdx.x; i < head; i += kThreads) acc.add(to_float(row[i]) * kLog2e);
   const T* body = row + head;
@@ -81,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_fwd_kernel(const T* __
 #pragma unroll
     for (int j = 0; j < kPack; ++j) acc.s += exp2f(v[j] * kLog2e - acc.m);
   }
-  for (int64_t i = head + packs * kPack + threadIdx.x; i < vocab; i += kThreads) acc.add(to_float(row[i]) * kLog2e);
+  for (int64_t i = head + packs * kPack + threadIdx.x; i < classes; i += kThreads) acc.add(to_float(row[i]) * kLog2e);
   // Merge: within warps, then across warps.
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -98,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_fwd_kernel(const T* __
     const int64_t t = targets[r];
     float value;
     if (t == ignore_index) value = 0.f;
-    else if (t < 0 || t >= vocab) value = NAN;
+    else if (t < 0 || t >= classes) value = NAN;
     else value = l - to_float(row[t]);
     loss[r] = value;
     lse[r] = l;
@@ -110,21 +114,24 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_bwd_kernel(const float
                                                                      const T* __restrict__ logits,
                                                                      const int64_t* __restrict__ targets,
                                                                      const float* __restrict__ lse,
-                                                                     T* __restrict__ dlogits, int64_t vocab,
-                                                                     int64_t ignore_index) {
+                                                                     T* __restrict__ dlogits, int64_t width,
+                                                                     int64_t classes, int64_t ignore_index) {
   constexpr int kPack = 16 / sizeof(T);
   const int64_t r = blockIdx.x;
   const int64_t t = targets[r];
   const float scale = t == ignore_index ? 0.f : dloss[r];
   const float shift = lse[r] * kLog2e;
-  const T* row = logits + r * vocab;
-  T* out = dlogits + r * vocab;
+  const T* row = logits + r * width;
+  T* out = dlogits + r * width;
   // Packs need the input and output rows equally misaligned (true for same-dtype contiguous tensors).
   const bool scalar_only = (reinterpret_cast<uintptr_t>(row) % 16) != (reinterpret_cast<uintptr_t>(out) % 16) ||
                            (reinterpret_cast<uintptr_t>(row) % sizeof(T)) != 0;
-  const int64_t head = scalar_only ? vocab : head_len(row, vocab);
-  const int64_t packs = (vocab - head) / kPack;
-  auto grad = [&](float x, int64_t j) { return (exp2f(x * kLog2e - shift) - (j == t ? 1.f : 0.f)) * scale; };
+  // The whole row is written: the padded columns past `classes` get 0.
+  const int64_t head = scalar_only ? width : head_len(row, width);
+  const int64_t packs = (width - head) / kPack;
+  auto grad = [&](float x, int64_t j) {
+    return j < classes ? (exp2f(x * kLog2e - shift) - (j == t ? 1.f : 0.f)) * scale : 0.f;
+  };
   for (int64_t i = threadIdx.x; i < head; i += kThreads) out[i] = from_float<T>(grad(to_float(row[i]), i));
   for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
     const int64_t j0 = head + p * kPack;
@@ -134,33 +141,33 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_bwd_kernel(const float
     for (int j = 0; j < kPack; ++j) v[j] = grad(v[j], j0 + j);
     store_pack<T, kPack>(out + j0, v);
   }
-  for (int64_t i = head + packs * kPack + threadIdx.x; i < vocab; i += kThreads)
+  for (int64_t i = head + packs * kPack + threadIdx.x; i < width; i += kThreads)
     out[i] = from_float<T>(grad(to_float(row[i]), i));
 }
 
 }  // namespace
 
 cudaError_t launch_cross_entropy_fwd(const void* logits, const int64_t* targets, float* loss, float* lse,
-                                     int64_t rows, int64_t vocab, int64_t ignore_index, DType dtype,
+                                     int64_t rows, int64_t width, int64_t classes, int64_t ignore_index, DType dtype,
                                      cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (rows > 0x7fffffffLL || vocab <= 0) return cudaErrorInvalidValue;
+  if (rows > 0x7fffffffLL || classes <= 0 || classes > width) return cudaErrorInvalidValue;
   TOOLKIT_DISPATCH(dtype, T, {
     cross_entropy_fwd_kernel<T><<<(unsigned)rows, kThreads, 0, stream>>>(static_cast<const T*>(logits), targets, loss,
-                                                                        lse, vocab, ignore_index);
+                                                                        lse, width, classes, ignore_index);
   });
   return cudaGetLastError();
 }
 
 cudaError_t launch_cross_entropy_bwd(const float* dloss, const void* logits, const int64_t* targets, const float* lse,
-                                     void* dlogits, int64_t rows, int64_t vocab, int64_t ignore_index, DType dtype,
-                                     cudaStream_t stream) {
+                                     void* dlogits, int64_t rows, int64_t width, int64_t classes,
+                                     int64_t ignore_index, DType dtype, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (rows > 0x7fffffffLL || vocab <= 0) return cudaErrorInvalidValue;
+  if (rows > 0x7fffffffLL || classes <= 0 || classes > width) return cudaErrorInvalidValue;
   TOOLKIT_DISPATCH(dtype, T, {
     cross_entropy_bwd_kernel<T><<<(unsigned)rows, kThreads, 0, stream>>>(dloss, static_cast<const T*>(logits),
-                                                                        targets, lse, static_cast<T*>(dlogits), vocab,
-                                                                        ignore_index);
+                                                                        targets, lse, static_cast<T*>(dlogits), width,
+                                                                        classes, ignore_index);
   });
   return cudaGetLastError();
 }

@@ -87,17 +87,19 @@ cudaError_t launch_bias_gelu_bwd(const void* dy, const void* h, const float* bia
                                  float* workspace, int64_t rows, int cols, DType dtype, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
-// fused_cross_entropy.cu: per-row softmax cross-entropy over [rows, vocab] logits
-// in their own dtype (never upcast in memory). Rows whose target == ignore_index
-// get loss 0 and zero gradient.
+// fused_cross_entropy.cu: per-row softmax cross-entropy over [rows, width] logits
+// in their own dtype (never upcast in memory), whose first `classes` columns are the
+// classes (the rest: a padded LM head's columns, ignored). Rows whose target ==
+// ignore_index get loss 0 and zero gradient.
 
 cudaError_t launch_cross_entropy_fwd(const void* logits, const int64_t* targets, float* loss, float* lse,
-                                     int64_t rows, int64_t vocab, int64_t ignore_index, DType dtype,
+                                     int64_t rows, int64_t width, int64_t classes, int64_t ignore_index, DType dtype,
                                      cudaStream_t stream);
 
-// dlogits = (softmax(logits) - onehot(target)) * dloss[row], in the logits' dtype.
+// dlogits = (softmax(logits) - onehot(target)) * dloss[row], in the logits' dtype; 0 in the
+// columns past `classes`.
 cudaError_t launch_cross_entropy_bwd(const float* dloss, const void* logits, const int64_t* targets, const float* lse,
-                                     void* dlogits, int64_t rows, int64_t vocab, int64_t ignore_index, DType dtype,
-                                     cudaStream_t stream);
+                                     void* dlogits, int64_t rows, int64_t width, int64_t classes,
+                                     int64_t ignore_index, DType dtype, cudaStream_t stream);
 
 }  // namespace toolkit

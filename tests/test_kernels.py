@@ -260,7 +260,8 @@ def test_compile_traces_the_fused_ops_without_graph_breaks():
     ("norm_fwd", lambda: (torch.randn(3, 5, 16), torch.randn(16), torch.randn(16), 1e-5, False, -1)),
     ("norm_fwd", lambda: (torch.randn(4, 16), torch.randn(16), None, 1e-6, True, 1)),
     ("bias_gelu_fwd", lambda: (torch.randn(6, 24), torch.randn(24))),
-    ("cross_entropy_fwd", lambda: (torch.randn(5, 11), torch.tensor([1, -100, 3, 10, 0]), -100)),
+    ("cross_entropy_fwd", lambda: (torch.randn(5, 11), torch.tensor([1, -100, 3, 10, 0]), -100, 11)),
+    ("cross_entropy_fwd", lambda: (torch.randn(5, 16), torch.tensor([1, -100, 3, 10, 0]), -100, 11)),
 ])
 def test_custom_ops_are_well_formed(op, args):
     from torch.library import opcheck
@@ -278,12 +279,29 @@ def test_custom_op_gradients_match_finite_differences():
     assert torch.autograd.gradcheck(fused_ops.bias_gelu, (h, bias))
     logits, targets = torch.randn(6, 13, **d), torch.tensor([0, 12, -100, 5, 5, 1])
     assert torch.autograd.gradcheck(lambda z: fused_ops.cross_entropy(z, targets), (logits,))
+    padded = torch.randn(6, 16, **d)  # 13 classes in 16 columns: a padded LM head's logits
+    assert torch.autograd.gradcheck(lambda z: fused_ops.cross_entropy(z, targets, classes=13), (padded,))
 
 
 def test_cross_entropy_matches_torch_with_ignored_rows():
     logits, targets = torch.randn(37, 101), torch.randint(0, 101, (37,))
     targets[::5] = -100
     torch.testing.assert_close(fused_ops.cross_entropy(logits, targets), F.cross_entropy(logits, targets))
+
+
+def test_cross_entropy_over_padded_columns_ignores_them():
+    logits, targets = torch.randn(37, 128, requires_grad=True), torch.randint(0, 101, (37,))
+    targets[::5] = -100
+    loss = fused_ops.cross_entropy(logits, targets, classes=101)
+    loss.backward()
+    sliced = logits.detach()[:, :101].requires_grad_()
+    expected = F.cross_entropy(sliced, targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(logits.grad[:, :101], sliced.grad)
+    assert torch.equal(logits.grad[:, 101:], torch.zeros(37, 27))
+    with pytest.raises(ValueError, match=r"classes must be in \[1, 128\], got 129"):
+        fused_ops.cross_entropy(logits, targets, classes=129)
 
 
 def test_ops_take_the_reference_path_for_cpu_tensors_even_when_loaded(monkeypatch):
@@ -422,11 +440,11 @@ class ReferenceExtension:
     def bias_gelu_bwd(self, dy, h, bias):
         return list(fused_ops._bias_gelu_bwd_reference(dy, h, bias))
 
-    def cross_entropy_fwd(self, logits, targets, ignore_index):
-        return list(fused_ops._cross_entropy_fwd_reference(logits, targets, ignore_index))
+    def cross_entropy_fwd(self, logits, targets, ignore_index, classes):
+        return list(fused_ops._cross_entropy_fwd_reference(logits, targets, ignore_index, classes))
 
-    def cross_entropy_bwd(self, dloss, logits, targets, lse, ignore_index):
-        return fused_ops._cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index)
+    def cross_entropy_bwd(self, dloss, logits, targets, lse, ignore_index, classes):
+        return fused_ops._cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index, classes)
 
 
 def test_eager_autograd_functions_match_the_custom_ops(monkeypatch):
@@ -437,6 +455,7 @@ def test_eager_autograd_functions_match_the_custom_ops(monkeypatch):
         (lambda x, w: fused_ops.rms_norm(x, w, 1e-6), (torch.randn(5, 9, **d), torch.randn(9, **d))),
         (fused_ops.bias_gelu, (torch.randn(5, 7, **d), torch.randn(7, **d))),
         (lambda z: fused_ops.cross_entropy(z, torch.tensor([0, 12, -100, 5])), (torch.randn(4, 13, **d),)),
+        (lambda z: fused_ops.cross_entropy(z, torch.tensor([0, 12, -100, 5]), classes=13), (torch.randn(4, 16, **d),)),
     ]
     expected = []
     for fn, inputs in cases:

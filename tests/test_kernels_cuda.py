@@ -167,6 +167,26 @@ def test_cross_entropy_forward_and_backward_match_float64(shape, dtype):
     assert logits.grad.dtype == dtype and rel_err(logits.grad, l64.grad, floor) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(16, 50304, 50257), (2048, 50304, 50257), (5, 136, 129), (3, 16, 9)], ids=str)
+def test_cross_entropy_over_a_padded_head_skips_the_extra_columns(shape, dtype):
+    require("cross_entropy")
+    rows, width, classes = shape
+    logits = (randn((rows, width), dtype).float() * 3).to(dtype).requires_grad_()
+    targets = torch.randint(0, classes, (rows,), device="cuda")
+    targets[1::3] = -100
+    poison(((rows, width), dtype), ((rows,), torch.float32))
+    loss = fused_ops.cross_entropy(logits, targets, classes=classes)
+    loss.backward()
+    l64 = logits.detach()[:, :classes].double().requires_grad_()
+    ref = F.cross_entropy(l64, targets)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()) + 2 ** -22 * float(l64.detach().abs().max())
+    floor = 1 / math.sqrt(max(int((targets != -100).sum()), 1))
+    assert rel_err(logits.grad[:, :classes], l64.grad, floor) < TOL[dtype]
+    assert torch.count_nonzero(logits.grad[:, classes:]) == 0  # written (poisoned memory would be NaN)
+
+
 def test_cross_entropy_all_rows_ignored_gives_zero_loss_and_gradient():
     require("cross_entropy")
     logits = randn((4, 33), torch.bfloat16).requires_grad_()

@@ -20,7 +20,7 @@ from torch import nn
 from toolkit import fused_ops, ops
 from toolkit.errors import UserError
 from toolkit.fused_adamw import FusedAdamW, OnePassStep
-from toolkit.fused_modules import swap_fused_modules
+from toolkit.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models import build_model, count_parameters
 from toolkit.optim import Schedule
 from toolkit.precision import autocast_context, make_loss_scaler
@@ -89,6 +89,9 @@ class Engine:
                                    ops.needed_kernels(recipe.model.family, recipe.optimizer.implementation))
         swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
                                         if self.kernels.active(name)})
+        # The loss below reads logits padded to aligned GEMM shapes on the GPU (on the CPU the extra
+        # columns would only be extra work).
+        self._padded_head = pad_lm_head(self.model) if self.device.type == "cuda" else None
         self.strategy = build_strategy(self.model, recipe, self.device, self.dist)
         self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
         # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
@@ -116,10 +119,23 @@ class Engine:
                 batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
                 return self.model(**batch).loss.float()
             tokens = batch.to(self.device, non_blocking=True)
-            logits = self.model(input_ids=tokens[:, :-1]).logits
+            logits = self._logits(tokens[:, :-1])
+        logits, targets = logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)
+        classes = self._padded_head.out_features if self._padded_head is not None else logits.size(1)
         if self.kernels.active("cross_entropy"):  # the logits stay in their dtype: no fp32 copy
-            return fused_ops.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+            return fused_ops.cross_entropy(logits, targets, classes=classes)
+        return F.cross_entropy(logits[:, :classes].float(), targets)
+
+    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's logits, padded past the vocabulary where the LM head is (the loss skips those)."""
+        head = self._padded_head
+        if head is None:
+            return self.model(input_ids=inputs).logits
+        head.padded = True
+        try:
+            return self.model(input_ids=inputs).logits
+        finally:
+            head.padded = False
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of loss / grad_accum_steps (times the loss scale in fp16)."""

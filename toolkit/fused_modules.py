@@ -16,6 +16,7 @@ its fp32 buffer disappear; gradients are unchanged (the cast's backward is exact
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from toolkit import fused_ops
@@ -104,3 +105,36 @@ def swap_fused_modules(model: nn.Module, use: dict[str, bool], reference_ops: bo
             _swap(module, _fused_subclass(cls, _fused_gelu_mlp_forward), use["bias_gelu"], reference_ops)
             counts["bias_gelu"] += 1
     return counts
+
+
+class PaddedLMHead(nn.Linear):
+    """An LM head whose logits come out `width` columns wide (zero weight rows appended) while
+    `padded` is set: cuBLAS multiplies GPT-2's odd vocabulary (50257) with unaligned kernels (its three
+    LM-head GEMMs took 30.6 of a 63.5 ms GPT-2 124M step on an H200), a multiple of 128 with aligned
+    ones. The extra columns are no classes: the loss must skip them (fused_ops.cross_entropy's
+    `classes`, or a slice). Unset (generation, exports, a recipe's own loss), it is nn.Linear."""
+    width = 0
+    padded = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.padded:
+            return super().forward(x)
+        weight = self.weight
+        dtype = _autocast_dtype(x)
+        if dtype is not None:
+            weight = weight.to(dtype)  # the cast autocast makes anyway: pad the narrower copy
+        extra = self.width - weight.shape[0]
+        bias = None if self.bias is None else F.pad(self.bias.to(weight.dtype), (0, extra))
+        return F.linear(x, F.pad(weight, (0, 0, 0, extra)), bias)
+
+
+def pad_lm_head(model: nn.Module, multiple: int = 128) -> PaddedLMHead | None:
+    """Make the model's output embedding (an nn.Linear) a PaddedLMHead of the next multiple of
+    `multiple` columns, in place (parameters, ties and state-dict keys unchanged); None where it is
+    no plain nn.Linear or already a multiple."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear or head.out_features % multiple == 0:
+        return None
+    head.__class__ = PaddedLMHead
+    head.width = -(-head.out_features // multiple) * multiple
+    return head

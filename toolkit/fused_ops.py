@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from toolkit import ops
@@ -275,8 +276,8 @@ def bias_gelu(h: Tensor, bias: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------
 # Cross-entropy over the vocabulary (logits stay in their own dtype)
 
-def _cross_entropy_fwd_reference(logits, targets, ignore_index):
-    x = logits.to(_compute_dtype(logits))
+def _cross_entropy_fwd_reference(logits, targets, ignore_index, classes):
+    x = logits[:, :classes].to(_compute_dtype(logits))
     lse = torch.logsumexp(x, dim=-1)
     keep = targets != ignore_index
     picked = x.gather(1, torch.where(keep, targets, 0).unsqueeze(1)).squeeze(1)
@@ -284,55 +285,57 @@ def _cross_entropy_fwd_reference(logits, targets, ignore_index):
 
 
 @torch.library.custom_op("toolkit::cross_entropy_fwd", mutates_args=())
-def cross_entropy_fwd(logits: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """Per-row softmax cross-entropy of [tokens, vocab] logits -> (loss, logsumexp), fp32 [tokens]."""
+def cross_entropy_fwd(logits: Tensor, targets: Tensor, ignore_index: int, classes: int) -> tuple[Tensor, Tensor]:
+    """Per-row softmax cross-entropy over the first `classes` columns of [tokens, width] logits ->
+    (loss, logsumexp), fp32 [tokens]."""
     module = _ext("cross_entropy", logits)
     if module is not None:
-        return tuple(module.cross_entropy_fwd(logits.contiguous(), targets.contiguous(), ignore_index))
-    return _cross_entropy_fwd_reference(logits, targets, ignore_index)
+        return tuple(module.cross_entropy_fwd(logits.contiguous(), targets.contiguous(), ignore_index, classes))
+    return _cross_entropy_fwd_reference(logits, targets, ignore_index, classes)
 
 
 @cross_entropy_fwd.register_fake
-def _(logits, targets, ignore_index):
+def _(logits, targets, ignore_index, classes):
     stat = torch.float64 if logits.dtype == torch.float64 else torch.float32
     rows = logits.shape[0]
     return logits.new_empty((rows,), dtype=stat), logits.new_empty((rows,), dtype=stat)
 
 
-def _cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index):
+def _cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index, classes):
     acc = _compute_dtype(logits)
     keep = targets != ignore_index
-    probs = torch.exp(logits.to(acc) - lse.to(acc).unsqueeze(1))
+    probs = torch.exp(logits[:, :classes].to(acc) - lse.to(acc).unsqueeze(1))
     onehot = torch.zeros_like(probs).scatter_(1, torch.where(keep, targets, 0).unsqueeze(1), 1.0)
     scale = torch.where(keep, dloss.to(acc), 0.0).unsqueeze(1)
-    return ((probs - onehot) * scale).to(logits.dtype)
+    return F.pad((probs - onehot) * scale, (0, logits.shape[1] - classes)).to(logits.dtype)
 
 
 @torch.library.custom_op("toolkit::cross_entropy_bwd", mutates_args=())
-def cross_entropy_bwd(dloss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, ignore_index: int) -> Tensor:
-    """Backward of cross_entropy_fwd -> dlogits in the logits' dtype."""
+def cross_entropy_bwd(dloss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, ignore_index: int,
+                      classes: int) -> Tensor:
+    """Backward of cross_entropy_fwd -> dlogits in the logits' dtype (0 in the columns past `classes`)."""
     module = _ext("cross_entropy", logits)
     if module is not None:
         return module.cross_entropy_bwd(dloss.float().contiguous(), logits.contiguous(), targets.contiguous(),
-                                        lse.float().contiguous(), ignore_index)
-    return _cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index)
+                                        lse.float().contiguous(), ignore_index, classes)
+    return _cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index, classes)
 
 
 @cross_entropy_bwd.register_fake
-def _(dloss, logits, targets, lse, ignore_index):
+def _(dloss, logits, targets, lse, ignore_index, classes):
     return torch.empty_like(logits)
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    logits, targets, ignore_index = inputs
+    logits, targets, ignore_index, classes = inputs
     _, lse = output
     ctx.save_for_backward(logits, targets, lse)
-    ctx.ignore_index = ignore_index
+    ctx.ignore_index, ctx.classes = ignore_index, classes
 
 
 def _cross_entropy_backward(ctx, dloss, _dlse):
     logits, targets, lse = ctx.saved_tensors
-    return cross_entropy_bwd(dloss, logits, targets, lse, ctx.ignore_index), None, None
+    return cross_entropy_bwd(dloss, logits, targets, lse, ctx.ignore_index, ctx.classes), None, None, None
 
 
 cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
@@ -342,29 +345,33 @@ class _CrossEntropyFunction(torch.autograd.Function):
     """Eager path of cross_entropy_fwd / cross_entropy_bwd: per-row losses."""
 
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, module):
+    def forward(ctx, logits, targets, ignore_index, classes, module):
         targets = targets.contiguous()
-        loss, lse = module.cross_entropy_fwd(logits.contiguous(), targets, ignore_index)
+        loss, lse = module.cross_entropy_fwd(logits.contiguous(), targets, ignore_index, classes)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.ignore_index, ctx.module = ignore_index, module
+        ctx.ignore_index, ctx.classes, ctx.module = ignore_index, classes, module
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
         logits, targets, lse = ctx.saved_tensors
         return ctx.module.cross_entropy_bwd(dloss.float().contiguous(), logits.contiguous(), targets, lse,
-                                            ctx.ignore_index), None, None, None
+                                            ctx.ignore_index, ctx.classes), None, None, None, None
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100, classes: int | None = None) -> Tensor:
     """Mean token cross-entropy (fp32) over rows whose target is not ignore_index, like F.cross_entropy,
-    without an fp32 copy of the logits."""
-    vocab = logits.shape[-1]
-    logits, targets = logits.reshape(-1, vocab), targets.reshape(-1)
+    without an fp32 copy of the logits. `classes`: the classes are the first `classes` columns (the
+    others: a padded LM head's; they get no probability and zero gradient); default all."""
+    width = logits.shape[-1]
+    classes = width if classes is None else classes
+    if not 0 < classes <= width:
+        raise ValueError(f"cross_entropy: classes must be in [1, {width}], got {classes}")
+    logits, targets = logits.reshape(-1, width), targets.reshape(-1)
     module = _eager("cross_entropy", logits)
     if module is not None:
-        losses = _CrossEntropyFunction.apply(logits, targets, ignore_index, module)
+        losses = _CrossEntropyFunction.apply(logits, targets, ignore_index, classes, module)
     else:
-        losses, _ = cross_entropy_fwd(logits, targets, ignore_index)
+        losses, _ = cross_entropy_fwd(logits, targets, ignore_index, classes)
     count = (targets != ignore_index).sum().clamp(min=1)
     return losses.sum() / count
