@@ -8,6 +8,8 @@ tokens/s over --steps optimizer steps, peak allocated memory and MFU:
                           cross-entropy, AdamW), eager
   toolkit fallbacks       toolkit.Engine, recipe.kernels off (torch everywhere), eager
   toolkit fused compiled  as the first, training.compile: true
+  ... unpadded head      the same with the LM head at the vocabulary's width (the engine pads it
+                          to a multiple of 128 columns on the GPU, toolkit/fused_modules.py)
   plain eager             a hand-written loop: autocast, torch AdamW(fused=True),
                           F.cross_entropy(logits.float()), clip_grad_norm_
   plain compiled          the same with torch.compile(model)
@@ -36,7 +38,7 @@ def flops_per_token(n_params: int, layers: int, width: int) -> float:
     return 6 * n_params + 12 * layers * width * SEQ
 
 
-def run_toolkit(size: str, steps: int, overrides: list[str]):
+def run_toolkit(size: str, steps: int, overrides: list[str], pad_head: bool = True):
     from toolkit.engine import Engine
     from toolkit.recipe import load_recipe
 
@@ -44,6 +46,8 @@ def run_toolkit(size: str, steps: int, overrides: list[str]):
                                        f"batch.micro_batch_per_rank={MICRO}", "training.device=cuda",
                                        "training.max_steps=1000", *overrides])
     engine = Engine(recipe)
+    if not pad_head:
+        engine._padded_head = None  # its `padded` flag then stays unset: logits at the vocabulary's width
     return engine.model, lambda tokens: engine.train_batch([tokens]).loss_tensor, engine.kernels.describe()
 
 
@@ -113,6 +117,10 @@ CONFIGS = {
     "toolkit fused compiled": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16",
                                                                            "training.compile=true"]),
     "plain compiled": lambda size, steps: run_plain(size, steps, compiled=True),
+    "toolkit fused unpadded head": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16"],
+                                                                    pad_head=False),
+    "toolkit fused compiled unpadded head": lambda size, steps: run_toolkit(
+        size, steps, ["precision.dtype=bf16", "training.compile=true"], pad_head=False),
 }
 
 
