@@ -183,7 +183,9 @@ def compiled_cases(cases_data) -> list:
     for (_, cols, rms), (x, w, b, dy, eps, _) in zip(CASES, cases_data):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         bg = None if rms else b.clone().requires_grad_()
-        if rms:  # dynamic=False: the LayerNorm cases share a code object; a shape-generic kernel is slower
+        # dynamic=False: the two LayerNorm cases share a lambda's code object, and the second would
+        # otherwise get a shape-generic kernel
+        if rms:
             fn = torch.compile(lambda x, w: (w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
                                .to(torch.bfloat16), dynamic=False)
             args = (xg, wg)
