@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl:
-#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|tune|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
+#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|tune|inspect|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
 #                                                       (default: build tests bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -45,6 +45,9 @@ for stage in $stages; do
       timeout 300 python3 kernels/tune_norm.py ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} --rounds "${TUNE_ROUNDS:-1}" \
         --markdown "$OUT/tune-norm.md" \
         2>&1 | tee "$OUT/tune-norm.txt" ;;
+    inspect)  # how torch.compile and the shipped kernels launch the norms, and Inductor's code for them
+      timeout 200 python3 kernels/inspect_norm.py --markdown "$OUT/inspect-norm.md" --code-dir "$OUT/inductor" \
+        2>&1 | tee "$OUT/inspect-norm.txt" ;;
     profile|profile1.5b)  # where each configuration's GPU time goes (kernels/profile_e2e.py)
       size=124m; [[ $stage == profile1.5b ]] && size=1.5b
       timeout 400 python3 kernels/profile_e2e.py --size $size \
