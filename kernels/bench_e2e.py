@@ -51,18 +51,27 @@ def run_toolkit(size: str, steps: int, overrides: list[str], pad_head: bool = Tr
     return engine.model, lambda tokens: engine.train_batch([tokens]).loss_tensor, engine.kernels.describe()
 
 
-def run_plain(size: str, steps: int, compiled: bool):
+def run_plain(size: str, steps: int, compiled: bool, padded_vocab: bool = False):
+    """Plain PyTorch; padded_vocab: the model's vocabulary padded to a multiple of 128 as nanoGPT does
+    (50304: the extra classes are never targets but take part in the softmax), the data's unchanged."""
+    import dataclasses
+
     from toolkit.models import build_model
     from toolkit.plain_baseline import plain_step
     from toolkit.recipe import load_recipe
 
     spec = load_recipe("gpt2-124m", [f"model.size={size}"]).model
+    data_vocab = spec.vocab_size
+    if padded_vocab:
+        spec = dataclasses.replace(spec, vocab_size=(spec.vocab_size + 127) // 128 * 128)
     model = build_model(spec, seed=0, device="cuda").train()
-    return model, plain_step(model, compiled), "torch"
+    model.data_vocab = data_vocab
+    return model, plain_step(model, compiled), "torch, vocabulary padded" if padded_vocab else "torch"
 
 
 def batches_for(model) -> list:
-    return [torch.randint(0, model.config.vocab_size, (MICRO, SEQ + 1), device="cuda") for _ in range(4)]
+    vocab = getattr(model, "data_vocab", model.config.vocab_size)
+    return [torch.randint(0, vocab, (MICRO, SEQ + 1), device="cuda") for _ in range(4)]
 
 
 def timed(step, batches, steps: int) -> tuple[float, float]:
@@ -117,6 +126,7 @@ CONFIGS = {
     "toolkit fused compiled": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16",
                                                                            "training.compile=true"]),
     "plain compiled": lambda size, steps: run_plain(size, steps, compiled=True),
+    "plain compiled padded vocab": lambda size, steps: run_plain(size, steps, compiled=True, padded_vocab=True),
     "toolkit fused unpadded head": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16"],
                                                                     pad_head=False),
     "toolkit fused compiled unpadded head": lambda size, steps: run_toolkit(
