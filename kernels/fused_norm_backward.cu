@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
                     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
                     float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows, int cols, int group,
-                    bool packed, int64_t chunk) {
+                    bool packed) {
   static_assert(!(kPrefetch && kStages > 0), "the bulk-copied stages replace the register prefetch");
   __shared__ float scratch[2][32 * 2 * kRows];  // halves alternate by iteration: one barrier per group_sums
   __shared__ uint64_t landed[kStages > 0 ? kStages : 1];  // a barrier per stage (bulk copies)
@@ -282,13 +282,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
   if (kWeightInRegisters) load_row<float, kPer>(weight, packed, t, group, cols, w);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) dw[j] = db[j] = 0.f;
-  // Every thread runs the same number of iterations (the barriers in group_sums need it). The block's
-  // rows: `chunk` contiguous rows (a multiple of rows_per_block), or with chunk 0 every gridDim-th
-  // iteration's worth from its own.
-  const int64_t rows_per_block = (int64_t)groups * kRows;
-  const int64_t first = (int64_t)blockIdx.x * (chunk ? chunk : rows_per_block);
-  const int64_t stride = chunk ? rows_per_block : (int64_t)gridDim.x * rows_per_block;
-  const int64_t end = chunk && first + chunk < rows ? first + chunk : rows;
+  // Every thread runs the same number of iterations (the barriers in group_sums need it).
+  const int64_t rows_per_block = (int64_t)groups * kRows, stride = (int64_t)gridDim.x * rows_per_block;
   float xn[kRows][kPer], gn[kRows][kPer], mun[kRows], rsn[kRows];  // the next iteration's rows (prefetch)
   const RowStages<G, T> stages{reinterpret_cast<unsigned char*>(reduce), cols, (int)rows_per_block};
   if constexpr (kStages > 0) {
@@ -297,15 +292,15 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     __syncthreads();
     if (threadIdx.x == 0)
       for (int s = 0; s < kStages; ++s) {
-        const int64_t at = first + s * stride;
-        if (at < end) stages.start(s, &landed[s], x, dy, at, rows);
+        const int64_t first = (int64_t)blockIdx.x * rows_per_block + s * stride;
+        if (first < rows) stages.start(s, &landed[s], x, dy, first, rows);
       }
   }
   if (kPrefetch)
-    load_rows<G, T, kRms, kPer, kRows>(dy, x, mean, rstd, first, rows, cols, groups, g, t, group, packed, xn, gn, mun,
-                                       rsn);
+    load_rows<G, T, kRms, kPer, kRows>(dy, x, mean, rstd, (int64_t)blockIdx.x * rows_per_block, rows, cols, groups, g,
+                                       t, group, packed, xn, gn, mun, rsn);
   int it = 0;
-  for (int64_t base = first; base < end; base += stride, ++it) {
+  for (int64_t base = (int64_t)blockIdx.x * rows_per_block; base < rows; base += stride, ++it) {
     float xv[kRows][kPer], gv[kRows][kPer], mu[kRows], rs[kRows], sums[2 * kRows];
     if constexpr (kStages > 0) {
       load_staged_rows<G, T, kRms, kPer, kRows>(stages, it % kStages, &landed[it % kStages], (it / kStages) & 1, mean,
@@ -321,7 +316,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
           gv[k][j] = gn[k][j];
         }
       }
-      if (base + stride < end)
+      if (base + stride < rows)
         load_rows<G, T, kRms, kPer, kRows>(dy, x, mean, rstd, base + stride, rows, cols, groups, g, t, group, packed,
                                            xn, gn, mun, rsn);
     } else {
@@ -349,7 +344,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     group_sums<2 * kRows>(sums, scratch[it & 1], g, wpg);
     // Its barrier saw every thread read this stage: refill it with the rows kStages iterations on.
     if constexpr (kStages > 0)
-      if (threadIdx.x == 0 && base + kStages * stride < end)
+      if (threadIdx.x == 0 && base + kStages * stride < rows)
         stages.start(it % kStages, &landed[it % kStages], x, dy, base + kStages * stride, rows);
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
@@ -402,19 +397,6 @@ bool rows_packed(const void* p, int cols, int elem_bytes, int per) {
 
 int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
-// Rows a block takes as one contiguous chunk: at least TOOLKIT_NORM_BWD_CHUNK, a multiple of the
-// rows of an iteration, few enough chunks for the workspace's grid_limit partial rows; 0 (the macro's
-// 0): one wave of blocks, each taking every wave's worth of rows from its own.
-#ifndef TOOLKIT_NORM_BWD_CHUNK
-#define TOOLKIT_NORM_BWD_CHUNK 0
-#endif
-int64_t chunk_rows(int64_t rows, int64_t rows_per_block, int64_t grid_limit) {
-  if (TOOLKIT_NORM_BWD_CHUNK <= 0) return 0;
-  int64_t chunk = (rows + grid_limit - 1) / grid_limit;
-  if (chunk < TOOLKIT_NORM_BWD_CHUNK) chunk = TOOLKIT_NORM_BWD_CHUNK;
-  return (chunk + rows_per_block - 1) / rows_per_block * rows_per_block;
-}
-
 // At least the kernel's static shared memory (scratch and barriers: 1 KB at two rows per iteration).
 constexpr size_t kStaticSmemBound = 4096;
 
@@ -443,13 +425,11 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
         }
         const int64_t wave =
             (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
-        int grid = (int)(wave < grid_limit ? wave : grid_limit);
-        const int64_t chunk = chunk_rows(rows, (int64_t)l.groups * kRows, grid_limit);
-        if (chunk) grid = (int)((rows + chunk - 1) / chunk);
+        const int grid = (int)(wave < grid_limit ? wave : grid_limit);
         *grid_out = grid;
         kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight,
                                                     mean, rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,
-                                                    l.group, packed, chunk);
+                                                    l.group, packed);
       });
     });
     return cudaGetLastError();

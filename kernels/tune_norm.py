@@ -10,8 +10,7 @@ per row); fm, the forward's blocks per SM for __launch_bounds__; fp, the forward
 grid (1; 2 with w and b in registers); fs and s, the forward's and the backward's cache hints
 (a bit mask: 1 streaming loads, 2 streaming stores, 4 loads that skip L1); w=0, the backward
 reads w per row; b, the backward's stages of rows bulk-copied into shared memory; c, the column
-sums' columns per block (8, 16, 32); k, the backward's rows per block as one contiguous chunk
-(0: one wave, rows interleaved). This builds the norm extension once per shape
+sums' columns per block (8, 16, 32). This builds the norm extension once per shape
 (in parallel, each in its own folder), checks each against a float64 reference, and times
 its forward and its backward (GPU ms from the profiler) on the benchmark's shapes, beside
 torch.compile's (its backward: forward+backward minus forward).
@@ -43,8 +42,7 @@ EXTRAS = {"x": ("TOOLKIT_NORM_FWD_MAX_PACKS",), "fm": ("TOOLKIT_NORM_FWD_MIN_BLO
           "fs": ("TOOLKIT_NORM_FWD_STREAM_LN", "TOOLKIT_NORM_FWD_STREAM_RMS"), "fp": ("TOOLKIT_NORM_FWD_PERSISTENT",),
           "s": ("TOOLKIT_NORM_BWD_STREAM_LN", "TOOLKIT_NORM_BWD_STREAM_RMS"),
           "w": ("TOOLKIT_NORM_BWD_W_REGS_LN", "TOOLKIT_NORM_BWD_W_REGS_RMS"),
-          "b": ("TOOLKIT_NORM_BWD_BULK_LN", "TOOLKIT_NORM_BWD_BULK_RMS"), "c": ("TOOLKIT_COLUMN_SUM_TILE",),
-          "k": ("TOOLKIT_NORM_BWD_CHUNK",)}
+          "b": ("TOOLKIT_NORM_BWD_BULK_LN", "TOOLKIT_NORM_BWD_BULK_RMS"), "c": ("TOOLKIT_COLUMN_SUM_TILE",)}
 # (P, R, B, M, F); "8,1,32,1,0" sends every benchmark row to the wide shape (8 per thread,
 # 512-thread row-group blocks, 1024 launch bound): the layout before the narrow shape existed.
 SHAPES = ("8,1,32,1,0", "8,1,512,1,0", "8,1,512,2,0", "4,1,512,2,0", "4,1,512,2,1", "4,2,512,2,0",
