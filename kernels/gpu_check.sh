@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl:
-#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|tune|inspect|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
+#     bash kernels/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
 #                                                       (default: build tests bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -48,6 +48,14 @@ for stage in $stages; do
     inspect)  # how torch.compile and the shipped kernels launch the norms, and Inductor's code for them
       timeout 200 python3 kernels/inspect_norm.py --markdown "$OUT/inspect-norm.md" --code-dir "$OUT/inductor" \
         2>&1 | tee "$OUT/inspect-norm.txt" ;;
+    ncu)  # Nsight Compute's view of RMSNorm's kernels, torch.compile's and ours (kernels/ncu_norm.py)
+      if command -v ncu > /dev/null; then
+        timeout 240 ncu --profile-from-start off --section SpeedOfLight --section LaunchStats --section Occupancy \
+          --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+          python3 kernels/ncu_norm.py > "$OUT/ncu-norm.txt" 2>&1; tail -5 "$OUT/ncu-norm.txt"
+      else
+        echo "ncu skipped: not installed"
+      fi ;;
     profile|profile1.5b)  # where each configuration's GPU time goes (kernels/profile_e2e.py)
       size=124m; [[ $stage == profile1.5b ]] && size=1.5b
       timeout 400 python3 kernels/profile_e2e.py --size $size \
