@@ -50,7 +50,7 @@ for stage in $stages; do
         2>&1 | tee "$OUT/inspect-norm.txt" ;;
     ncu)  # Nsight Compute's view of RMSNorm's kernels, torch.compile's and ours (kernels/ncu_norm.py)
       if command -v ncu > /dev/null; then
-        timeout 240 ncu --profile-from-start off --section SpeedOfLight --section LaunchStats --section Occupancy \
+        timeout 150 ncu --profile-from-start off --section SpeedOfLight --section LaunchStats --section Occupancy \
           --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
           python3 kernels/ncu_norm.py > "$OUT/ncu-norm.txt" 2>&1; tail -5 "$OUT/ncu-norm.txt"
       else
