@@ -41,8 +41,8 @@ for stage in $stages; do
       else
         echo "$stage skipped: $left s left"
       fi ;;
-    tune)  # shapes of the norm kernels side by side (kernels/tune_norm.py; TUNE_SHAPES, TUNE_ROUNDS)
-      timeout 300 python3 kernels/tune_norm.py ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} --rounds "${TUNE_ROUNDS:-1}" \
+    tune)  # shapes of the norm kernels side by side (kernels/tune_norm.py; TUNE_SHAPES, TUNE_ROUNDS, TUNE_COLD_L2)
+      timeout 300 python3 kernels/tune_norm.py ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} --rounds "${TUNE_ROUNDS:-1}" ${TUNE_COLD_L2:+--cold-l2} \
         --markdown "$OUT/tune-norm.md" \
         2>&1 | tee "$OUT/tune-norm.txt" ;;
     inspect)  # how torch.compile and the shipped kernels launch the norms, and Inductor's code for them

@@ -16,7 +16,7 @@ its forward and its backward (GPU ms from the profiler) on the benchmark's shape
 torch.compile's (its backward: forward+backward minus forward).
 
     python kernels/tune_norm.py [--shapes P,R,B,M,F[,name=N...];...] [--no-compile] [--rounds N]
-        [--markdown FILE]
+        [--cold-l2] [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ EXTRAS = {"x": ("TOOLKIT_NORM_FWD_MAX_PACKS",), "fm": ("TOOLKIT_NORM_FWD_MIN_BLO
 # 512-thread row-group blocks, 1024 launch bound): the layout before the narrow shape existed.
 SHAPES = ("8,1,32,1,0", "8,1,512,1,0", "8,1,512,2,0", "4,1,512,2,0", "4,1,512,2,1", "4,2,512,2,0",
           "4,1,256,4,1", "2,2,512,2,1", "4,2,256,4,0")
+COLD_L2 = False  # --cold-l2
 CASES = (("LayerNorm 768", 768, False), ("LayerNorm 1600", 1600, False), ("RMSNorm 2048", 2048, True))
 
 
@@ -143,8 +144,8 @@ def time_module(module, cases_data, saved) -> list[tuple[float, float]]:
     """(forward ms, backward ms) per case."""
     times = []
     for (_, cols, rms), (x, w, b, dy, eps, _), (mean, rstd) in zip(CASES, cases_data, saved):
-        forward = gpu_ms(lambda: module.norm_fwd(x, w, b, eps, rms, 1), iters=20)
-        times.append((forward, gpu_ms(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms), iters=20)))
+        forward = gpu_ms(lambda: module.norm_fwd(x, w, b, eps, rms, 1), iters=20, cold_l2=COLD_L2)
+        times.append((forward, gpu_ms(lambda: module.norm_bwd(dy, x, w, mean, rstd, rms), iters=20, cold_l2=COLD_L2)))
     return times
 
 
@@ -212,8 +213,8 @@ def time_compiled(fns) -> list[tuple[float, float]]:
     """torch.compile's forward and backward GPU ms per case (the backward: forward+backward minus forward)."""
     out = []
     for forward, both in fns:
-        forward_ms = gpu_ms(forward, iters=20)
-        out.append((forward_ms, gpu_ms(both, iters=20) - forward_ms))
+        forward_ms = gpu_ms(forward, iters=20, cold_l2=COLD_L2)
+        out.append((forward_ms, gpu_ms(both, iters=20, cold_l2=COLD_L2) - forward_ms))
     return out
 
 
@@ -222,8 +223,12 @@ def main() -> int:
     parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F[,name=N] shapes separated by ;")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved")
+    parser.add_argument("--cold-l2", action="store_true",
+                        help="overwrite the L2 cache before each timed call (bench.kernel_us's cold_l2)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
+    global COLD_L2
+    COLD_L2 = args.cold_l2
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to tune", file=sys.stderr)
         return 2
@@ -272,7 +277,8 @@ def main() -> int:
         rows.append([label, *(cell(list(c), None if r is None else list(r)) for c, r in zip(per_case, refs)),
                      *notes])
     text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; x fp32, y bf16, dy bf16, "
-            f"{TOKENS} rows; GPU ms = kernel time from the profiler, the median of {args.rounds} "
+            f"{TOKENS} rows; GPU ms = kernel time from the profiler"
+            f"{' (L2 overwritten before each call)' if COLD_L2 else ''}, the median of {args.rounds} "
             "interleaved round(s)" + (" (in brackets: torch.compile's forward+backward over the variant's, per "
                                       "round: median, range)" if args.rounds > 1 else "") + "\n\n"
             + table("Norm shapes, forward / backward GPU ms (backward: P elements/thread, R rows/iteration, "
