@@ -84,7 +84,8 @@ def kernel_us(fn, iters: int = 10, cold_l2: bool = False) -> dict[str, float]:
 
     cold_l2: the L2 cache overwritten before each call (its own kernel's time taken out), so no call
     reads what the one before left in L2. Back to back, a call can: torch.compile's RMSNorm backward
-    measured 83 us after its forward, 91 under Nsight Compute (which flushes caches; ours 92 both ways).
+    measured 83 us after its forward, 91 under Nsight Compute, which flushes the caches before each
+    kernel (and locks the clocks); ours 91 and 92.
     """
     if not cold_l2:
         return _profiled_us(fn, iters)
