@@ -69,37 +69,59 @@ def _profiled_us(fn, iters: int) -> dict[str, float]:
     return {e.key: e.self_device_time_total / iters for e in prof.key_averages() if e.device_type == DeviceType.CUDA}
 
 
-_L2_FLUSH: list[torch.Tensor] = []
+_L2 = {"buffer": None, "on": False, "flushes": 0}
 
 
-def _flush_l2() -> None:
-    """Overwrite 256 MB (5x an H200's L2), as triton.testing.do_bench does before each call."""
-    if not _L2_FLUSH:
-        _L2_FLUSH.append(torch.empty(2**26, dtype=torch.float32, device="cuda"))
-    _L2_FLUSH[0].zero_()
+def _overwrite_l2() -> None:
+    if _L2["buffer"] is None:
+        _L2["buffer"] = torch.empty(2**26, dtype=torch.float32, device="cuda")
+    _L2["buffer"].zero_()
+
+
+def flush_l2() -> None:
+    """Overwrite 256 MB (5x an H200's L2), as triton.testing.do_bench does before each call; a no-op
+    except inside kernel_us(..., cold_l2=True), so a timed call may flush between its own steps."""
+    if _L2["on"]:
+        _overwrite_l2()
+        _L2["flushes"] += 1
+
+
+def backward_after_flush(out: torch.Tensor) -> torch.Tensor:
+    """out, with the L2 overwritten right before its backward starts (a hook on its grad_fn): what a
+    training step's backward finds, other layers having run between a layer's forward and backward."""
+    out.grad_fn.register_prehook(lambda grad_outputs: flush_l2())
+    return out
 
 
 def kernel_us(fn, iters: int = 10, cold_l2: bool = False) -> dict[str, float]:
     """GPU microseconds per call of each kernel (and copy) `fn` launches, from the profiler.
 
-    cold_l2: the L2 cache overwritten before each call (its own kernel's time taken out), so no call
-    reads what the one before left in L2. Back to back, a call can: torch.compile's RMSNorm backward
-    measured 83 us after its forward, 91 under Nsight Compute, which flushes the caches before each
-    kernel (and locks the clocks); ours 91 and 92.
+    cold_l2: the L2 cache overwritten before each call, and wherever fn calls flush_l2 (the flushes'
+    own time taken out), so no call reads what the one before left in L2. Back to back, a call can:
+    torch.compile's RMSNorm backward measured 83 us after its forward, 91 under Nsight Compute, which
+    flushes the caches before each kernel (and locks the clocks); ours 91 and 92.
     """
-    warm = _profiled_us(fn, iters)
+    warm = _profiled_us(fn, iters)  # flush_l2 is off: which kernels fn launches itself
     if not cold_l2:
         return warm
-    flush = _profiled_us(_flush_l2, iters)
+    _L2["on"] = True
+    try:
+        flush = _profiled_us(_overwrite_l2, iters)
+        calls = [0]
 
-    def flushed():
-        _flush_l2()
-        fn()
+        def flushed():
+            calls[0] += 1
+            flush_l2()
+            fn()
 
+        _L2["flushes"] = 0
+        cold = _profiled_us(flushed, iters)
+        per_call = _L2["flushes"] / calls[0]
+    finally:
+        _L2["on"] = False
     # Only the kernels fn launches itself count: the flush's kernel is dropped by name, so its
     # run-to-run noise stays out of the total, and subtracted only where fn launches it too (a fill).
-    cold = _profiled_us(flushed, iters)
-    return {key: cold.get(key, 0.0) - flush.get(key, 0.0) for key in warm}
+    return {key: cold.get(key, 0.0) - per_call * flush.get(key, 0.0) for key in warm}
 
 
 def gpu_ms(fn, iters: int = 10, cold_l2: bool = False) -> float:
@@ -265,13 +287,15 @@ def bench_layers(copy_gbps: float) -> str:
                 with torch.no_grad():
                     fn(*inputs)
 
-            def forward_backward(fn=fn):
+            def forward_backward(fn=fn, flush_between=False):
                 out = fn(*inputs)
+                if flush_between:  # out of the wall timings: the hook is a Python call
+                    backward_after_flush(out)
                 torch.autograd.grad(out, grads_of, dy if dy is not None else None)
 
             fwd_ms, both_ms = time_ms(forward), time_ms(forward_backward)
             fwd_gpu, both_gpu = gpu_ms(forward), gpu_ms(forward_backward)
-            both_cold = gpu_ms(forward_backward, cold_l2=True)
+            both_cold = gpu_ms(lambda: forward_backward(flush_between=True), cold_l2=True)
             rows.append([name, impl, f"{fwd_ms:.3f}", f"{fwd_gpu:.3f}", f"{fwd_bytes / fwd_gpu / 1e6:.0f}",
                          f"{both_ms:.3f}", f"{both_gpu:.3f}", f"{(fwd_bytes + bwd_bytes) / both_gpu / 1e6:.0f}",
                          f"{100 * (fwd_bytes + bwd_bytes) / both_gpu / 1e6 / copy_gbps:.0f}%", f"{both_cold:.3f}"])
@@ -280,7 +304,7 @@ def bench_layers(copy_gbps: float) -> str:
         torch.cuda.empty_cache()
     return table(f"Layers, forward and forward+backward (wall ms per call; GPU ms = kernel time; GB/s from "
                  f"GPU ms and the bytes each must move; copy = {copy_gbps:.0f} GB/s; cold L2: GPU ms with the L2 "
-                 f"overwritten before each call)",
+                 f"overwritten before the forward and again before the backward)",
                  ["case", "implementation", "fwd wall ms", "fwd GPU ms", "fwd GB/s", "fwd+bwd wall ms",
                   "fwd+bwd GPU ms", "fwd+bwd GB/s", "of copy", "fwd+bwd GPU ms, cold L2"], rows)
 
