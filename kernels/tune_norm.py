@@ -26,6 +26,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from statistics import median
 
 import torch
 import torch.nn.functional as F
@@ -163,11 +164,6 @@ def shipped_breakdown(module, cases_data) -> list[str]:
     return lines
 
 
-def median(values: list[float]) -> float:
-    ordered, half = sorted(values), len(values) // 2
-    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
-
-
 def cell(rounds: list[tuple[float, float]], reference: list[tuple[float, float]] | None) -> str:
     """Median forward / backward over the rounds; with a reference (torch.compile, timed in the
     same rounds) and several rounds, the median and range of reference / this forward+backward."""
@@ -286,9 +282,10 @@ def main() -> int:
         refs = list(zip(*compiled)) if compiled and label != "torch.compile" else [None] * len(CASES)
         rows.append([label, *(cell(list(c), None if r is None else list(r)) for c, r in zip(per_case, refs)),
                      *notes])
+    cold = " (L2 overwritten before each call and between compile's forward and backward)" if COLD_L2 else ""
     text = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; x fp32, y bf16, dy bf16, "
             f"{TOKENS} rows; GPU ms = kernel time from the profiler"
-            f"{' (L2 overwritten before each call)' if COLD_L2 else ''}, the median of {args.rounds} "
+            f"{cold}, the median of {args.rounds} "
             "interleaved round(s)" + (" (in brackets: torch.compile's forward+backward over the variant's, per "
                                       "round: median, range)" if args.rounds > 1 else "") + "\n\n"
             + table("Norm shapes, forward / backward GPU ms (backward: P elements/thread, R rows/iteration, "
