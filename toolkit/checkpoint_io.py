@@ -40,12 +40,12 @@ def _write_shard_file(tmp: Path, write_shard) -> tuple[str, dict]:
     return shard, {"sha256": sha256_file(tmp / shard), "bytes": (tmp / shard).stat().st_size}
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, write_shard=None) -> Path:
-    """Write <ckpt_dir>/step-NNNNNN atomically, then point `latest` at it; returns the step dir.
-    `write_shard(tmp_dir) -> file name` adds a one-process ZeRO run's shard (stages 1-3, no process group)."""
+def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, write_shard=None, name=None) -> Path:
+    """Write <ckpt_dir>/step-NNNNNN (or <ckpt_dir>/`name`) atomically, then point `latest` at it; returns the
+    step dir. `write_shard(tmp_dir) -> file name` adds a one-process ZeRO run's shard (stages 1-3, no group)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    name = step_dir_name(step)
+    name = name or step_dir_name(step)
     final = ckpt_dir / name
     tmp = make_temp_dir(ckpt_dir, name)
     try:
@@ -62,13 +62,15 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, write_sh
     return final
 
 
-def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, info, write_shard=None) -> Path:
+def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, info, write_shard=None,
+                                name=None) -> Path:
     """Every rank's part of one checkpoint: each writes its ZeRO shard (`write_shard(tmp_dir) -> file name`,
     stage 1-3) into one temp dir, then rank 0 writes the state files and a manifest covering every file and
-    renames the directory into place (stage 0: rank 0 alone writes; the state is replicated)."""
+    renames the directory into place (stage 0: rank 0 alone writes; the state is replicated). `name`: the
+    directory's name instead of step-NNNNNN."""
     import torch.distributed as dist
 
-    ckpt_dir, name = Path(ckpt_dir), step_dir_name(step)
+    ckpt_dir, name = Path(ckpt_dir), name or step_dir_name(step)
     final = ckpt_dir / name
     box = [None]
     if info.rank == 0:

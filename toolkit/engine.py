@@ -11,6 +11,7 @@ data, logging and checkpoint cadence.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from toolkit import fused_ops, ops
 from toolkit.errors import UserError
 from toolkit.fused_adamw import FusedAdamW, OnePassStep
 from toolkit.fused_modules import pad_lm_head, swap_fused_modules
+from toolkit.model_call import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models import build_model, count_parameters
 from toolkit.optim import Schedule
 from toolkit.precision import autocast_context, make_loss_scaler
@@ -71,7 +73,7 @@ class StepResult:
 class Engine:
     """Model + ZeRO strategy (AdamW inside) + schedule + mixed precision for this rank."""
 
-    def __init__(self, recipe: Recipe, model: nn.Module | None = None):
+    def __init__(self, recipe: Recipe, model: nn.Module | None = None, zero3_units=None):
         self.recipe = recipe
         select_cuda_device(recipe.training.device)  # cuda:LOCAL_RANK under torchrun
         self.device = pick_device(recipe.training.device)
@@ -82,6 +84,7 @@ class Engine:
         if model is None:
             model = build_model(recipe.model, recipe.training.seed, self.device)
         self.model = model.to(self.device)
+        self._model_name = type(model).__name__
         self.model.train()
         self.num_parameters = count_parameters(self.model)
         # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)
@@ -92,7 +95,10 @@ class Engine:
         # The loss below reads logits padded to aligned GEMM shapes on the GPU (on the CPU the extra
         # columns would only be extra work).
         self._padded_head = pad_lm_head(self.model) if self.device.type == "cuda" else None
-        self.strategy = build_strategy(self.model, recipe, self.device, self.dist)
+        if zero3_units is not None and recipe.zero.stage != 3:
+            print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
+                  "parameters by unit)", file=sys.stderr, flush=True)
+        self.strategy = build_strategy(self.model, recipe, self.device, self.dist, zero3_units)
         self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
         # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
         self._step_strategy = (OnePassStep(self.strategy) if self.strategy.stage == 0
@@ -113,32 +119,48 @@ class Engine:
     # -- DeepSpeed-style API -------------------------------------------------
 
     def __call__(self, batch) -> torch.Tensor:
-        """Forward one micro batch; returns the mean token loss (fp32)."""
-        with autocast_context(self.recipe.precision.dtype, self.device.type):
-            if isinstance(batch, dict):
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-                return self.model(**batch).loss.float()
-            tokens = batch.to(self.device, non_blocking=True)
-            logits = self._logits(tokens[:, :-1])
-        logits, targets = logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)
-        classes = self._padded_head.out_features if self._padded_head is not None else logits.size(1)
-        if self.kernels.active("cross_entropy"):  # the logits stay in their dtype: no fp32 copy
-            return fused_ops.cross_entropy(logits, targets, classes=classes)
-        return F.cross_entropy(logits[:, :classes].float(), targets)
-
-    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's logits, padded past the vocabulary where the LM head is (the loss skips those)."""
-        head = self._padded_head
-        if head is None:
-            return self.model(input_ids=inputs).logits
-        head.padded = True
+        """Forward one micro batch; returns the loss (fp32, 0-dim). What a batch is and what the model may
+        return (a loss, an output with .loss, or logits the engine scores): toolkit/model_call.py."""
+        # Token ids: logits padded past the vocabulary (the loss below skips those columns). Not for a dict
+        # batch: a Hugging Face model given labels computes its own loss over all the columns it gets.
+        head = self._padded_head if isinstance(batch, torch.Tensor) else None
+        if head is not None:
+            head.padded = True
         try:
-            return self.model(input_ids=inputs).logits
+            with autocast_context(self.recipe.precision.dtype, self.device.type):
+                output, labels = call_model(self.model, batch, self.device)
+                kind, value = read_output(output, self._model_name)
+        except RuntimeError as exc:
+            error = self._released_parameter_error(exc)
+            if error is None:
+                raise
+            raise error from None
         finally:
-            head.padded = False
+            if head is not None:
+                head.padded = False
+        if kind == "loss":
+            return value.float()
+        labels = check_labels(value, labels, self._model_name)
+        logits, targets = value.reshape(-1, value.size(-1)), labels.reshape(-1)
+        classes = head.out_features if head is not None else logits.size(1)
+        if self.kernels.active("cross_entropy"):  # the logits stay in their dtype: no fp32 copy
+            return fused_ops.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, classes=classes)
+        return F.cross_entropy(logits[:, :classes].float(), targets, ignore_index=IGNORE_INDEX)
+
+    def _released_parameter_error(self, exc: RuntimeError) -> UserError | None:
+        """ZeRO stage 3: a parameter read outside its unit's forward (storage released) -> what to do."""
+        if self.strategy.stage != 3 or "storage of size 0" not in str(exc):
+            return None
+        return UserError(f"zero stage 3: {self._model_name}.forward read a parameter outside the forward of the "
+                         "unit holding it (units: toolkit/zero/stage3.py find_units); name the units with "
+                         "initialize(..., zero3_units=[module names]) so that each unit's parameters are used only "
+                         "inside its own forward")
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of loss / grad_accum_steps (times the loss scale in fp16)."""
+        if not loss.requires_grad:
+            raise UserError(f"engine.backward: the loss does not depend on the model's parameters (no grad_fn); "
+                            f"compute it from {self._model_name}'s output, outside torch.no_grad()")
         self._loss_sum += loss.detach().float()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.strategy.begin_micro_step(boundary=self.micro_step + 1 >= self.grad_accum_steps)
@@ -233,6 +255,22 @@ class Engine:
         """Learning rate of the first parameter group."""
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # -- checkpoints, DeepSpeed's names (toolkit/engine_checkpoint.py) -------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> Path:
+        """Save model, optimizer, schedule and `client_state` to <save_dir>/<tag> (default step-NNNNNN)
+        atomically and point <save_dir>/latest at it; every rank calls it. Returns the directory."""
+        from toolkit.engine_checkpoint import save_engine_checkpoint
+
+        return save_engine_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag=None):
+        """Restore from <load_dir>/<tag> (default: the newest), saved at any world size and ZeRO stage;
+        returns (path, client_state), or (None, None) when load_dir holds no checkpoint."""
+        from toolkit.engine_checkpoint import load_engine_checkpoint
+
+        return load_engine_checkpoint(self, load_dir, tag)
+
     # -- state for checkpoints -------------------------------------------------
 
     @property
@@ -320,12 +358,17 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def initialize(recipe, model: nn.Module | None = None) -> Engine:
-    """DeepSpeed-style entry point: a Recipe, a recipe path or a dict -> Engine."""
+def initialize(recipe, model: nn.Module | None = None, zero3_units=None) -> Engine:
+    """DeepSpeed-style entry point: a Recipe, a recipe path or a dict (+ your own model) -> Engine.
+
+    Without `model` the recipe's model section builds one. With it, any nn.Module trains (the recipe's
+    model section is then unused): what a batch is and what its forward may return is in
+    toolkit/model_call.py. `zero3_units` names stage 3's units (module names; toolkit/zero/stage3.py).
+    """
     from toolkit.recipe import load_recipe, recipe_from_dict
 
     if isinstance(recipe, dict):
         recipe = recipe_from_dict(recipe)
     elif not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
-    return Engine(recipe, model=model)
+    return Engine(recipe, model=model, zero3_units=zero3_units)

@@ -39,8 +39,9 @@ def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInfo):
-    """The strategy for recipe.zero (stage 0-3, offload) over the process group in `info`."""
+def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInfo, zero3_units=None):
+    """The strategy for recipe.zero (stage 0-3, offload) over the process group in `info`; `zero3_units`
+    names stage 3's units (toolkit/zero/stage3.py find_units)."""
     stage = recipe.zero.stage
     if stage == 3 and recipe.training.compile:
         from toolkit.errors import UserError
@@ -63,4 +64,4 @@ def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInf
         return PartitionedStrategy(model, recipe, device, info, stage)
     from toolkit.zero.stage3 import Stage3Strategy
 
-    return Stage3Strategy(model, recipe, device, info)
+    return Stage3Strategy(model, recipe, device, info, zero3_units)

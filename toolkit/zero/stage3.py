@@ -3,7 +3,9 @@ parameter; whole parameters exist only while a unit computes.
 
 Units: each transformer block (the elements of the model's largest ModuleList
 of blocks) and one root unit for everything else (embeddings, final norm, head;
-GPT-2's tied wte / lm_head is one Parameter and so one slot of the root). Each
+GPT-2's tied wte / lm_head is one Parameter and so one slot of the root). Any
+other model: the rule in `find_units` (named units, else that ModuleList, else
+each direct child, else the whole model as the root). Each
 unit is a FlatGroup (flat.py) whose full buffer's storage is resized to 0 when
 released; the parameters stay views into it, so the autograd graph, saved
 tensors and tied weights keep working across release and re-gather.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from toolkit.errors import UserError
 from toolkit.zero.comm import DistInfo, all_gather_flat, reduce_scatter_flat
 from toolkit.zero.flat import FlatGroup, decay_param_ids
 from toolkit.zero.sharded import ShardedStrategy
@@ -37,15 +40,51 @@ from toolkit.zero.sharded import ShardedStrategy
 RELEASED, IN_FLIGHT, GATHERED = "released", "in flight", "gathered"
 
 
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the ModuleList of same-class modules holding the most parameters."""
+def find_units(model: nn.Module, names=None) -> list[nn.Module]:
+    """The modules whose parameters are gathered together, by this rule (what is left is the root unit):
+
+    1. `names` (initialize(..., zero3_units=[...])): those modules, by their name in model.named_modules()
+       (or the modules themselves);
+    2. else the elements of the nn.ModuleList of same-class modules holding the most parameters (a
+       transformer's blocks);
+    3. else each direct child that holds parameters, when there are at least two;
+    4. else none: the whole model is one unit (gathered for the whole forward and backward).
+    A unit's parameters must be used only inside its own forward (a weight tied across units goes to the root).
+    """
+    if names is not None:
+        return _named_units(model, names)
     best, best_size = [], 0
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
             size = sum(p.numel() for p in module.parameters())
             if size > best_size:
                 best, best_size = list(module), size
-    return best
+    if best:
+        return best
+    children = [child for child in model.children() if any(p.requires_grad for p in child.parameters())]
+    return children if len(children) >= 2 else []
+
+
+def _named_units(model: nn.Module, names) -> list[nn.Module]:
+    """zero3_units -> modules; a UserError for a name the model lacks or a unit inside another."""
+    by_name = dict(model.named_modules())
+    name_of = {id(m): n for n, m in by_name.items()}
+    units = []
+    for item in names:
+        if isinstance(item, nn.Module):
+            if id(item) not in name_of:
+                raise UserError(f"zero3_units: a {type(item).__name__} that is not a module of the model")
+            item = name_of[id(item)]
+        if not isinstance(item, str) or item not in by_name or item == "":
+            known = ", ".join(repr(n) for n in list(by_name)[1:6])
+            raise UserError(f"zero3_units: {item!r} is not a module of the model (its modules are named like "
+                            f"{known}, ...: model.named_modules())")
+        units.append(item)
+    for a in units:
+        for b in units:
+            if a != b and b.startswith(a + "."):
+                raise UserError(f"zero3_units: {b!r} lies inside {a!r}; units must not nest")
+    return [by_name[n] for n in dict.fromkeys(units)]
 
 
 def _in_backward() -> bool:
@@ -69,14 +108,19 @@ class Stage3Strategy(ShardedStrategy):
     stage = 3
     group_kind = "units"
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo):
+    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, units=None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = named[0][1].dtype
         decay_ids = decay_param_ids(model)
-        self.blocks = find_blocks(model)
-        in_block = {id(p) for block in self.blocks for p in block.parameters()}
-        per_block = [[(n, p) for n, p in named if id(p) in {id(q) for q in block.parameters()}]
-                     for block in self.blocks]
+        self.blocks = find_units(model, units)
+        # A parameter in more than one unit (a tied weight) belongs to the root, gathered all along.
+        owners: dict[int, int] = {}
+        for block in self.blocks:
+            for p in block.parameters():
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        in_block = {pid for pid, count in owners.items() if count == 1}
+        block_ids = [{id(p) for p in block.parameters()} & in_block for block in self.blocks]
+        per_block = [[(n, p) for n, p in named if id(p) in ids] for ids in block_ids]
         root = [(n, p) for n, p in named if id(p) not in in_block]
         groups = [FlatGroup(b, decay_ids, info.world_size) for b in per_block]
         self.root = len(groups)
