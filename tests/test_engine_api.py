@@ -153,6 +153,31 @@ def test_zero3_units_names_the_units_and_a_wrong_name_is_one_line():
         engine_for("logits", ["zero.stage=3"], zero3_units=["mixer"])
 
 
+class TiedHead(nn.Module):
+    """The head reuses the embedding's weight in the parent's forward, outside the embedding's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mix = nn.Embedding(VOCAB, 32), nn.Linear(32, 32)
+
+    def forward(self, input_ids):
+        return self.mix(self.embed(input_ids)) @ self.embed.weight.T
+
+
+def test_stage3_a_parameter_used_outside_its_unit_says_how_to_name_the_units():
+    recipe = recipe_from_dict(BASE, ["zero.stage=3"])
+    tokens = token_batches(1)[0]
+    with pytest.raises(UserError) as caught:
+        initialize(recipe, model=TiedHead())(tokens)
+    assert len(caught.value.lines) == 1
+    assert "TiedHead.forward read a parameter outside the forward of the unit holding it" in caught.value.lines[0]
+    assert "zero3_units=[module names]" in caught.value.lines[0]
+    engine = initialize(recipe, model=TiedHead(), zero3_units=["mix"])  # the embedding stays in the root
+    plain = initialize(recipe_from_dict(BASE), model=TiedHead())
+    plain.model.load_state_dict(engine.strategy.full_parameters())
+    assert float(engine(tokens).detach()) == pytest.approx(float(plain(tokens).detach()), rel=1e-6)
+
+
 def test_the_memory_monitor_counts_a_user_models_states():
     from toolkit.memory_monitor import MemoryMonitor
 

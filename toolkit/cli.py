@@ -19,7 +19,7 @@ def _cmd_validate(args) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
     b = recipe.batch
-    print(f"{args.recipe}: valid (hash {recipe.hash}); {recipe.model.family}-{recipe.model.size}, "
+    print(f"{args.recipe}: valid (hash {recipe.hash}); {recipe.model.label}, "
           f"global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
           f"x world {b.world_size}, {recipe.training.max_steps} steps")
     return 0

@@ -42,7 +42,7 @@ def build_model(spec: ModelSpec, seed: int, device: torch.device | str = "cpu") 
     if spec.pretrained is not None:
         try:
             model = AutoModelForCausalLM.from_pretrained(spec.pretrained, local_files_only=True,
-                                                         torch_dtype=torch.float32)
+                                                         dtype=torch.float32)
         except (OSError, ValueError) as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"recipe.model.pretrained: {spec.pretrained}: cannot load: {first_line}") from None

@@ -52,6 +52,10 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
     del r["_given_precision"]
     if errors:
         raise RecipeError(*errors)
+    if model.pretrained is not None:  # the folder's config.json says what the model is, not these defaults
+        for key in ("family", "size"):
+            if key not in raw["model"]:
+                del r["model"][key]
 
     name = r.get("name") or default_name
     canonical = json.dumps(r, sort_keys=True, separators=(",", ":"))

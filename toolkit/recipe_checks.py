@@ -46,12 +46,18 @@ def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[
     return BatchSpec(micro, accum, total, w), []
 
 
-def _pretrained_vocab_errors(config_path: Path, vocab_size: int) -> list[str]:
-    """A pretrained model must embed every id the data's tokenizer produces."""
+def _read_pretrained_config(config_path: Path) -> dict:
+    """A pretrained folder's config.json; {} when unreadable (models.py reports that when loading)."""
     try:
-        model_vocab = json.loads(config_path.read_text(encoding="utf-8")).get("vocab_size")
+        config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return []  # unreadable: models.py reports it when loading
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _pretrained_vocab_errors(config: dict, vocab_size: int) -> list[str]:
+    """A pretrained model must embed every id the data's tokenizer produces."""
+    model_vocab = config.get("vocab_size")
     if isinstance(model_vocab, int) and model_vocab < vocab_size:
         return [f"recipe.model.pretrained: the model embeds {model_vocab} token ids, fewer than the data's "
                 f"vocabulary of {vocab_size} (data.vocab_size or the tokenizer's)"]
@@ -68,7 +74,7 @@ def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
         for key in ("n_kv_head", "intermediate_size"):
             if key in model:
                 errors.append(f"recipe.model.{key}: only llama models have this key (family is gpt2)")
-    pretrained = None
+    pretrained = pretrained_type = None
     if "pretrained" in model:
         clash = [k for k in ("size", *explicit) if k in given]
         if clash:
@@ -79,7 +85,9 @@ def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
         if not (pretrained / "config.json").is_file():
             errors.append(f"recipe.model.pretrained: {pretrained}: no config.json there")
         else:
-            errors += _pretrained_vocab_errors(pretrained / "config.json", vocab_size)
+            config = _read_pretrained_config(pretrained / "config.json")
+            pretrained_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+            errors += _pretrained_vocab_errors(config, vocab_size)
     shape = {"n_kv_head": None, "intermediate_size": None, **SHAPES[family][model["size"]]}
     shape.update({k: model[k] for k in explicit if k in model})
     n_kv_head = shape["n_kv_head"] or shape["n_head"]
@@ -98,6 +106,7 @@ def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
         intermediate_size=shape["intermediate_size"] or 4 * shape["n_embd"],
         max_positions=max_positions, vocab_size=vocab_size, pretrained=pretrained,
         dropout=float(model["dropout"]), activation_checkpointing=model["activation_checkpointing"],
+        pretrained_type=pretrained_type,
     ), []
 
 

@@ -22,6 +22,14 @@ class ModelSpec:
     pretrained: Path | None
     dropout: float
     activation_checkpointing: bool
+    pretrained_type: str | None = None  # a pretrained folder's config.json model_type ("qwen2", ...)
+
+    @property
+    def label(self) -> str:
+        """What the model is, for people: `gpt2-tiny`, or `qwen2 from /path/to/folder` for a pretrained folder."""
+        if self.pretrained is None:
+            return f"{self.family}-{self.size}"
+        return f"{self.pretrained_type or 'model'} from {self.pretrained}"
 
 
 @dataclass(frozen=True)

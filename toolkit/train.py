@@ -55,6 +55,15 @@ def default_run_dir(recipe: Recipe) -> Path:
     return Path("runs") / f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def model_shape_text(spec, model) -> str:
+    """"4 layers, width 128, 4 heads": the recipe's shape, or a pretrained folder's (its loaded config's)."""
+    config = getattr(model, "config", None) if spec.pretrained is not None else None
+    shape = (getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None),
+             getattr(config, "num_attention_heads", None))
+    layers, width, heads = shape if None not in shape else (spec.n_layer, spec.n_embd, spec.n_head)
+    return f"{layers} layers, width {width}, {heads} heads"
+
+
 def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasis | None = None) -> str:
     """Everything that matters about the run, computed once and printed at start."""
     b, m, d = recipe.batch, recipe.model, recipe.data
@@ -67,8 +76,8 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
                          + ("dynamic loss scale" if recipe.precision.fp16.loss_scale == 0 else "static loss scale")}
     rows = [
         ("recipe", f"{recipe.name} (hash {recipe.hash})"),
-        ("model", f"{m.family}-{m.size}: {engine.num_parameters / 1e6:.2f}M parameters, {m.n_layer} layers, "
-                  f"width {m.n_embd}, {m.n_head} heads" + (", activation checkpointing" if m.activation_checkpointing else "")),
+        ("model", f"{m.label}: {engine.num_parameters / 1e6:.2f}M parameters, " + model_shape_text(m, engine.model)
+                  + (", activation checkpointing" if m.activation_checkpointing else "")),
         ("data", dataset.describe()),
         ("batch", f"global {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
                   f"x world {b.world_size}; {tokens_per_step:,} tokens per step"),
