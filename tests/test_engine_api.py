@@ -145,6 +145,27 @@ def test_a_user_model_trains_in_bf16_on_the_cpu_under_stage_3_with_its_children_
     assert got[-1] < got[0] - 0.1
 
 
+def test_stage3_finds_units_by_the_documented_rule():
+    from toolkit.zero.stage3 import find_units
+
+    class Blocks(nn.Module):  # a transformer's shape: the largest ModuleList of one class
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(8, 4), nn.Linear(4, 8)
+            self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+            self.norms = nn.ModuleList([nn.LayerNorm(4) for _ in range(3)])
+
+    blocks = Blocks()
+    assert find_units(blocks) == list(blocks.blocks)
+    mixed = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4), nn.Tanh(), nn.Sequential(nn.Linear(4, 4))]),
+                          nn.ReLU(), nn.Linear(4, 8))  # no same-class list: direct children, lists opened
+    assert find_units(mixed) == [mixed[0], mixed[1][0], mixed[1][2], mixed[3]]
+    assert find_units(nn.Linear(4, 4)) == []  # one unit: the whole model, as the root
+    assert find_units(blocks, ["head", blocks.embed]) == [blocks.head, blocks.embed]
+    with pytest.raises(UserError, match="zero3_units: 'blocks.0' lies inside 'blocks'; units must not nest"):
+        find_units(blocks, ["blocks", "blocks.0"])
+
+
 def test_zero3_units_names_the_units_and_a_wrong_name_is_one_line():
     engine = engine_for("logits", ["zero.stage=3"], zero3_units=["mix"])
     assert [len(g.params) for g in engine.strategy.groups] == [2, 3]  # mix; embed and head in the root

@@ -1,7 +1,10 @@
 """The training engine, DeepSpeed-shaped: `engine = initialize(recipe)`, then per
 micro batch `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`
 (the optimizer update happens at accumulation boundaries), or
-`engine.train_batch(micro_batches)` for one whole optimizer step.
+`engine.train_batch(micro_batches)` for one whole optimizer step;
+`engine.save_checkpoint(dir)` / `engine.load_checkpoint(dir)` (toolkit/engine_checkpoint.py).
+`initialize(recipe, model=m)` trains any nn.Module: what a batch is and what the model's
+forward may return (a loss, an output with .loss, or logits) is toolkit/model_call.py.
 
 The engine owns the model, the ZeRO strategy (toolkit/zero/: how gradients,
 optimizer states and parameters are split across ranks, and the AdamW that

@@ -47,7 +47,8 @@ def find_units(model: nn.Module, names=None) -> list[nn.Module]:
        (or the modules themselves);
     2. else the elements of the nn.ModuleList of same-class modules holding the most parameters (a
        transformer's blocks);
-    3. else each direct child that holds parameters, when there are at least two;
+    3. else each direct child that holds parameters, when there are at least two (the elements of a child
+       ModuleList or ModuleDict, which is never called itself);
     4. else none: the whole model is one unit (gathered for the whole forward and backward).
     A unit's parameters must be used only inside its own forward (a weight tied across units goes to the root).
     """
@@ -61,7 +62,10 @@ def find_units(model: nn.Module, names=None) -> list[nn.Module]:
                 best, best_size = list(module), size
     if best:
         return best
-    children = [child for child in model.children() if any(p.requires_grad for p in child.parameters())]
+    children = []
+    for child in model.children():
+        children += list(child.children()) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]
+    children = [child for child in children if any(p.requires_grad for p in child.parameters())]
     return children if len(children) >= 2 else []
 
 
