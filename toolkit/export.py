@@ -116,6 +116,15 @@ def _check_out_dir(out_dir: Path) -> None:
         raise UserError(f"{out_dir}: exists and is not empty; export into a new or empty folder")
 
 
+def _give_umask_permissions(folder: Path) -> None:
+    """Files as a plain `open` would create them (0644 under umask 022): safetensors writes model.safetensors 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
+
+
 def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
     """The latest checkpoint of a run dir (or a given checkpoints or step dir) -> a Hugging Face folder."""
     from transformers.utils import logging as hf_logging
@@ -139,6 +148,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
             GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save(tmp, model_max_length=max_positions(model.config))
+        _give_umask_permissions(tmp)
         _check_out_dir(out_dir)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked just above
