@@ -51,7 +51,8 @@ def test_export_round_trip_gives_the_trained_logits(trained, tmp_path):
     recipe, run_dir = trained
     out = tmp_path / "hf"
     done = export_hf(run_dir, out)
-    assert done.step == 3 and done.files == ["config.json", "generation_config.json", "model.safetensors"]
+    assert done.step == 3 and done.files == ["config.json", "generation_config.json", "model.safetensors",
+                                             "tokenizer.json", "tokenizer_config.json"]  # synthetic: ids as words
     hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tokens = torch.randint(0, recipe.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
