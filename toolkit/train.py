@@ -19,7 +19,7 @@ from pathlib import Path
 
 from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
 from toolkit.data import BatchStream, Dataset, eval_batches
-from toolkit.engine import Engine
+from toolkit.engine import Engine, check_device
 from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
 from toolkit.memory_monitor import MemoryMonitor
 from toolkit.specs import Recipe
@@ -91,6 +91,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     Under torchrun every rank calls this; rank 0 alone prints, logs and writes the run directory's
     files (checkpoints: every rank writes its ZeRO shard), each rank trains on its slots of the data.
     """
+    check_device(recipe)  # a recipe this machine cannot run leaves no run dir behind
     info = start_process_group(recipe.batch.world_size, recipe.training.device)
     quiet = quiet or not info.is_main
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
