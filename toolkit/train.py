@@ -60,7 +60,8 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
     b, m, d = recipe.batch, recipe.model, recipe.data
     tokens_per_step = b.global_batch * d.seq_len
     device = engine.device
-    mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size)
+    mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size,
+                           recipe.training.peak_tflops)
     weights = "fp32 weights" if recipe.zero.stage == 0 else "16-bit weights, fp32 master in the ZeRO shard"
     precision = {"fp32": "fp32", "bf16": f"bf16 autocast, {weights}",
                  "fp16": f"fp16 autocast, {weights}, "
@@ -107,9 +108,11 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
 
     engine = Engine(recipe)
     monitor = MemoryMonitor(engine)
-    mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size)
-    if mfu.peak_flops is None and info.is_main:
-        print(unknown_peak_warning(mfu.device_name, mfu.dtype), file=sys.stderr, flush=True)
+    mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size,
+                    recipe.training.peak_tflops)
+    peak_warning = unknown_peak_warning(mfu)  # None on a CPU: the start-up table says how to set a peak
+    if peak_warning and info.is_main:
+        print(peak_warning, file=sys.stderr, flush=True)
     dataset = Dataset(recipe.data, run_dir=run_dir, log=None if quiet else print)
     stream = BatchStream(dataset.train, recipe.batch, rank=info.rank, seed=recipe.training.seed)
     held_out = eval_batches(dataset.eval, recipe.batch, rank=info.rank, count=recipe.training.eval_batches)
