@@ -164,8 +164,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
                     "tokens_per_s": tokens_per_s,
                     "elapsed_s": now - start,
                     **({"mfu": mfu.mfu(tokens_per_s)} if mfu.peak_flops is not None else {}),
-                    **monitor.window_metrics(step),
-                    **engine.offload_metrics(),
+                    **monitor.window_metrics(step),  # with the engine's offload_metrics()
                 })
                 window_start, window_steps = now, 0
             if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
