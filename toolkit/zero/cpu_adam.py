@@ -130,32 +130,34 @@ def _build(source_path: Path, flags: list[str]):
         module = _import_library(name, library)
     else:
         build_dir.mkdir(parents=True, exist_ok=True)
+        # NOTE: said before the lock: rank 0 may wait while another rank or run compiles.
+        # 56 s on an idle 2-core VM, 94 s beside other work (gcc -O3, one translation unit).
+        _say(f"note: building the CPU Adam kernel for ZeRO-Offload (kernels/{SOURCE}, {' '.join(flags)}) into "
+             f"{build_dir}: once per machine and torch version, about 1-2 minutes; later runs load it from there")
+        start = time.perf_counter()
         with _build_lock(build_dir):
             if (build_dir / DONE_FILE).is_file() and library.is_file():  # another rank built it meanwhile
                 module = _import_library(name, library)
             else:
                 module, state = _compile(source, name, build_dir, flags), "built"
+        _say(f"note: CPU Adam kernel ready after {time.perf_counter() - start:.0f} s")
     return module, KernelStatus("cpu_adam", state, f"{module.simd_width()}, {module.omp_threads()} OpenMP threads, "
                                                    f"flags {' '.join(flags)}, {build_dir}", build_dir)
 
 
 def _compile(source: bytes, name: str, build_dir: Path, flags: list[str]):
-    """Compile the kernel into `build_dir` (caller holds the build lock), saying so before and after."""
+    """Compile the kernel into `build_dir` (the caller holds the build lock) and mark the build finished."""
     from torch.utils.cpp_extension import load
 
     (build_dir / "lock").unlink(missing_ok=True)  # torch's baton from a killed build: load() would wait forever
     copy = build_dir / SOURCE
     if not copy.is_file() or copy.read_bytes() != source:
         copy.write_bytes(source)
-    # NOTE: 56 s on an idle 2-core VM, 94 s beside other work (gcc -O3, one translation unit).
-    _say(f"note: building the CPU Adam kernel for ZeRO-Offload (kernels/{SOURCE}, {' '.join(flags)}) into "
-         f"{build_dir}: once per machine and torch version, about 1-2 minutes; later runs load it from there")
     start = time.perf_counter()
     module = load(name=name, sources=[str(copy)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                   build_directory=str(build_dir), verbose=False)
-    seconds = time.perf_counter() - start
-    (build_dir / DONE_FILE).write_text(json.dumps({"flags": flags, "seconds": round(seconds, 1)}) + "\n")
-    _say(f"note: built the CPU Adam kernel in {seconds:.0f} s")
+    seconds = round(time.perf_counter() - start, 1)
+    (build_dir / DONE_FILE).write_text(json.dumps({"flags": flags, "seconds": seconds}) + "\n")
     return module
 
 
