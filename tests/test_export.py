@@ -3,7 +3,9 @@ folder that transformers loads on its own and that computes the trained logits;
 for runs on text with the run's tokenizer, which AutoTokenizer loads and which
 encodes as the run did."""
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -49,7 +51,8 @@ def test_export_round_trip_gives_the_trained_logits(trained, tmp_path):
     recipe, run_dir = trained
     out = tmp_path / "hf"
     done = export_hf(run_dir, out)
-    assert done.step == 3 and done.files == ["config.json", "generation_config.json", "model.safetensors"]
+    assert done.step == 3 and done.files == ["config.json", "generation_config.json", "model.safetensors",
+                                             "tokenizer.json", "tokenizer_config.json"]  # synthetic: ids as words
     hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tokens = torch.randint(0, recipe.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -96,6 +99,17 @@ def test_export_of_a_given_step_dir_through_the_cli(trained, tmp_path, capsys):
     with torch.no_grad():
         got = hf(input_ids=tokens).logits
     torch.testing.assert_close(got, trained_logits(recipe, step2, tokens), atol=1e-5, rtol=0)
+
+
+def test_exported_files_are_readable_by_everyone_under_umask_022(trained, tmp_path, capsys):
+    _, run_dir = trained
+    old = os.umask(0o022)
+    try:
+        assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes  # safetensors wrote it 0600
 
 
 def test_export_refuses_a_non_empty_out_dir_in_one_line(trained, tmp_path, capsys):

@@ -1,5 +1,8 @@
 """MFU inputs: FLOPs per token (6N + attention, with N = matmul parameters), the peak
 FLOP/s table and device-name matching, and the start-up table's device rows."""
+import json
+import re
+
 import pytest
 import torch
 
@@ -93,3 +96,32 @@ def test_startup_table_prints_device_peak_and_flops_per_token():
     h200 = MfuBasis("NVIDIA H200", "bf16", basis.n_params, basis.flops_per_token, 989.5e12, 1)
     assert "NVIDIA H200 (cpu); peak 989.5 TFLOP/s bf16 dense per device" in startup_table(recipe, engine, dataset,
                                                                                         h200)
+
+
+def test_a_cpu_run_prints_no_peak_warning_and_a_stated_peak_gives_mfu(tmp_path, capsys):
+    from toolkit.cli import main
+
+    args = ["run", "quickstart", "training.max_steps=2", "scheduler.warmup_num_steps=1", "data.num_samples=64",
+            "training.eval_batches=0", "checkpoint.save_final=false"]
+    assert main([*args, "--run-dir", str(tmp_path / "plain")]) == 0
+    out, err = capsys.readouterr()
+    assert "peak FLOP/s" not in err  # it asked the user to edit toolkit/flops.py on every CPU run
+    assert "MFU not reported (training.peak_tflops sets one)" in out
+    assert "mfu" not in json.loads((tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert main([*args, "--run-dir", str(tmp_path / "stated"), "training.peak_tflops=0.5"]) == 0
+    out, err = capsys.readouterr()
+    assert "peak 0.5 TFLOP/s fp32 dense per device (recipe.training.peak_tflops) for MFU" in out and err == ""
+    flops = float(re.search(r"([\d.]+) MFLOPs per token", out).group(1)) * 1e6
+    last = json.loads((tmp_path / "stated" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["mfu"] == pytest.approx(last["tokens_per_s"] * flops / 0.5e12, rel=1e-2)  # MFLOPs printed to 0.01
+
+
+def test_an_unknown_gpu_is_warned_about_once_with_the_recipe_key_to_set():
+    from toolkit.flops import unknown_peak_warning
+
+    basis = MfuBasis("NVIDIA A10G", "bf16", 1, 1000, None, 1)
+    first = unknown_peak_warning(basis)
+    assert first.startswith("warning: no peak FLOP/s for 'NVIDIA A10G' in bf16") and "training.peak_tflops" in first
+    assert unknown_peak_warning(basis) is None  # once per process
+    assert unknown_peak_warning(MfuBasis("CPU", "fp32", 1, 1000, None, 1)) is None
+    assert unknown_peak_warning(MfuBasis("NVIDIA H200", "bf16", 1, 1000, 989.5e12, 1)) is None

@@ -1,7 +1,8 @@
 """`toolkit generate`: sampling from a run's latest checkpoint and from an
-exported Hugging Face folder with the run's tokenizer; the KV-cached loop
-against full recomputation (also past the context window); greedy and top-k
-sampling; one-line errors with exit code 2."""
+exported Hugging Face folder with the run's tokenizer (synthetic runs: ids as
+words); the KV-cached loop against full recomputation (also past the context
+window, which slides by half); greedy and top-k sampling; one-line errors with
+exit code 2."""
 from __future__ import annotations
 
 import json
@@ -52,13 +53,53 @@ def test_cached_sampling_matches_full_recomputation_past_the_context(text_run):
     gen = load_generator(text_run)
     assert gen.max_positions == 32
     prompt = gen.tokenizer.encode(DOCS[0][:28])
-    cached = generate_ids(gen, prompt, max_new_tokens=20, temperature=0, stop_at_eot=False)
+    cached = generate_ids(gen, prompt, max_new_tokens=40, temperature=0, stop_at_eot=False)
+    assert cached == generate_ids(gen, prompt, max_new_tokens=40, temperature=0, stop_at_eot=False, use_cache=False)
     ids = list(prompt)
     with torch.no_grad():
-        for _ in range(20):  # no cache: the whole (cropped) window every step
-            logits = gen.model(input_ids=torch.tensor([ids[-gen.max_positions:]])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    assert cached == ids[len(prompt):]
+        for _ in range(5):  # up to the first slide: the whole window every step, no cache
+            ids.append(int(gen.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert cached[:5] == ids[len(prompt):]
+
+
+def test_generation_past_the_context_feeds_one_token_per_step_between_slides(text_run):
+    gen = load_generator(text_run)
+    fed = []
+    hook = gen.model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(kwargs["input_ids"].shape[1]),
+                                               with_kwargs=True)
+    try:
+        prompt = gen.tokenizer.encode(DOCS[1][:28])
+        new = generate_ids(gen, prompt, max_new_tokens=100, temperature=0, stop_at_eot=False)
+    finally:
+        hook.remove()
+    assert len(new) == 100 and len(fed) == 100
+    prefills = [n for n in fed[1:] if n > 1]
+    # the window (32) slides by half: after the first fill, a prefill of 16 every 16 tokens; before
+    # the KV cache was used past the context, every one of the ~96 tokens after it re-read 32 positions
+    assert fed[0] == 28 and prefills == [16] * 6 and fed.count(1) == 93
+
+
+def test_synthetic_runs_generate_their_token_ids_and_refuse_words(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli_main(["run", "quickstart", "--run-dir", str(run), "training.max_steps=2", "data.num_samples=64",
+                     "training.eval_batches=0", "scheduler.warmup_num_steps=1"]) == 0
+    capsys.readouterr()
+    greedy = ["--prompt", "3 17", "--max-new-tokens", "8", "--temperature", "0"]
+    assert cli_main(["generate", str(run), *greedy]) == 0
+    out, err = capsys.readouterr()
+    tokens = out.split()
+    assert tokens[:2] == ["3", "17"] and len(tokens) == 10 and all(0 <= int(t) < 256 for t in tokens)
+    assert "tokenizer synthetic, 256 tokens" in err
+    assert cli_main(["generate", str(run), "--max-new-tokens", "5"]) == 0
+    assert len(capsys.readouterr().out.split()) == 6  # a seeded start token, then 5 new ones
+    assert cli_main(["export", str(run), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert cli_main(["generate", str(tmp_path / "hf"), *greedy]) == 0
+    assert capsys.readouterr().out == out  # the export holds the same tokenizer
+    assert cli_main(["generate", str(run), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the model's line, then the error
+    assert len(err) == 2 and err[1] == ("error: --prompt: 'hello': a synthetic run's tokens are its ids 0-255 "
+                                        "separated by spaces (e.g. --prompt \"3 17 42\")")
 
 
 def test_greedy_and_top_k_sampling():
@@ -93,18 +134,14 @@ def test_bad_sampling_arguments_are_one_line(text_run, capsys, args, message):
     assert capsys.readouterr().err.strip() == message
 
 
-def test_generate_without_a_checkpoint_or_tokenizer_is_one_line(tmp_path, capsys):
+def test_generate_without_a_checkpoint_or_tokenizer_is_one_line(text_run, tmp_path, capsys):
     assert cli_main(["generate", str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'}: no such file or directory"
-    run = tmp_path / "synthetic"
-    assert cli_main(["run", "quickstart", "--run-dir", str(run), "training.max_steps=2", "data.num_samples=64",
-                     "training.eval_batches=0", "scheduler.warmup_num_steps=1"]) == 0
-    capsys.readouterr()
-    assert cli_main(["generate", str(run)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "runs on synthetic data have none" in err[0]
-    assert cli_main(["export", str(run), str(tmp_path / "hf")]) == 0   # no tokenizer in it either
-    capsys.readouterr()
+    from toolkit.export import export_hf
+
+    export_hf(text_run, tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).unlink()
     assert cli_main(["generate", str(tmp_path / "hf"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no tokenizer at" in err[0]

@@ -154,3 +154,31 @@ def test_engine_skips_overflowing_steps_like_deepspeed():
     for a, b in zip(params_of(engine), params_of(plain)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert plain.current_lr == engine.current_lr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on a CUDA device")
+def test_fp16_on_a_cpu_is_refused_before_the_run_writes_anything(tmp_path, monkeypatch, capsys):
+    from toolkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "quickstart", "precision.dtype=fp16", "training.max_steps=2",
+                 "scheduler.warmup_num_steps=1"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: recipe.precision.dtype: 'fp16' needs a CUDA device and torch "
+                                               "sees none ('auto' chose the CPU); CPUs lack fast fp16: use 'bf16'")
+    assert list(tmp_path.iterdir()) == []  # no runs/<name>-<time>/ holding only recipe.json
+
+
+def test_validate_refuses_fp16_on_training_device_cpu_and_warns_on_auto_without_a_gpu(capsys):
+    from toolkit.cli import main
+    from toolkit.recipe_checks import fp16_device_warning
+
+    assert main(["validate", "quickstart", "precision.dtype=fp16", "training.device=cpu"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: recipe.precision.dtype: 'fp16' needs a CUDA device but "
+                                               "training.device is 'cpu'; use 'bf16' (or 'fp32') on a CPU")
+    assert main(["validate", "quickstart", "precision.dtype=fp16"]) == 0
+    err = capsys.readouterr().err.strip()
+    if fp16_device_warning("fp16", "auto") is None:
+        assert err == ""  # an NVIDIA driver is here: the run decides
+    else:
+        assert err.startswith("warning: recipe.precision.dtype: 'fp16' needs a CUDA device") and "\n" not in err
+    assert main(["validate", "quickstart", "precision.dtype=bf16"]) == 0 and capsys.readouterr().err == ""

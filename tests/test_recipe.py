@@ -118,7 +118,9 @@ def test_cli_validates_zero2_recipe_for_eight_ranks_and_prints_the_batch_arithme
     proc = run_validate_subprocess(tmp_path, str(REPO / "recipes" / "gpt2-medium-zero2.json"), "--world-size", "8")
     assert proc.returncode == 0, proc.stderr
     assert "global batch 256 = micro 8 x accum 4 x world 8" in proc.stdout
-    assert proc.stderr == ""
+    # an fp16 recipe validated where no NVIDIA driver shows: one warning that `run` would refuse it here
+    assert proc.stderr == "" or (proc.stderr.startswith("warning: recipe.precision.dtype: 'fp16' needs a CUDA")
+                                 and proc.stderr.count("\n") == 1)
 
 
 def test_cli_finds_a_shipped_recipe_by_name_from_any_directory(tmp_path):

@@ -1,8 +1,12 @@
 """The CPU Adam kernel (kernels/cpu_adam.cpp) against torch.optim.AdamW, its bf16
 copy-out, the sharded AdamW's reference path (bit-identical to torch), and the
 fallback when the kernel cannot be used (one warning naming the reason)."""
+import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +111,62 @@ def test_fallback_warns_once_with_the_reason():
     assert proc.stdout.split() == ["fused", "fused"]  # torch's fused CPU AdamW instead
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "TOOLKIT_DISABLE_CPU_ADAM" in warnings[0]
+
+
+def test_a_cached_build_loads_in_a_fresh_process_from_another_install_without_compiling(kernel, tmp_path):
+    # A second checkout or a `pip install .` holds the same source at another path, with a newer mtime:
+    # torch's ninja rebuilt the cached library for either (94 s on the 2-core VM) and called it "loaded".
+    build_dir = cpu_adam_status().build_dir
+    library = next(build_dir.glob("*.so"))
+    before = library.stat().st_mtime_ns
+    copy = tmp_path / "install"
+    copy.mkdir()
+    for name in ("toolkit", "kernels", "schemas"):
+        shutil.copytree(REPO / name, copy / name)  # new files: new mtimes
+    shutil.copy(REPO / "pyproject.toml", copy)
+    code = ("import time, torch\nstart = time.perf_counter()\nimport toolkit\n"
+            "from toolkit.zero.cpu_adam import cpu_adam_status, load_cpu_adam\n"
+            "assert load_cpu_adam() is not None\nprint(toolkit.__file__)\nprint(cpu_adam_status().state)\n"
+            "print(f'{time.perf_counter() - start:.2f}')\n")
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    where, state, seconds = proc.stdout.split()
+    assert where.startswith(str(copy)) and state == "loaded"
+    assert "building" not in proc.stderr and library.stat().st_mtime_ns == before, proc.stderr
+    print(f"cached load in a fresh process: {seconds} s")
+
+
+def test_a_first_build_says_what_it_builds_where_and_how_long_it_took(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import torch.utils.cpp_extension
+
+    from toolkit.zero import cpu_adam
+
+    monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_adam, "_status", None)
+    monkeypatch.setattr(cpu_adam, "_module", None)
+    calls = []
+
+    def fake_load(name, sources, build_directory, **kwargs):
+        assert not (Path(build_directory) / "lock").exists()  # the killed build's baton is gone
+        assert "note: building the CPU Adam kernel" in capsys.readouterr().err  # said before the compile
+        calls.append((name, sources, build_directory))
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        return SimpleNamespace(simd_width=lambda: "avx2", omp_threads=lambda: 1)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    key = cpu_adam.build_key((REPO / "kernels" / "cpu_adam.cpp").read_bytes(), cpu_adam.FLAG_SETS[0])
+    stale = tmp_path / f"cpu_adam-{key}"
+    stale.mkdir()
+    (stale / "lock").touch()  # torch's FileBaton left by a build killed midway: load() would wait on it forever
+    assert cpu_adam.load_cpu_adam() is not None
+    (name, sources, build_directory), = calls
+    assert build_directory == str(stale)
+    err = capsys.readouterr().err
+    assert sources == [str(stale / "cpu_adam.cpp")]  # a copy in the cache: the package's path is not in the build
+    assert (stale / "cpu_adam.cpp").read_bytes() == (REPO / "kernels" / "cpu_adam.cpp").read_bytes()
+    assert re.fullmatch(r"note: CPU Adam kernel ready after \d+ s", err.strip())
+    assert cpu_adam.cpu_adam_status().state == "built" and (stale / cpu_adam.DONE_FILE).is_file()

@@ -16,8 +16,12 @@ EXIT_USER_ERROR = 2
 
 def _cmd_validate(args) -> int:
     from toolkit.recipe import load_recipe
+    from toolkit.recipe_checks import fp16_device_warning
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    note = fp16_device_warning(recipe.precision.dtype, recipe.training.device)
+    if note:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     b = recipe.batch
     print(f"{args.recipe}: valid (hash {recipe.hash}); {recipe.model.label}, "
           f"global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "

@@ -41,7 +41,8 @@ import torch
 from toolkit.corpus import fingerprint_files, list_files, read_documents
 from toolkit.errors import UserError
 from toolkit.specs import BatchSpec, DataSpec
-from toolkit.tokenizer import RUN_TOKENIZER_DIR, TextTokenizer, byte_tokenizer, load_tokenizer_folder, train_bpe
+from toolkit.tokenizer import (RUN_TOKENIZER_DIR, TextTokenizer, byte_tokenizer, load_tokenizer_folder,
+                               synthetic_tokenizer, train_bpe)
 
 CACHE_FORMAT = 1
 _CHUNK_CHARS = 4_000_000  # documents tokenized per encode_batch call (bounded memory, parallel in Rust)
@@ -279,6 +280,8 @@ class Dataset:
         if spec.kind == "synthetic":
             self.train = markov_chain_tokens(spec, spec.num_samples, stream=0)
             self.eval = markov_chain_tokens(spec, spec.eval_samples, stream=1)
+            if run_dir is not None and process_rank() == 0:  # ids as words, for `toolkit generate` and exports
+                synthetic_tokenizer(spec.vocab_size).save(Path(run_dir) / RUN_TOKENIZER_DIR)
             return
         self.corpus = corpus = TokenCorpus(spec, log)
         self.tokenizer = corpus.tokenizer

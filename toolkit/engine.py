@@ -45,6 +45,17 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def check_device(recipe: Recipe) -> torch.device:
+    """The device a recipe trains on, refusing what it cannot run there; `toolkit run` calls it before writing."""
+    device = pick_device(recipe.training.device)
+    if recipe.precision.dtype == "fp16" and device.type == "cpu":
+        where = ("training.device is 'cpu'" if recipe.training.device == "cpu"
+                 else "torch sees none ('auto' chose the CPU)")
+        raise UserError(f"recipe.precision.dtype: 'fp16' needs a CUDA device and {where}; CPUs lack fast fp16: "
+                        "use 'bf16'")
+    return device
+
+
 class StepResult:
     """What one optimizer step did.
 
@@ -79,10 +90,8 @@ class Engine:
     def __init__(self, recipe: Recipe, model: nn.Module | None = None, zero3_units=None):
         self.recipe = recipe
         select_cuda_device(recipe.training.device)  # cuda:LOCAL_RANK under torchrun
-        self.device = pick_device(recipe.training.device)
+        self.device = check_device(recipe)
         self.dist = init_distributed(recipe.batch.world_size, self.device)
-        if recipe.precision.dtype == "fp16" and self.device.type == "cpu":
-            raise UserError("recipe.precision.dtype: 'fp16' needs a CUDA device (CPUs lack fast fp16); use 'bf16'")
         torch.manual_seed(recipe.training.seed)
         if model is None:
             model = build_model(recipe.model, recipe.training.seed, self.device)

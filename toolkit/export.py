@@ -1,8 +1,9 @@
 """`toolkit export`: a training checkpoint -> a Hugging Face folder (config.json,
 model.safetensors, generation_config.json) that `AutoModelForCausalLM.from_pretrained`
-loads with no toolkit installed; for a run on text also the run's tokenizer
-(tokenizer.json, tokenizer_config.json) that `AutoTokenizer.from_pretrained` loads and
-that encodes exactly as the run did (byte-level, BPE or the pretrained folder's).
+loads with no toolkit installed, and the run's tokenizer (tokenizer.json,
+tokenizer_config.json) that `AutoTokenizer.from_pretrained` loads and that encodes
+exactly as the run did (byte-level, BPE, the pretrained folder's, or synthetic data's
+ids as words).
 NOTE: a pretrained tokenizer keeps its own post-processor: where it adds a BOS token,
 AutoTokenizer adds it by default as the original folder does, while the run's documents
 carried none (`encode(text, add_special_tokens=False)` gives the run's ids).
@@ -26,7 +27,8 @@ import torch
 
 from toolkit.checkpoint import Checkpoint, find_checkpoint, load_checkpoint, make_temp_dir
 from toolkit.errors import UserError
-from toolkit.tokenizer import TOKENIZER_FILE, TextTokenizer, byte_tokenizer, load_tokenizer_folder, run_tokenizer_dir
+from toolkit.tokenizer import (TOKENIZER_FILE, TextTokenizer, byte_tokenizer, load_tokenizer_folder, run_tokenizer_dir,
+                               synthetic_tokenizer)
 
 
 @dataclass
@@ -91,13 +93,13 @@ def run_tokenizer_folder(ckpt: Checkpoint) -> Path:
 
 
 def run_tokenizer(ckpt: Checkpoint, vocab_size: int) -> TextTokenizer | None:
-    """The tokenizer the checkpoint's run trained with (from <run_dir>/tokenizer), or None for synthetic data."""
+    """The tokenizer the checkpoint's run trained with (from <run_dir>/tokenizer), or None when it is lost."""
     data = (ckpt.meta.get("recipe") or {}).get("data") or {}
-    if data.get("kind", "synthetic") == "synthetic":
-        return None
     folder = run_tokenizer_folder(ckpt)
     if (folder / TOKENIZER_FILE).is_file():
-        tokenizer = load_tokenizer_folder(folder, where="tokenizer")
+        tokenizer = load_tokenizer_folder(folder, where="tokenizer", need_eot=False)
+    elif data.get("kind", "synthetic") == "synthetic":  # ids as words (runs before it was saved have no folder)
+        tokenizer = synthetic_tokenizer(data.get("vocab_size") or vocab_size)
     elif data.get("tokenizer") == "byte":  # nothing trained: the same tokenizer again
         tokenizer = byte_tokenizer()
     else:
@@ -114,6 +116,15 @@ def run_tokenizer(ckpt: Checkpoint, vocab_size: int) -> TextTokenizer | None:
 def _check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir}: exists and is not empty; export into a new or empty folder")
+
+
+def _give_umask_permissions(folder: Path) -> None:
+    """Files as a plain `open` would create them (0644 under umask 022): safetensors writes model.safetensors 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
 
 
 def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
@@ -139,6 +150,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
             GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save(tmp, model_max_length=max_positions(model.config))
+        _give_umask_permissions(tmp)
         _check_out_dir(out_dir)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked just above

@@ -133,10 +133,22 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     return PEAK_TFLOPS[key][dtype] * TFLOPS
 
 
-def unknown_peak_warning(device_name: str, dtype: str) -> str:
-    """The one warning a run prints when MFU cannot be computed honestly."""
-    return (f"warning: no peak FLOP/s for {device_name!r} in {dtype} (toolkit/flops.py PEAK_TFLOPS): "
-            f"MFU is not reported; add the device's dense datasheet peak to the table to get it")
+_warned_peaks: set[tuple[str, str]] = set()  # (device, dtype) already warned about in this process
+
+
+def unknown_peak_warning(basis: "MfuBasis") -> str | None:
+    """The warning a run prints once per process and device when MFU cannot be computed honestly.
+
+    None when the peak is known, on a CPU (no datasheet peak fits it: the start-up table says so
+    and how to set one) and after the first time.
+    """
+    key = (basis.device_name, basis.dtype)
+    if basis.peak_flops is not None or basis.device_name == "CPU" or key in _warned_peaks:
+        return None
+    _warned_peaks.add(key)
+    return (f"warning: no peak FLOP/s for {basis.device_name!r} in {basis.dtype} in the toolkit's datasheet table: "
+            f"MFU is not reported; set recipe.training.peak_tflops to the device's dense {basis.dtype} peak "
+            "(TFLOP/s per device) to get it")
 
 
 def mfu(tokens_per_s: float, flops_per_token: int, peak_flops_per_device: float, devices: int) -> float:
@@ -164,6 +176,7 @@ class MfuBasis:
     flops_per_token: int
     peak_flops: float | None  # per device; None: unknown, so no MFU
     devices: int
+    peak_source: str = "vendor datasheet"  # or "recipe.training.peak_tflops"
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """MFU for a measured global tokens/s, or None when the peak is unknown."""
@@ -174,8 +187,9 @@ class MfuBasis:
     def describe_peak(self) -> str:
         """The start-up table's peak FLOP/s cell."""
         if self.peak_flops is None:
-            return f"peak FLOP/s unknown for {self.dtype} on this device: MFU not reported"
-        return f"peak {self.peak_flops / TFLOPS:g} TFLOP/s {self.dtype} dense per device (vendor datasheet) for MFU"
+            return (f"peak FLOP/s unknown for {self.dtype} on this device: MFU not reported "
+                    "(training.peak_tflops sets one)")
+        return f"peak {self.peak_flops / TFLOPS:g} TFLOP/s {self.dtype} dense per device ({self.peak_source}) for MFU"
 
     def describe_flops(self) -> str:
         """The start-up table's FLOPs-per-token cell."""
@@ -183,12 +197,20 @@ class MfuBasis:
                 f"parameters + attention 12 x layers x width x seq_len")
 
 
-def mfu_basis(model, seq_len: int, precision_dtype: str, device, devices: int) -> MfuBasis:
-    """The MFU basis of a transformers model trained at `seq_len` in a recipe precision on `device`."""
+def mfu_basis(model, seq_len: int, precision_dtype: str, device, devices: int,
+              peak_tflops: float | None = None) -> MfuBasis:
+    """The MFU basis of a transformers model trained at `seq_len` in a recipe precision on `device`.
+
+    peak_tflops (recipe.training.peak_tflops) replaces the datasheet table, and is the only peak on a CPU.
+    """
     config = model.config  # transformers maps num_hidden_layers / hidden_size for every family
     n_params = matmul_parameters(model)
     name = device_name(device)
     dtype = matmul_dtype(precision_dtype) if device.type == "cuda" else precision_dtype
+    if peak_tflops is not None:
+        peak, source = peak_tflops * TFLOPS, "recipe.training.peak_tflops"
+    else:
+        peak, source = (peak_flops(name, dtype) if device.type == "cuda" else None), "vendor datasheet"
     return MfuBasis(device_name=name, dtype=dtype, n_params=n_params,
                     flops_per_token=flops_per_token(n_params, config.num_hidden_layers, config.hidden_size, seq_len),
-                    peak_flops=peak_flops(name, dtype) if device.type == "cuda" else None, devices=devices)
+                    peak_flops=peak, devices=devices, peak_source=source)

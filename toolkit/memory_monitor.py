@@ -8,6 +8,8 @@ Two kinds of numbers, one line of metrics per log window:
   (`mem_peak_bytes`) and reserved (`mem_reserved_peak_bytes`) bytes; on the CPU the
   process's peak resident set (`mem_peak_bytes`, the Python runtime and libraries
   included). `rss_bytes` is the process's resident set at the end of the window.
+With ZeRO-Offload also `mem_offload_bytes`: the optimizer's part in CPU memory (fp32
+master and moments), from the engine's `offload_metrics()`.
 At the end: a console summary and <run_dir>/memory.png, the timeline.
 
 The analytic estimator (before a run, ZeRO-paper formulas) is toolkit/memory.py.
@@ -212,8 +214,10 @@ class MemoryMonitor:
         """The memory fields of the log line closing this window; starts the next window."""
         self._sample()
         states = self._window_states
+        offload = getattr(self.engine, "offload_metrics", None)
         metrics = {"mem_params_bytes": states.params, "mem_grads_bytes": states.grads,
-                   "mem_optim_bytes": states.optim, "mem_master_bytes": states.master, **self.peaks.read()}
+                   "mem_optim_bytes": states.optim, "mem_master_bytes": states.master,
+                   **(offload() if callable(offload) else {}), **self.peaks.read()}
         self.timeline.append({"step": step, **metrics})
         self._window_states = None
         self.peaks.reset()
@@ -235,6 +239,10 @@ class MemoryMonitor:
         lines = [f"memory | model states per rank: params {format_bytes(states.params)} + grads "
                  f"{format_bytes(states.grads)} + optimizer {format_bytes(states.optim)} + master "
                  f"{format_bytes(states.master)} = {format_bytes(states.total)}"]
+        if "mem_offload_bytes" in last:
+            offloaded = max(m["mem_offload_bytes"] for m in self.timeline)
+            lines.append(f"memory | offloaded to CPU memory per rank: {format_bytes(offloaded)} (fp32 master + "
+                         "Adam moments; the step's pinned staging not counted)")
         peak = f"memory | peak {format_bytes(top['mem_peak_bytes'])} at step {top['step']} ({self.peaks.describe()}"
         if "mem_reserved_peak_bytes" in top:
             peak += f"; reserved {format_bytes(max(m['mem_reserved_peak_bytes'] for m in self.timeline))}"
@@ -262,8 +270,10 @@ def plot_timeline(figure_class, timeline: list[dict], peak_label: str, path: Pat
     fig = figure_class(figsize=(10, 6))
     states_ax, measured_ax = fig.subplots(2, 1, sharex=True)
     names = ["params", "grads", "optim", "master"]
-    states_ax.stackplot(steps, *[[m[f"mem_{n}_bytes"] / mib for m in timeline] for n in names],
-                        labels=["parameters", "gradients", "optimizer states", "master weights"])
+    labels = ["parameters", "gradients", "optimizer states", "master weights"]
+    if "mem_offload_bytes" in timeline[0]:  # ZeRO-Offload: the optimizer's part in CPU memory, on top
+        names, labels = [*names, "offload"], [*labels, "offloaded optimizer (CPU memory)"]
+    states_ax.stackplot(steps, *[[m[f"mem_{n}_bytes"] / mib for m in timeline] for n in names], labels=labels)
     states_ax.set_ylabel("MiB per rank")
     states_ax.set_title("model states (counted from tensors)")
     states_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 from toolkit.errors import UserError
@@ -210,9 +211,22 @@ def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
     if data["kind"] == "synthetic" and data["num_samples"] < batch.global_batch:
         errors.append(f"recipe.data.num_samples: {data['num_samples']} is fewer than one global batch "
                       f"({batch.global_batch})")
+    if r["precision"]["dtype"] == "fp16" and training["device"] == "cpu":
+        errors.append("recipe.precision.dtype: 'fp16' needs a CUDA device but training.device is 'cpu'; "
+                      "use 'bf16' (or 'fp32') on a CPU")
     if r["precision"]["dtype"] != "fp16" and "fp16" in r.get("_given_precision", {}):
         errors.append("recipe.precision.fp16: loss scaling applies only to precision.dtype 'fp16'")
     return errors
+
+
+def fp16_device_warning(dtype: str, device: str) -> str | None:
+    """`validate`'s warning for fp16 on 'auto' where no NVIDIA driver shows (no torch import: a cheap look)."""
+    if dtype != "fp16" or device != "auto":
+        return None
+    if os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi"):
+        return None
+    return ("recipe.precision.dtype: 'fp16' needs a CUDA device and this machine shows no NVIDIA driver: "
+            "`toolkit run` here refuses it (training.device 'auto' falls back to the CPU); use 'bf16' on a CPU")
 
 
 def _world_size(world_size: int | None) -> tuple[int, list[str]]:

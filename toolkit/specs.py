@@ -121,6 +121,7 @@ class TrainingSpec:
     log_interval: int
     device: str
     compile: bool = False
+    peak_tflops: float | None = None  # per device, for MFU; None: the datasheet table (toolkit/flops.py)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ end-of-text token that separates packed documents:
 - `bpe`: a byte-level BPE (GPT-2's pre-tokenizer) trained with the `tokenizers`
   library on the training documents, up to data.vocab_size tokens.
 - `pretrained`: a local Hugging Face tokenizer folder (its tokenizer.json).
+- `synthetic`: synthetic data's token ids as words ("17" is id 17), separated by spaces;
+  it has no end-of-text token, so it decodes and encodes but cannot pack documents.
 
 Each is saved into the run dir (<run_dir>/tokenizer/, by rank 0) and into exports as
 a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json) that
@@ -46,9 +48,9 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 class TextTokenizer:
-    """A `tokenizers.Tokenizer` with its end-of-text id, and what kind it is."""
+    """A `tokenizers.Tokenizer` with its end-of-text id (None for `synthetic`), and what kind it is."""
 
-    def __init__(self, tokenizer, eot_id: int, kind: str):
+    def __init__(self, tokenizer, eot_id: int | None, kind: str):
         self.tokenizer, self.eot_id, self.kind = tokenizer, eot_id, kind
         # A document that contains the literal text "<|endoftext|>" stays text: only packing inserts the separator.
         self.tokenizer.encode_special_tokens = True
@@ -58,8 +60,8 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
-    def eot_token(self) -> str:
-        return self.tokenizer.id_to_token(self.eot_id)
+    def eot_token(self) -> str | None:
+        return None if self.eot_id is None else self.tokenizer.id_to_token(self.eot_id)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no separators added)."""
@@ -118,6 +120,15 @@ def byte_tokenizer() -> TextTokenizer:
     return TextTokenizer(tok, tok.token_to_id(EOT), "byte")
 
 
+def synthetic_tokenizer(vocab_size: int) -> TextTokenizer:
+    """Synthetic data's ids as words: id i is the text "i", tokens separated by whitespace; no end-of-text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={str(i): i for i in range(vocab_size)}))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # NOTE: with no decoder, decode joins tokens with spaces
+    return TextTokenizer(tok, None, "synthetic")
+
+
 def train_bpe(documents: Iterable[str], vocab_size: int) -> TextTokenizer:
     """A byte-level BPE trained on `documents`; <|endoftext|> is id 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -149,8 +160,12 @@ def _eot_of_folder(folder: Path, tok) -> int:
                     f"{', '.join(_EOT_CANDIDATES)}); packing needs one to separate documents")
 
 
-def load_tokenizer_folder(folder: Path, where: str = "recipe.data.tokenizer_path") -> TextTokenizer:
-    """A Hugging Face tokenizer folder (tokenizer.json; eos_token from tokenizer_config.json)."""
+def load_tokenizer_folder(folder: Path, where: str = "recipe.data.tokenizer_path",
+                          need_eot: bool = True) -> TextTokenizer:
+    """A Hugging Face tokenizer folder (tokenizer.json; eos_token from tokenizer_config.json).
+
+    need_eot=False (decoding only) also accepts a synthetic run's tokenizer, which has no end-of-text token.
+    """
     from tokenizers import Tokenizer
 
     folder = Path(folder)
@@ -169,6 +184,8 @@ def load_tokenizer_folder(folder: Path, where: str = "recipe.data.tokenizer_path
             kind = json.loads(config_path.read_text(encoding="utf-8")).get("toolkit_kind", kind)
         except ValueError:
             pass
+    if kind == "synthetic" and not need_eot:
+        return TextTokenizer(tok, None, kind)
     return TextTokenizer(tok, _eot_of_folder(folder, tok), kind)
 
 

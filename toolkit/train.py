@@ -19,7 +19,7 @@ from pathlib import Path
 
 from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
 from toolkit.data import BatchStream, Dataset, eval_batches
-from toolkit.engine import Engine
+from toolkit.engine import Engine, check_device
 from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
 from toolkit.memory_monitor import MemoryMonitor
 from toolkit.specs import Recipe
@@ -69,7 +69,8 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
     b, m, d = recipe.batch, recipe.model, recipe.data
     tokens_per_step = b.global_batch * d.seq_len
     device = engine.device
-    mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size)
+    mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size,
+                           recipe.training.peak_tflops)
     weights = "fp32 weights" if recipe.zero.stage == 0 else "16-bit weights, fp32 master in the ZeRO shard"
     precision = {"fp32": "fp32", "bf16": f"bf16 autocast, {weights}",
                  "fp16": f"fp16 autocast, {weights}, "
@@ -100,6 +101,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     Under torchrun every rank calls this; rank 0 alone prints, logs and writes the run directory's
     files (checkpoints: every rank writes its ZeRO shard), each rank trains on its slots of the data.
     """
+    check_device(recipe)  # a recipe this machine cannot run leaves no run dir behind
     info = start_process_group(recipe.batch.world_size, recipe.training.device)
     quiet = quiet or not info.is_main
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
@@ -115,9 +117,11 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
 
     engine = Engine(recipe)
     monitor = MemoryMonitor(engine)
-    mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size)
-    if mfu.peak_flops is None and info.is_main:
-        print(unknown_peak_warning(mfu.device_name, mfu.dtype), file=sys.stderr, flush=True)
+    mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size,
+                    recipe.training.peak_tflops)
+    peak_warning = unknown_peak_warning(mfu)  # None on a CPU: the start-up table says how to set a peak
+    if peak_warning and info.is_main:
+        print(peak_warning, file=sys.stderr, flush=True)
     dataset = Dataset(recipe.data, run_dir=run_dir, log=None if quiet else print)
     stream = BatchStream(dataset.train, recipe.batch, rank=info.rank, seed=recipe.training.seed)
     held_out = eval_batches(dataset.eval, recipe.batch, rank=info.rank, count=recipe.training.eval_batches)
@@ -169,8 +173,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
                     "tokens_per_s": tokens_per_s,
                     "elapsed_s": now - start,
                     **({"mfu": mfu.mfu(tokens_per_s)} if mfu.peak_flops is not None else {}),
-                    **monitor.window_metrics(step),
-                    **engine.offload_metrics(),
+                    **monitor.window_metrics(step),  # with the engine's offload_metrics()
                 })
                 window_start, window_steps = now, 0
             if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
