@@ -1,12 +1,15 @@
 """A non-editable `pip install .` carries the schema, recipes and kernel sources,
 so `toolkit run recipes/quickstart.json` works from any directory."""
 import os
+import shutil
 import site
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import toolkit
 
 from tests.conftest import REPO
 
@@ -32,9 +35,15 @@ def _venv_seeing_this_environment(venv) -> "Path":
 def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
     venv = tmp_path / "venv"
     py = _venv_seeing_this_environment(venv)
+    # A copy of the sources: setuptools writes build/ and *.egg-info next to what it builds.
+    source = tmp_path / "source"
+    for name in ("toolkit", "schemas", "recipes", "kernels"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
     # No network: pip and setuptools (the `test` extra brings it) come from this environment, no index is read.
     proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                           "--ignore-installed", str(REPO)], capture_output=True, text=True)
+                           "--ignore-installed", str(source)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     workdir = tmp_path / "elsewhere"
@@ -45,10 +54,14 @@ def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
     assert module_file.startswith(str(venv)), module_file
     assert schema.startswith(str(venv)) and os.path.isfile(schema)
     proc = subprocess.run([str(venv / "bin" / "toolkit"), "run", "recipes/quickstart.json", "--run-dir", "run",
-                           "training.max_steps=3", "scheduler.type=constant", "training.eval_interval=0", "training.log_interval=1", "logging.console=false"],
+                           "training.max_steps=3", "scheduler.type=constant", "training.eval_interval=0",
+                           "training.log_interval=1", "logging.console=false"],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (workdir / "run" / "metrics.jsonl").read_text().count('"loss"') == 3
     kernels = subprocess.run([str(py), "-c", "import toolkit.resources as r; print(r.shipped_dir('kernels'))"],
                              cwd=workdir, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert kernels.startswith(str(venv))
+    version = subprocess.run([str(venv / "bin" / "toolkit"), "--version"], cwd=workdir, env=env, capture_output=True,
+                             text=True, check=True).stdout
+    assert version.startswith(f"toolkit {toolkit.__version__} from {venv}"), version  # pyproject reads __version__

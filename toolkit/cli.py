@@ -104,6 +104,17 @@ def _cmd_tutorials(args) -> int:
     return 0
 
 
+def version_line() -> str:
+    """`toolkit X.Y.Z from <package folder> (python X.Y)`: which toolkit this is and where it was imported from."""
+    import platform
+    from pathlib import Path
+
+    import toolkit
+
+    return (f"toolkit {toolkit.__version__} from {Path(toolkit.__file__).parent} "
+            f"(python {platform.python_version()})")
+
+
 def _doctor_environment() -> list[str]:
     import platform
 
@@ -126,6 +137,7 @@ def _cmd_doctor(args) -> int:
     # NOTE: one (title, lines) section per component; add yours to this list.
     sections = [("environment", _doctor_environment()), ("distributed", distributed_lines()),
                 ("kernels", cpu_kernel_lines() + ops.doctor_lines())]
+    print(version_line())
     for title, lines in sections:
         print(f"{title}:")
         for line in lines:
@@ -157,7 +169,11 @@ def _cmd_build_kernels(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="toolkit", description="Declarative training recipes.")
+    # NOTE: the raw formatter keeps `--version`'s line whole (argparse wraps it at the terminal's width otherwise).
+    parser = argparse.ArgumentParser(prog="toolkit", description="Declarative training recipes.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the toolkit's version, where it is installed and the Python version")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("validate", help="check a recipe against the schema and its semantic rules")
