@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import platform
 
+import pytest
+
 import toolkit
 from tests.conftest import REPO, run_cli
+from toolkit.recipe import load_recipe
 
 
 def test_version_flag_prints_the_version_and_doctor_starts_with_it():
@@ -18,3 +21,76 @@ def test_version_flag_prints_the_version_and_doctor_starts_with_it():
     doctor = run_cli("doctor")
     assert doctor.returncode == 0, doctor.stderr
     assert doctor.stdout.splitlines()[0] == proc.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def short_quickstart_run(tmp_path_factory):
+    """`toolkit run quickstart training.max_steps=3`: shorter than the recipe's 20 warmup steps."""
+    run_dir = tmp_path_factory.mktemp("short") / "run"
+    proc = run_cli("run", "quickstart", "training.max_steps=3", "training.eval_batches=1", "training.log_interval=1",
+                   "logging.console=false",
+                   "--run-dir", str(run_dir))
+    return run_dir, proc
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("warning: recipe.")]
+
+
+def test_trial_run_shorter_than_the_warmup_runs_with_one_warning(short_quickstart_run):
+    run_dir, proc = short_quickstart_run
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert _warnings(proc.stderr) == [
+        "warning: recipe.scheduler.warmup_num_steps: 20 is not shorter than the run (3 optimizer steps): the schedule "
+        "is cut at the run's end, still warming up (the lr never reaches 0.003)"]
+    lrs = [json.loads(line)["lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"lr"' in line]
+    assert lrs == sorted(lrs) and len(lrs) == 3 and lrs[-1] < 0.003 / 5  # still climbing at the end
+    validate = run_cli("validate", "quickstart", "training.max_steps=3", "training.log_interval=1")
+    assert validate.returncode == 0 and _warnings(validate.stderr) == _warnings(proc.stderr), validate.stderr
+
+
+def test_a_runs_own_recipe_json_validates_and_reruns_to_the_same_losses(short_quickstart_run, tmp_path):
+    run_dir, first = short_quickstart_run
+    assert first.returncode == 0, first.stderr
+    written = json.loads((run_dir / "recipe.json").read_text())
+    validate = run_cli("validate", str(run_dir / "recipe.json"))
+    assert validate.returncode == 0, validate.stderr
+    assert f"(hash {written['recipe_hash']})" in validate.stdout  # the hash it ran under
+    rerun = run_cli("run", str(run_dir / "recipe.json"), "--run-dir", str(tmp_path / "again"))
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"quickstart (hash {written['recipe_hash']})" in rerun.stdout
+    assert _losses(tmp_path / "again") == _losses(run_dir)
+    assert json.loads((tmp_path / "again" / "recipe.json").read_text()) == written  # a fixed point
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def test_edited_recipe_json_warns_that_its_hash_is_stale(short_quickstart_run, tmp_path):
+    run_dir, _ = short_quickstart_run
+    written = json.loads((run_dir / "recipe.json").read_text())
+    written["optimizer"]["lr"] = 0.001
+    (tmp_path / "recipe.json").write_text(json.dumps(written))
+    proc = run_cli("validate", str(tmp_path / "recipe.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: recipe.recipe_hash: {written['recipe_hash']} is not this recipe's hash" in proc.stderr
+    refused = run_cli("validate", "quickstart", "recipe_hash=0123456789ab")
+    assert refused.returncode == 2 and "recipe.recipe_hash: cannot be overridden" in refused.stderr
+
+
+def test_relative_data_paths_are_anchored_so_the_resolved_recipe_reruns_from_another_folder(tmp_path):
+    (tmp_path / "recipes" / "corpus").mkdir(parents=True)
+    (tmp_path / "recipes" / "corpus" / "a.txt").write_text("hello world\n" * 50)
+    source = tmp_path / "recipes" / "text.json"
+    source.write_text(json.dumps({
+        "model": {"size": "tiny"}, "batch": {"micro_batch_per_rank": 2}, "training": {"max_steps": 5},
+        "data": {"kind": "text", "paths": ["corpus/*.txt"], "cache_dir": "${recipe_dir}/cache", "seq_len": 16}}))
+    recipe = load_recipe(source)
+    (tmp_path / "elsewhere").mkdir()
+    copy = tmp_path / "elsewhere" / "recipe.json"
+    copy.write_text(recipe.to_json())
+    again = load_recipe(copy)
+    assert (again.hash, again.data.paths, again.data.cache_dir) == (recipe.hash, recipe.data.paths,
+                                                                  tmp_path / "recipes" / "cache")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from toolkit.errors import UserError
@@ -14,10 +15,18 @@ from toolkit.errors import UserError
 EXIT_USER_ERROR = 2
 
 
-def _cmd_validate(args) -> int:
+def _load_recipe_and_warn(args, world_size: int | None = None, *, warn: bool = True):
+    """The recipe the command names, with overrides; its warnings go to stderr as `warning: ...` lines."""
     from toolkit.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    recipe = load_recipe(args.recipe, args.overrides, world_size=world_size)
+    for line in recipe.warnings if warn else ():
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    return recipe
+
+
+def _cmd_validate(args) -> int:
+    recipe = _load_recipe_and_warn(args, args.world_size)
     b = recipe.batch
     print(f"{args.recipe}: valid (hash {recipe.hash}); {recipe.model.family}-{recipe.model.size}, "
           f"global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
@@ -27,9 +36,8 @@ def _cmd_validate(args) -> int:
 
 def _cmd_estimate(args) -> int:
     from toolkit.memory import format_estimate
-    from toolkit.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    recipe = _load_recipe_and_warn(args, args.world_size, warn=False)
     print(format_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
                           dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
                           stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,
@@ -38,17 +46,15 @@ def _cmd_estimate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from toolkit.recipe import load_recipe
-
     if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
         from toolkit.zero.launch import launch_ranks
 
-        load_recipe(args.recipe, args.overrides, world_size=args.nproc)  # user mistakes: one line, here
+        _load_recipe_and_warn(args, args.nproc, warn=False)  # user mistakes: one line, here; warnings: rank 0's
         rest = ["--run-dir", args.run_dir] if args.run_dir else []
         return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, *rest])
     from toolkit.train import run
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = _load_recipe_and_warn(args, warn=os.environ.get("RANK", "0") == "0")
     run(recipe, run_dir=args.run_dir)
     return 0
 

@@ -16,6 +16,11 @@ from toolkit.recipe_schema import _matching_branches, load_schema
 from toolkit.specs import BatchSpec, DataSpec, ModelSpec
 
 
+def _defaults(section_schema: dict) -> dict:
+    """The schema's default of each key of a section that has one."""
+    return {k: v["default"] for k, v in section_schema["properties"].items() if "default" in v}
+
+
 def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[str]]:
     """Derive the batch triple DeepSpeed style; errors show the arithmetic."""
     micro = batch.get("micro_batch_per_rank")
@@ -70,7 +75,8 @@ def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
                 errors.append(f"recipe.model.{key}: only llama models have this key (family is gpt2)")
     pretrained = None
     if "pretrained" in model:
-        clash = [k for k in ("size", *explicit) if k in given]
+        # NOTE: the default size, written out (a run's own recipe.json has it), is not a clash.
+        clash = [k for k in ("size", *explicit) if k in given and given[k] != _defaults(load_schema()["properties"]["model"]).get(k)]
         if clash:
             errors.append(f"recipe.model.pretrained: excludes {', '.join(clash)} (the folder's config.json sets the shape)")
         pretrained = Path(model["pretrained"])
@@ -180,9 +186,6 @@ def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
     errors = []
     sched = r["scheduler"]
     if sched["type"] != "constant":
-        if sched["warmup_num_steps"] >= max_steps:
-            errors.append(f"recipe.scheduler.warmup_num_steps: {sched['warmup_num_steps']} is not shorter than the run "
-                          f"({max_steps} optimizer steps)")
         total = sched.get("total_num_steps")
         if total is not None and total <= sched["warmup_num_steps"]:
             errors.append(f"recipe.scheduler.total_num_steps: {total} must exceed warmup_num_steps "
@@ -201,9 +204,31 @@ def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
     if data["kind"] == "synthetic" and data["num_samples"] < batch.global_batch:
         errors.append(f"recipe.data.num_samples: {data['num_samples']} is fewer than one global batch "
                       f"({batch.global_batch})")
-    if r["precision"]["dtype"] != "fp16" and "fp16" in r.get("_given_precision", {}):
-        errors.append("recipe.precision.fp16: loss scaling applies only to precision.dtype 'fp16'")
+    fp16_defaults = _defaults(load_schema()["properties"]["precision"]["properties"]["fp16"])
+    changed = [k for k, v in r.get("_given_precision", {}).get("fp16", {}).items() if v != fp16_defaults.get(k)]
+    if r["precision"]["dtype"] != "fp16" and changed:
+        errors.append(f"recipe.precision.fp16.{changed[0]}: loss scaling applies only to precision.dtype 'fp16'")
     return errors
+
+
+def recipe_warnings(r: dict, given: dict, max_steps: int) -> list[str]:
+    """Choices that run but may not be what the user meant, one line each (`toolkit validate` and `run` print them).
+
+    `r` has the schema defaults filled in; `given` is the recipe as written.
+    """
+    warnings = []
+    sched, lr = r["scheduler"], r["optimizer"]["lr"]
+    if sched["type"] != "constant" and sched["warmup_num_steps"] >= max_steps:
+        # NOTE: DeepSpeed accepts this too; a short trial run of a shipped recipe is the usual cause.
+        peak = sched.get("warmup_max_lr", lr) if sched["type"] != "WarmupCosineLR" else lr
+        warnings.append(f"recipe.scheduler.warmup_num_steps: {sched['warmup_num_steps']} is not shorter than the run "
+                        f"({max_steps} optimizer steps): the schedule is cut at the run's end, still warming up "
+                        f"(the lr never reaches {peak:g})")
+    if sched["type"] == "WarmupDecayLR" and "warmup_max_lr" not in given.get("scheduler", {}) \
+            and sched["warmup_max_lr"] != lr:
+        warnings.append(f"recipe.scheduler.warmup_max_lr: not given, so WarmupDecayLR warms up to "
+                        f"{sched['warmup_max_lr']:g} (DeepSpeed's default), not optimizer.lr {lr:g}; set it")
+    return warnings
 
 
 def _world_size(world_size: int | None) -> tuple[int, list[str]]:

@@ -50,7 +50,7 @@ def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
             errors.append(f"override {item!r}: expected key.path=value (e.g. optimizer.lr=3e-4)")
             continue
         keys = dotted.split(".")
-        if keys[0] in ("extends", "$schema"):
+        if keys[0] in ("extends", "$schema", "recipe_hash"):
             errors.append(f"{_json_path(keys)}: cannot be overridden (override {item!r}); edit the recipe file")
             continue
         node, reason = _override_target(keys)
