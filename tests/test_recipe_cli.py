@@ -94,3 +94,46 @@ def test_relative_data_paths_are_anchored_so_the_resolved_recipe_reruns_from_ano
     again = load_recipe(copy)
     assert (again.hash, again.data.paths, again.data.cache_dir) == (recipe.hash, recipe.data.paths,
                                                                   tmp_path / "recipes" / "cache")
+
+
+def test_epochs_override_on_a_recipe_with_max_steps_runs_and_shows_the_epoch(tmp_path):
+    proc = run_cli("run", "quickstart", "training.epochs=1", "data.num_samples=64", "training.log_interval=2",
+                   "scheduler.type=constant", "training.eval_batches=0", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split(" | ")[1] for line in _progress(proc.stdout)] == ["epoch 0.50/1.00", "epoch 1.00/1.00"]  # 4 steps
+    steps = run_cli("run", "quickstart", "training.max_steps=2", "training.log_interval=1", "scheduler.type=constant",
+                    "training.eval_batches=0",
+                    "--run-dir", str(tmp_path / "steps"))
+    assert [line.split(" | ")[1][:4] for line in _progress(steps.stdout)] == ["loss", "loss"]  # no epoch column
+
+
+def _progress(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("step ") and "| lr " in line]
+
+
+def test_null_removes_a_key_and_max_steps_back_after_epochs(tmp_path):
+    both = run_cli("validate", "quickstart", "training.max_steps=null", "training.epochs=0.5")
+    assert both.returncode == 0 and "128 steps" in both.stdout, both.stderr  # 4096 / 16 / 2
+    back = run_cli("validate", "quickstart", "training.epochs=2", "training.max_steps=7")
+    assert back.returncode == 0 and "7 steps" in back.stdout, back.stderr
+    neither = run_cli("validate", "quickstart", "training.max_steps=null")
+    assert neither.returncode == 2 and neither.stderr == "error: recipe.training: give exactly one of max_steps or epochs\n"
+
+
+def test_pretrained_override_on_a_recipe_with_a_size_clears_the_size(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256}))
+    proc = run_cli("validate", "quickstart", f"model.pretrained={tmp_path / 'model'}")
+    assert proc.returncode == 0, proc.stderr
+    explicit = run_cli("validate", "quickstart", f"model.pretrained={tmp_path / 'model'}", "model.n_layer=4")
+    assert explicit.returncode == 0, explicit.stderr  # setting a dimension clears pretrained again
+
+
+def test_exclusive_keys_come_from_the_schema():
+    from toolkit.recipe_schema import exclusive_keys, load_schema
+
+    sections = load_schema()["properties"]
+    assert exclusive_keys(sections["training"]) == {"max_steps": ["epochs"], "epochs": ["max_steps"]}
+    model = exclusive_keys(sections["model"])
+    assert model["pretrained"] == ["size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size"]
+    assert model["size"] == ["pretrained"]

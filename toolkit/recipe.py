@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from toolkit.recipe_checks import (_check_cross_section, _data_spec, _model_spec, _training_steps, _world_size,
-                                   recipe_warnings, resolve_batch)
+                                   recipe_warnings, resolve_batch, steps_per_epoch)
 from toolkit.recipe_files import _load_with_extends, deep_merge, find_recipe_file
 from toolkit.recipe_overrides import apply_overrides
 from toolkit.recipe_schema import RecipeError, _coerce_integers, fill_defaults, load_schema, schema_errors
@@ -100,7 +100,8 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
         # NOTE: absent from the resolved recipe, these two follow optimizer.lr and the run's length (schema).
         scheduler=SchedulerSpec(**{**s, "total_num_steps": s.get("total_num_steps", max_steps),
                                    "warmup_max_lr": s.get("warmup_max_lr", r["optimizer"]["lr"])}),
-        training=TrainingSpec(max_steps=max_steps, **{k: v for k, v in t.items() if k not in ("max_steps", "epochs")}),
+        training=TrainingSpec(max_steps=max_steps, **{k: v for k, v in t.items() if k not in ("max_steps", "epochs")},
+                              steps_per_epoch=steps_per_epoch(r["data"], batch) if "epochs" in t else None),
         logging=LoggingSpec(console=lg["console"], tensorboard=lg["tensorboard"],
                             wandb=WandbSpec(run_name=lg["wandb"].get("run_name"),
                                             **{k: v for k, v in lg["wandb"].items() if k != "run_name"})),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.presets import SHAPES
-from toolkit.recipe_schema import _matching_branches, load_schema
+from toolkit.recipe_schema import _matching_branches, exclusive_keys, load_schema
 from toolkit.specs import BatchSpec, DataSpec, ModelSpec
 
 
@@ -76,7 +76,9 @@ def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
     pretrained = None
     if "pretrained" in model:
         # NOTE: the default size, written out (a run's own recipe.json has it), is not a clash.
-        clash = [k for k in ("size", *explicit) if k in given and given[k] != _defaults(load_schema()["properties"]["model"]).get(k)]
+        model_schema = load_schema()["properties"]["model"]
+        clash = [k for k in exclusive_keys(model_schema)["pretrained"]
+                 if k in given and given[k] != _defaults(model_schema).get(k)]
         if clash:
             errors.append(f"recipe.model.pretrained: excludes {', '.join(clash)} (the folder's config.json sets the shape)")
         pretrained = Path(model["pretrained"])
@@ -177,9 +179,12 @@ def _training_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[int, 
     if data["kind"] != "synthetic":
         return 0, [f"recipe.training.epochs: needs data.kind synthetic (a {data['kind']} corpus's sequence count is "
                    "known only once it is tokenized); give training.max_steps"]
-    # An epoch is the whole global batches that fit (the stream drops the remainder).
-    steps_per_epoch = data["num_samples"] // batch.global_batch
-    return max(math.ceil(training["epochs"] * steps_per_epoch), 1), []
+    return max(math.ceil(training["epochs"] * steps_per_epoch(data, batch)), 1), []
+
+
+def steps_per_epoch(data: dict, batch: BatchSpec) -> int:
+    """Optimizer steps in one pass over synthetic data: the whole global batches that fit (the stream drops the rest)."""
+    return data["num_samples"] // batch.global_batch
 
 
 def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]:

@@ -140,6 +140,20 @@ def schema_errors(recipe: dict) -> list[str]:
     return lines
 
 
+def exclusive_keys(node: dict) -> dict[str, list[str]]:
+    """For each key of an object schema, the keys it excludes (both ways): `oneOf` branches of the form
+    `{"required": [a], "not": {"required": [b]}}`, and a property's `excludes` list."""
+    pairs = [(a, b) for branch in node.get("oneOf", ()) for a in branch.get("required", ())
+             for b in branch.get("not", {}).get("required", ())]
+    pairs += [(key, other) for key, sub in node.get("properties", {}).items() for other in sub.get("excludes", ())]
+    out: dict[str, list[str]] = {}
+    for a, b in pairs:
+        for key, other in ((a, b), (b, a)):
+            if other not in out.setdefault(key, []):
+                out[key].append(other)
+    return out
+
+
 def _coerce_integers(node: dict, instance: Any) -> Any:
     """JSON Schema counts 4.0 as an integer; make it the int 4 wherever the schema wants an integer."""
     wants_int = node.get("type") == "integer" or (

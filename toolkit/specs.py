@@ -113,6 +113,7 @@ class TrainingSpec:
     log_interval: int
     device: str
     compile: bool = False
+    steps_per_epoch: int | None = None  # set when the recipe gives training.epochs (the progress line shows them)
 
 
 @dataclass(frozen=True)
