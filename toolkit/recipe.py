@@ -21,7 +21,7 @@ from pathlib import Path
 
 from toolkit.recipe_checks import (_check_cross_section, _data_spec, _model_spec, _training_steps, _world_size,
                                    recipe_warnings, resolve_batch, steps_per_epoch)
-from toolkit.recipe_files import _load_with_extends, deep_merge, find_recipe_file
+from toolkit.recipe_files import _load_with_extends, check_nesting, deep_merge, find_recipe_file
 from toolkit.recipe_overrides import apply_overrides
 from toolkit.recipe_schema import RecipeError, _coerce_integers, fill_defaults, load_schema, schema_errors
 from toolkit.specs import (CheckpointSpec, KernelsSpec, LoggingSpec, LossScaleSpec, OptimizerSpec, PrecisionSpec,
@@ -60,6 +60,7 @@ def _anchor_paths(r: dict, recipe_dir: Path | None) -> None:
 def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | None = None,
                  default_name: str = "recipe") -> Recipe:
     """Validate a merged recipe dict and build the typed `Recipe`; raises RecipeError with every problem."""
+    check_nesting(raw)  # the Python API's dicts too: every walker below recurses
     world_size, errors = _world_size(world_size)
     errors += schema_errors(raw)
     if errors:

@@ -84,7 +84,12 @@ def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
         pretrained = Path(model["pretrained"])
         if recipe_dir is not None and not pretrained.is_absolute():
             pretrained = recipe_dir / pretrained
-        if not (pretrained / "config.json").is_file():
+        try:
+            has_config = (pretrained / "config.json").is_file()
+        except OSError as exc:  # a name too long for the file system
+            errors.append(f"recipe.model.pretrained: cannot read: {exc.strerror}")
+            has_config = None
+        if has_config is False:
             errors.append(f"recipe.model.pretrained: {pretrained}: no config.json there")
         else:
             errors += _pretrained_vocab_errors(pretrained / "config.json", vocab_size)
@@ -143,6 +148,9 @@ def _data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSp
         return None, errors
     kind, common = data["kind"], dict(kind=data["kind"], seq_len=data["seq_len"], seed=data["seed"])
     if kind == "synthetic":
+        if data["branching"] > data["vocab_size"]:
+            return None, [f"recipe.data.branching: {data['branching']} exceeds data.vocab_size {data['vocab_size']} "
+                          "(each token's successors are drawn from the vocabulary)"]
         return DataSpec(**common, vocab_size=data["vocab_size"], branching=data["branching"],
                         num_samples=data["num_samples"], eval_samples=data["eval_samples"]), []
 
