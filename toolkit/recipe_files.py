@@ -21,10 +21,12 @@ def find_recipe_file(name_or_path: str | os.PathLike) -> Path:
         return path
     stem = path.name[:-5] if path.name.endswith(".json") else path.name
     shipped = shipped_dir("recipes") / f"{stem}.json"
-    if path.parent in (Path("."), Path("recipes")) and shipped.is_file():
+    if path.parent in (Path("."), Path("recipes")) and _is_regular_file(shipped):
         return shipped
-    _check_regular_file(path, "recipe")
-    raise RecipeError(f"{path}: recipe file not found (shipped recipes: `toolkit recipes`)")
+    reason = _not_a_regular_file(path, "recipe")
+    if reason is not None and not reason.endswith("not found"):
+        raise RecipeError(f"{clipped(str(path))}: {reason}")
+    raise RecipeError(f"{clipped(str(path))}: recipe file not found (shipped recipes: `toolkit recipes`)")
 
 
 def _is_regular_file(path: Path) -> bool:
@@ -34,19 +36,26 @@ def _is_regular_file(path: Path) -> bool:
         return False
 
 
-def _check_regular_file(path: Path, what: str) -> None:
-    """Raise a one-line RecipeError unless `path` is a regular file (directories, FIFOs and devices are not)."""
-    shown = clipped(str(path))
+def _not_a_regular_file(path: Path, what: str) -> str | None:
+    """Why `path` cannot be read as a recipe file (missing, a directory, a FIFO or device), or None."""
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
-        raise RecipeError(f"{shown}: {what} file not found") from None
-    except (OSError, ValueError) as exc:
-        raise RecipeError(f"{shown}: cannot read: {clipped(str(exc))}") from None
+        return "file not found"
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+        return f"cannot read: {clipped(getattr(exc, 'strerror', None) or str(exc))}"
     if stat.S_ISDIR(mode):
-        raise RecipeError(f"{shown}: is a directory, expected a {what} JSON file")
+        return f"is a directory, expected a {what} JSON file"
     if not stat.S_ISREG(mode):
-        raise RecipeError(f"{shown}: is not a regular file (a FIFO, socket or device), expected a {what} JSON file")
+        return f"is not a regular file (a FIFO, socket or device), expected a {what} JSON file"
+    return None
+
+
+def _check_regular_file(path: Path, what: str) -> None:
+    """Raise a one-line RecipeError unless `path` is a regular file."""
+    reason = _not_a_regular_file(path, what)
+    if reason is not None:
+        raise RecipeError(f"{clipped(str(path))}: {reason}")
 
 
 # NOTE: a recipe is a few KB and four levels deep; these caps keep a wrong file (a 50 MB dump, a
@@ -191,9 +200,10 @@ def _load_with_extends(path: Path) -> dict:
         if not isinstance(base_ref, str):
             raise RecipeError(f"{path}: recipe.extends: {clipped(json.dumps(base_ref))} is not a path string")
         base_path = path.parent / base_ref
-        if not _is_regular_file(base_path):
-            raise RecipeError(f"{path}: recipe.extends: {clipped(base_ref)}: file not found (looked at "
-                              f"{clipped(str(base_path))})")
+        reason = _not_a_regular_file(base_path, "base recipe")
+        if reason is not None:
+            where = f" (looked at {clipped(str(base_path))})" if reason.endswith("not found") else ""
+            raise RecipeError(f"{path}: recipe.extends: {clipped(base_ref)}: {reason}{where}")
         path = base_path.resolve()
     merged = layers.pop()
     while layers:
