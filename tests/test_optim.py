@@ -163,6 +163,58 @@ def test_state_dict_round_trip_gives_the_same_following_lrs(type_, warmup_type):
 
 
 # ---------------------------------------------------------------------------
+# Defaults: a recipe that names only the scheduler's type gets DeepSpeed 0.19's constructor defaults
+# (deepspeed/runtime/lr_schedules.py, identical in v0.19.0-v0.19.5 for these; engine.py builds the scheduler as
+# `getattr(lr_schedules, type)(optimizer, **params)`, so these are a DeepSpeed config's defaults too):
+#   WarmupLR(optimizer, warmup_min_lr=0.0, warmup_max_lr=None -> each group's lr, warmup_num_steps=1000,
+#            warmup_type='log')
+#   WarmupDecayLR(optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
+#                 warmup_type='log')
+#   WarmupCosineLR(optimizer, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000, cos_min_ratio=0.0001,
+#                  warmup_type='log')
+# total_num_steps has no default in DeepSpeed; the toolkit's is the run's length.
+
+USER_LR, RUN_STEPS = 3e-4, 1500
+DEEPSPEED_DEFAULTS = [
+    *[(t, key, value) for t in ("WarmupLR", "WarmupDecayLR")
+      for key, value in (("warmup_min_lr", 0.0), ("warmup_num_steps", 1000), ("warmup_type", "log"))],
+    ("WarmupLR", "warmup_max_lr", USER_LR),        # None -> the optimizer's lr
+    ("WarmupDecayLR", "warmup_max_lr", 0.001),     # 0.001, whatever the optimizer's lr
+    *[("WarmupCosineLR", key, value) for key, value in (("warmup_min_ratio", 0.0), ("cos_min_ratio", 0.0001),
+                                                         ("warmup_num_steps", 1000), ("warmup_type", "log"))],
+    *[(t, "total_num_steps", RUN_STEPS) for t in ("WarmupDecayLR", "WarmupCosineLR")],
+]
+
+
+def scheduler_of(type_: str, **given):
+    from toolkit.recipe import recipe_from_dict
+
+    return recipe_from_dict({"model": {"size": "tiny"}, "data": {"num_samples": 64}, "batch": {"micro_batch_per_rank": 2},
+                             "optimizer": {"lr": USER_LR}, "scheduler": {"type": type_, **given},
+                             "training": {"max_steps": RUN_STEPS}})
+
+
+@pytest.mark.parametrize("type_,key,expected", DEEPSPEED_DEFAULTS, ids=lambda v: str(v))
+def test_scheduler_default_is_deepspeeds(type_, key, expected):
+    assert getattr(scheduler_of(type_).scheduler, key) == expected
+
+
+def test_warmup_lr_without_max_lr_warms_up_to_the_optimizers_lr():
+    spec = scheduler_of("WarmupLR", warmup_num_steps=10).scheduler
+    assert lr_at(spec, USER_LR, 9) == pytest.approx(USER_LR)
+    assert lr_at(spec, USER_LR, 500) == USER_LR
+    given = scheduler_of("WarmupLR", warmup_num_steps=10, warmup_max_lr=2e-3).scheduler
+    assert lr_at(given, USER_LR, 500) == 2e-3  # given: it wins
+
+
+def test_warmup_decay_lr_without_max_lr_warns_that_it_is_not_the_optimizers_lr():
+    recipe = scheduler_of("WarmupDecayLR")
+    assert recipe.warnings == ("recipe.scheduler.warmup_max_lr: not given, so WarmupDecayLR warms up to 0.001 "
+                               "(DeepSpeed's default), not optimizer.lr 0.0003; set it",)
+    assert scheduler_of("WarmupDecayLR", warmup_max_lr=USER_LR).warnings == ()
+
+
+# ---------------------------------------------------------------------------
 # Parameter groups on real transformers models
 
 def names_by_group(model, weight_decay=0.1):

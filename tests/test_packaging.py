@@ -1,22 +1,50 @@
 """A non-editable `pip install .` carries the schema, recipes and kernel sources,
 so `toolkit run recipes/quickstart.json` works from any directory."""
 import os
+import shutil
+import site
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import toolkit
+
 from tests.conftest import REPO
+
+
+def _venv_seeing_this_environment(venv) -> "Path":
+    """A new venv whose interpreter also sees this interpreter's site-packages (torch and friends).
+
+    NOTE: `--system-site-packages` would point at the *base* interpreter, which lacks torch when the
+    tests run in a venv (the README's set-up); a .pth file listing this interpreter's site-packages
+    works in both. The listed paths are plain entries, so their own .pth files (an editable toolkit's
+    finder among them) are not run: the new venv's toolkit is the one it installs.
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    own = subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    outer = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    Path(own, "_outer_environment.pth").write_text("".join(f"{p}\n" for p in outer if os.path.isdir(p)))
+    return py
 
 
 @pytest.mark.slow
 def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
     venv = tmp_path / "venv"
-    # System site packages supply torch and friends; the project itself is installed fresh.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(REPO)],
-                   check=True, capture_output=True, text=True)
+    py = _venv_seeing_this_environment(venv)
+    # A copy of the sources: setuptools writes build/ and *.egg-info next to what it builds.
+    source = tmp_path / "source"
+    for name in ("toolkit", "schemas", "recipes", "kernels"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    # No network: pip and setuptools (the `test` extra brings it) come from this environment, no index is read.
+    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                           "--ignore-installed", str(source)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
@@ -26,10 +54,14 @@ def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
     assert module_file.startswith(str(venv)), module_file
     assert schema.startswith(str(venv)) and os.path.isfile(schema)
     proc = subprocess.run([str(venv / "bin" / "toolkit"), "run", "recipes/quickstart.json", "--run-dir", "run",
-                           "training.max_steps=3", "scheduler.type=constant", "training.eval_interval=0", "training.log_interval=1", "logging.console=false"],
+                           "training.max_steps=3", "scheduler.type=constant", "training.eval_interval=0",
+                           "training.log_interval=1", "logging.console=false"],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (workdir / "run" / "metrics.jsonl").read_text().count('"loss"') == 3
     kernels = subprocess.run([str(py), "-c", "import toolkit.resources as r; print(r.shipped_dir('kernels'))"],
                              cwd=workdir, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert kernels.startswith(str(venv))
+    version = subprocess.run([str(venv / "bin" / "toolkit"), "--version"], cwd=workdir, env=env, capture_output=True,
+                             text=True, check=True).stdout
+    assert version.startswith(f"toolkit {toolkit.__version__} from {venv}"), version  # pyproject reads __version__

@@ -217,9 +217,6 @@ INVALID = [
                  ["recipe.batch: give micro_batch_per_rank or global_batch (or both)"], id="batch-without-sizes"),
     pytest.param(recipe(), ["--world-size", "0"], ["world size: 0 must be a positive integer"], id="world-size-zero"),
     # Cross-section rules.
-    pytest.param(recipe(scheduler={"type": "WarmupCosineLR", "warmup_num_steps": 20}), [],
-                 ["recipe.scheduler.warmup_num_steps: 20 is not shorter than the run (20 optimizer steps)"],
-                 id="warmup-as-long-as-run"),
     pytest.param(recipe(zero={"stage": 0, "offload_optimizer": "cpu"}), [],
                  ["recipe.zero.offload_optimizer: 'cpu' needs zero.stage >= 1 (stage is 0)"], id="offload-with-stage-0"),
     pytest.param(recipe(zero={"stage": 2, "offload_ratio": 0.5}), [],

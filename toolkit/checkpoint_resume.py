@@ -23,7 +23,7 @@ _SHAPE_KEYS = {"family": "model.family", "n_layer": "model.n_layer", "n_embd": "
                "intermediate_size": "model.intermediate_size", "max_positions": "model.max_positions",
                "vocab_size": "data.vocab_size"}
 _DATA_ORDER_EXEMPT = {"data.eval_samples", "data.vocab_size"}  # held-out only / reported as a shape change
-_IGNORED = {"checkpoint.resume"}  # how the checkpoint was chosen, not what it holds
+_IGNORED = {"checkpoint.resume", "name", "description"}  # how the checkpoint was chosen or named, not what it holds
 _NOTES = {
     "precision.dtype": "weights and AdamW state are fp32 in every precision, so they carry over",
     "batch.micro_batch_per_rank": "same global batch, same samples per step, summed in another order",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from toolkit.errors import UserError
@@ -14,12 +15,21 @@ from toolkit.errors import UserError
 EXIT_USER_ERROR = 2
 
 
-def _cmd_validate(args) -> int:
+def _load_recipe_and_warn(args, world_size: int | None = None, *, warn: bool = True):
+    """The recipe the command names, with overrides; its warnings go to stderr as `warning: ...` lines."""
     from toolkit.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides, world_size=world_size)
+    for line in recipe.warnings if warn else ():
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    return recipe
+
+
+def _cmd_validate(args) -> int:
     from toolkit.recipe_checks import fp16_device_warning
 
-    recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
-    note = fp16_device_warning(recipe.precision.dtype, recipe.training.device)
+    recipe = _load_recipe_and_warn(args, args.world_size)
+    note = fp16_device_warning(recipe.precision.dtype, recipe.training.device)  # `run` refuses it on such a machine
     if note:
         print(f"warning: {note}", file=sys.stderr, flush=True)
     b = recipe.batch
@@ -31,9 +41,8 @@ def _cmd_validate(args) -> int:
 
 def _cmd_estimate(args) -> int:
     from toolkit.memory import format_estimate
-    from toolkit.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    recipe = _load_recipe_and_warn(args, args.world_size, warn=False)
     print(format_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
                           dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
                           stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,
@@ -42,17 +51,15 @@ def _cmd_estimate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from toolkit.recipe import load_recipe
-
     if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
         from toolkit.zero.launch import launch_ranks
 
-        load_recipe(args.recipe, args.overrides, world_size=args.nproc)  # user mistakes: one line, here
+        _load_recipe_and_warn(args, args.nproc, warn=False)  # user mistakes: one line, here; warnings: rank 0's
         rest = ["--run-dir", args.run_dir] if args.run_dir else []
         return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, *rest])
     from toolkit.train import run
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = _load_recipe_and_warn(args, warn=os.environ.get("RANK", "0") == "0")
     run(recipe, run_dir=args.run_dir)
     return 0
 
@@ -108,6 +115,17 @@ def _cmd_tutorials(args) -> int:
     return 0
 
 
+def version_line() -> str:
+    """`toolkit X.Y.Z from <package folder> (python X.Y)`: which toolkit this is and where it was imported from."""
+    import platform
+    from pathlib import Path
+
+    import toolkit
+
+    return (f"toolkit {toolkit.__version__} from {Path(toolkit.__file__).parent} "
+            f"(python {platform.python_version()})")
+
+
 def _doctor_environment() -> list[str]:
     import platform
 
@@ -130,6 +148,7 @@ def _cmd_doctor(args) -> int:
     # NOTE: one (title, lines) section per component; add yours to this list.
     sections = [("environment", _doctor_environment()), ("distributed", distributed_lines()),
                 ("kernels", cpu_kernel_lines() + ops.doctor_lines())]
+    print(version_line())
     for title, lines in sections:
         print(f"{title}:")
         for line in lines:
@@ -161,7 +180,11 @@ def _cmd_build_kernels(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="toolkit", description="Declarative training recipes.")
+    # NOTE: the raw formatter keeps `--version`'s line whole (argparse wraps it at the terminal's width otherwise).
+    parser = argparse.ArgumentParser(prog="toolkit", description="Declarative training recipes.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the toolkit's version, where it is installed and the Python version")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("validate", help="check a recipe against the schema and its semantic rules")

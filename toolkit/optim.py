@@ -100,7 +100,8 @@ def lr_at(spec: SchedulerSpec, base_lr: float, iteration: int) -> float:
         return base_lr
     warmup = max(2, spec.warmup_num_steps)  # DeepSpeed: 1 / log(warmup) needs warmup >= 2
     if spec.type in ("WarmupLR", "WarmupDecayLR"):
-        # NOTE: these two ignore optimizer.lr and go from warmup_min_lr to warmup_max_lr.
+        # NOTE: these two go from warmup_min_lr to warmup_max_lr; base_lr is not read here (for WarmupLR
+        # the recipe fills an absent warmup_max_lr with optimizer.lr, as DeepSpeed 0.19 does).
         if iteration < 0:
             return spec.warmup_min_lr
         if iteration < warmup:

@@ -13,8 +13,13 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.presets import SHAPES
-from toolkit.recipe_schema import _matching_branches, load_schema
+from toolkit.recipe_schema import _matching_branches, exclusive_keys, load_schema
 from toolkit.specs import BatchSpec, DataSpec, ModelSpec
+
+
+def _defaults(section_schema: dict) -> dict:
+    """The schema's default of each key of a section that has one."""
+    return {k: v["default"] for k, v in section_schema["properties"].items() if "default" in v}
 
 
 def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[str]]:
@@ -77,13 +82,21 @@ def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
                 errors.append(f"recipe.model.{key}: only llama models have this key (family is gpt2)")
     pretrained = pretrained_type = None
     if "pretrained" in model:
-        clash = [k for k in ("size", *explicit) if k in given]
+        # NOTE: the default size, written out (a run's own recipe.json has it), is not a clash.
+        model_schema = load_schema()["properties"]["model"]
+        clash = [k for k in exclusive_keys(model_schema)["pretrained"]
+                 if k in given and given[k] != _defaults(model_schema).get(k)]
         if clash:
             errors.append(f"recipe.model.pretrained: excludes {', '.join(clash)} (the folder's config.json sets the shape)")
         pretrained = Path(model["pretrained"])
         if recipe_dir is not None and not pretrained.is_absolute():
             pretrained = recipe_dir / pretrained
-        if not (pretrained / "config.json").is_file():
+        try:
+            has_config = (pretrained / "config.json").is_file()
+        except OSError as exc:  # a name too long for the file system
+            errors.append(f"recipe.model.pretrained: cannot read: {exc.strerror}")
+            has_config = None
+        if has_config is False:
             errors.append(f"recipe.model.pretrained: {pretrained}: no config.json there")
         else:
             config = _read_pretrained_config(pretrained / "config.json")
@@ -145,6 +158,9 @@ def _data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSp
         return None, errors
     kind, common = data["kind"], dict(kind=data["kind"], seq_len=data["seq_len"], seed=data["seed"])
     if kind == "synthetic":
+        if data["branching"] > data["vocab_size"]:
+            return None, [f"recipe.data.branching: {data['branching']} exceeds data.vocab_size {data['vocab_size']} "
+                          "(each token's successors are drawn from the vocabulary)"]
         return DataSpec(**common, vocab_size=data["vocab_size"], branching=data["branching"],
                         num_samples=data["num_samples"], eval_samples=data["eval_samples"]), []
 
@@ -181,18 +197,18 @@ def _training_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[int, 
     if data["kind"] != "synthetic":
         return 0, [f"recipe.training.epochs: needs data.kind synthetic (a {data['kind']} corpus's sequence count is "
                    "known only once it is tokenized); give training.max_steps"]
-    # An epoch is the whole global batches that fit (the stream drops the remainder).
-    steps_per_epoch = data["num_samples"] // batch.global_batch
-    return max(math.ceil(training["epochs"] * steps_per_epoch), 1), []
+    return max(math.ceil(training["epochs"] * steps_per_epoch(data, batch)), 1), []
+
+
+def steps_per_epoch(data: dict, batch: BatchSpec) -> int:
+    """Optimizer steps in one pass over synthetic data: the whole global batches that fit (the stream drops the rest)."""
+    return data["num_samples"] // batch.global_batch
 
 
 def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]:
     errors = []
     sched = r["scheduler"]
     if sched["type"] != "constant":
-        if sched["warmup_num_steps"] >= max_steps:
-            errors.append(f"recipe.scheduler.warmup_num_steps: {sched['warmup_num_steps']} is not shorter than the run "
-                          f"({max_steps} optimizer steps)")
         total = sched.get("total_num_steps")
         if total is not None and total <= sched["warmup_num_steps"]:
             errors.append(f"recipe.scheduler.total_num_steps: {total} must exceed warmup_num_steps "
@@ -214,9 +230,31 @@ def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
     if r["precision"]["dtype"] == "fp16" and training["device"] == "cpu":
         errors.append("recipe.precision.dtype: 'fp16' needs a CUDA device but training.device is 'cpu'; "
                       "use 'bf16' (or 'fp32') on a CPU")
-    if r["precision"]["dtype"] != "fp16" and "fp16" in r.get("_given_precision", {}):
-        errors.append("recipe.precision.fp16: loss scaling applies only to precision.dtype 'fp16'")
+    fp16_defaults = _defaults(load_schema()["properties"]["precision"]["properties"]["fp16"])
+    changed = [k for k, v in r.get("_given_precision", {}).get("fp16", {}).items() if v != fp16_defaults.get(k)]
+    if r["precision"]["dtype"] != "fp16" and changed:
+        errors.append(f"recipe.precision.fp16.{changed[0]}: loss scaling applies only to precision.dtype 'fp16'")
     return errors
+
+
+def recipe_warnings(r: dict, given: dict, max_steps: int) -> list[str]:
+    """Choices that run but may not be what the user meant, one line each (`toolkit validate` and `run` print them).
+
+    `r` has the schema defaults filled in; `given` is the recipe as written.
+    """
+    warnings = []
+    sched, lr = r["scheduler"], r["optimizer"]["lr"]
+    if sched["type"] != "constant" and sched["warmup_num_steps"] >= max_steps:
+        # NOTE: DeepSpeed accepts this too; a short trial run of a shipped recipe is the usual cause.
+        peak = sched.get("warmup_max_lr", lr) if sched["type"] != "WarmupCosineLR" else lr
+        warnings.append(f"recipe.scheduler.warmup_num_steps: {sched['warmup_num_steps']} is not shorter than the run "
+                        f"({max_steps} optimizer steps): the schedule is cut at the run's end, still warming up "
+                        f"(the lr never reaches {peak:g})")
+    if sched["type"] == "WarmupDecayLR" and "warmup_max_lr" not in given.get("scheduler", {}) \
+            and sched["warmup_max_lr"] != lr:
+        warnings.append(f"recipe.scheduler.warmup_max_lr: not given, so WarmupDecayLR warms up to "
+                        f"{sched['warmup_max_lr']:g} (DeepSpeed's default), not optimizer.lr {lr:g}; set it")
+    return warnings
 
 
 def fp16_device_warning(dtype: str, device: str) -> str | None:

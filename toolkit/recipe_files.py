@@ -1,28 +1,118 @@
-"""Reading recipe files: a shipped recipe's name or a path, JSON with line:col errors
-and duplicate keys refused, and `extends` (a base recipe, merged under the child).
+"""Reading recipe files: a shipped recipe's name or a path, JSON with line:col errors,
+duplicate keys, oversized files and pathological nesting refused (`parse_json`, also used
+for override values), and `extends` (a base recipe, merged under the child).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from pathlib import Path
 
-from toolkit.recipe_schema import RecipeError, _json_path, _json_type
+from toolkit.recipe_schema import RecipeError, _json_path, _json_type, clipped
 from toolkit.resources import shipped_dir
 
 
 def find_recipe_file(name_or_path: str | os.PathLike) -> Path:
     """A recipe path, or the name of a shipped recipe (`quickstart`, `recipes/quickstart.json`)."""
     path = Path(name_or_path)
-    if path.is_file():
+    if _is_regular_file(path):
         return path
     stem = path.name[:-5] if path.name.endswith(".json") else path.name
     shipped = shipped_dir("recipes") / f"{stem}.json"
-    if path.parent in (Path("."), Path("recipes")) and shipped.is_file():
+    if path.parent in (Path("."), Path("recipes")) and _is_regular_file(shipped):
         return shipped
-    if path.is_dir():
-        raise RecipeError(f"{path}: is a directory, expected a recipe JSON file")
-    raise RecipeError(f"{path}: recipe file not found (shipped recipes: `toolkit recipes`)")
+    reason = _not_a_regular_file(path, "recipe")
+    if reason is not None and not reason.endswith("not found"):
+        raise RecipeError(f"{clipped(str(path))}: {reason}")
+    raise RecipeError(f"{clipped(str(path))}: recipe file not found (shipped recipes: `toolkit recipes`)")
+
+
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def _not_a_regular_file(path: Path, what: str) -> str | None:
+    """Why `path` cannot be read as a recipe file (missing, a directory, a FIFO or device), or None."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "file not found"
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+        return f"cannot read: {clipped(getattr(exc, 'strerror', None) or str(exc))}"
+    if stat.S_ISDIR(mode):
+        return f"is a directory, expected a {what} JSON file"
+    if not stat.S_ISREG(mode):
+        return f"is not a regular file (a FIFO, socket or device), expected a {what} JSON file"
+    return None
+
+
+def _check_regular_file(path: Path, what: str) -> None:
+    """Raise a one-line RecipeError unless `path` is a regular file."""
+    reason = _not_a_regular_file(path, what)
+    if reason is not None:
+        raise RecipeError(f"{clipped(str(path))}: {reason}")
+
+
+# NOTE: a recipe is a few KB and four levels deep; these caps keep a wrong file (a 50 MB dump, a
+# pathological nesting) from taking minutes or Python's recursion limit, and are far above any recipe.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_NESTING = 100
+
+
+def _nesting_depth(text: str) -> int:
+    """How deeply arrays and objects nest in JSON text (strings skipped), without recursing."""
+    depth = deepest = 0
+    for bracket in re.findall(r"[\[\]{}]", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def nesting_depth(value) -> int:
+    """How deeply lists and dicts nest in a Python value, without recursing."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def check_nesting(value, parts=()) -> None:
+    """Raise a one-line RecipeError when a Python value nests deeper than MAX_NESTING."""
+    depth = nesting_depth(value)
+    if depth > MAX_NESTING:
+        raise RecipeError(f"{_json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
+                          f"(at most {MAX_NESTING} are read)")
+
+
+def parse_json(text: str, parts=()):
+    """JSON text as plain values, the way every recipe text is read (files and override values).
+
+    Refused in one line each, naming the JSON path under `parts`: nesting deeper than MAX_NESTING
+    (checked before parsing: json.loads and every walker recurse), numbers Python will not read
+    (more than 4300 digits) and duplicate keys. A malformed text raises json.JSONDecodeError.
+    """
+    depth = _nesting_depth(text)
+    if depth > MAX_NESTING:
+        raise RecipeError(f"{_json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
+                          f"(at most {MAX_NESTING} are read)")
+    try:
+        data = json.loads(text, object_pairs_hook=_object_keeping_duplicates)
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise RecipeError(f"{_json_path(parts)}: a number too long to read ({clipped(str(exc))})") from None
+    duplicates = _duplicate_key_errors(data, tuple(parts))
+    if duplicates:
+        raise RecipeError(*duplicates)
+    return _plain(data)
 
 
 class _JsonObject(dict):
@@ -57,25 +147,27 @@ def _plain(node):
 
 
 def _read_json_object(path: Path) -> dict:
+    _check_regular_file(path, "recipe")
     try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_RECIPE_BYTES + 1)
         # NOTE: utf-8-sig also reads files that an editor saved with a byte-order mark.
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: file not found") from None
+        text = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{path}: cannot read: {exc}") from None
+        raise RecipeError(f"{path}: cannot read: {clipped(str(exc))}") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: larger than {MAX_RECIPE_BYTES >> 20} MiB, not a recipe (a recipe is a few KB)")
     if not text.strip():
         raise RecipeError(f"{path}: empty file, expected a JSON object")
     try:
-        data = json.loads(text, object_pairs_hook=_object_keeping_duplicates)
+        data = parse_json(text)
     except json.JSONDecodeError as exc:
         raise RecipeError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+    except RecipeError as exc:
+        raise RecipeError(*(f"{path}: {line}" for line in exc.lines)) from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: expected a JSON object at the top level, got {_json_type(data)}")
-    duplicates = _duplicate_key_errors(data)
-    if duplicates:
-        raise RecipeError(*(f"{path}: {line}" for line in duplicates))
-    return _plain(data)
+    return data
 
 
 def deep_merge(base: dict, child: dict) -> dict:
@@ -89,19 +181,31 @@ def deep_merge(base: dict, child: dict) -> dict:
     return merged
 
 
-def _load_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+def _load_with_extends(path: Path) -> dict:
+    """The recipe at `path` merged over its `extends` chain, base first; a loop, so a chain may be any length."""
+    chain: list[Path] = []
+    layers: list[dict] = []
     path = path.resolve()
-    if path in chain:
-        cycle = " -> ".join(p.name for p in (*chain, path))
-        raise RecipeError(f"{chain[-1]}: recipe.extends: cycle {cycle}")
-    data = _read_json_object(path)
-    data.pop("$schema", None)
-    base_ref = data.pop("extends", None)
-    if base_ref is None:
-        return data
-    if not isinstance(base_ref, str):
-        raise RecipeError(f"{path}: recipe.extends: {base_ref!r} is not a path string")
-    base_path = path.parent / base_ref
-    if not base_path.is_file():
-        raise RecipeError(f"{path}: recipe.extends: {base_ref}: file not found (looked at {base_path})")
-    return deep_merge(_load_with_extends(base_path, (*chain, path)), data)
+    while True:
+        if path in chain:
+            cycle = " -> ".join(p.name for p in (*chain, path))
+            raise RecipeError(f"{chain[-1]}: recipe.extends: cycle {cycle}")
+        data = _read_json_object(path)
+        data.pop("$schema", None)
+        chain.append(path)
+        layers.append(data)
+        base_ref = data.pop("extends", None)
+        if base_ref is None:
+            break
+        if not isinstance(base_ref, str):
+            raise RecipeError(f"{path}: recipe.extends: {clipped(json.dumps(base_ref))} is not a path string")
+        base_path = path.parent / base_ref
+        reason = _not_a_regular_file(base_path, "base recipe")
+        if reason is not None:
+            where = f" (looked at {clipped(str(base_path))})" if reason.endswith("not found") else ""
+            raise RecipeError(f"{path}: recipe.extends: {clipped(base_ref)}: {reason}{where}")
+        path = base_path.resolve()
+    merged = layers.pop()
+    while layers:
+        merged = deep_merge(merged, layers.pop())
+    return merged

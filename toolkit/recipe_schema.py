@@ -15,8 +15,16 @@ from toolkit.errors import UserError
 from toolkit.resources import schema_path
 
 
+def clipped(text: str, limit: int = 80) -> str:
+    """`text`, or its start and how much was left out: an error line never echoes a whole 50 MB value."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 class RecipeError(UserError):
-    """The recipe is invalid; one line per problem."""
+    """The recipe is invalid; one line per problem (each clipped to 400 characters)."""
+
+    def __init__(self, *lines: str):
+        super().__init__(*(clipped(str(line), 400) for line in lines))
 
 
 @lru_cache(maxsize=1)
@@ -28,7 +36,7 @@ def load_schema() -> dict:
 def _json_path(parts) -> str:
     out = "recipe"
     for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+        out += f"[{part}]" if isinstance(part, int) else f".{clipped(part, 40)}"
     return out
 
 
@@ -75,7 +83,7 @@ def _format_schema_error(error, recipe: dict) -> list[str]:
         expected = error.validator_value
         expected = [expected] if isinstance(expected, str) else expected
         wanted = " or ".join(_TYPE_NAMES.get(t, t) for t in expected)
-        return [f"{where}: {json.dumps(error.instance)} is not {wanted}"]
+        return [f"{where}: {clipped(json.dumps(error.instance))} is not {wanted}"]
     if error.validator == "enum":
         hint = ""
         if isinstance(error.instance, str):
@@ -84,16 +92,25 @@ def _format_schema_error(error, recipe: dict) -> list[str]:
             hint = f"; did you mean '{close[0]}'?" if close else ""
         if "then" in error.schema_path and list(error.absolute_path) == ["model", "size"]:
             hint = f" (sizes of family {recipe['model'].get('family', 'gpt2')}){hint}"
-        return [f"{where}: {json.dumps(error.instance)} is not one of {json.dumps(error.validator_value)}{hint}"]
-    return [f"{where}: {error.message}"]
+        return [f"{where}: {clipped(json.dumps(error.instance))} is not one of {json.dumps(error.validator_value)}{hint}"]
+    # jsonschema's messages quote the value (`'xxx' is too long`): quote a long one clipped.
+    return [f"{where}: {error.message.replace(repr(error.instance), clipped(repr(error.instance)))}"]
 
 
-def _non_finite_errors(node, parts=()) -> list[str]:
-    """NaN and Infinity: Python's JSON reader accepts them and JSON Schema ranges do not catch NaN."""
+# NOTE: no recipe number is near this (token counts stay below 2**53); past it torch and numpy overflow.
+NUMBER_LIMIT = 2 ** 63
+
+
+def _number_errors(node, parts=()) -> list[str]:
+    """NaN and Infinity (Python's JSON reader accepts them and JSON Schema ranges do not catch NaN), and
+    numbers past NUMBER_LIMIT, wherever they are in the recipe."""
     if isinstance(node, float) and not math.isfinite(node):
         return [f"{_json_path(parts)}: {json.dumps(node)} is not a finite number"]
+    if isinstance(node, (int, float)) and not isinstance(node, bool) and abs(node) >= NUMBER_LIMIT:
+        return [f"{_json_path(parts)}: {clipped(json.dumps(node), 30)} is out of range (a recipe's numbers are "
+                "below 2**63)"]
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    return [line for key, value in items for line in _non_finite_errors(value, (*parts, key))]
+    return [line for key, value in items for line in _number_errors(value, (*parts, key))]
 
 
 def _document_order(recipe: dict, parts) -> list[int]:
@@ -124,9 +141,9 @@ def _narrowest_enum_errors(errors: list) -> list:
 
 def schema_errors(recipe: dict) -> list[str]:
     """Every schema violation, one line each, in document order."""
-    non_finite = _non_finite_errors(recipe)
-    if non_finite:
-        return non_finite
+    numbers = _number_errors(recipe)
+    if numbers:
+        return numbers
     # NOTE: jsonschema imports rfc3987_syntax when it is installed (jupyter brings it),
     # which spends ~1.6 s building a grammar; recipes use no `format`, so keep it out.
     sys.modules.setdefault("rfc3987_syntax", None)
@@ -138,6 +155,20 @@ def schema_errors(recipe: dict) -> list[str]:
     for error in sorted(errors, key=lambda e: _document_order(recipe, e.absolute_path)):
         lines.extend(_format_schema_error(error, recipe))
     return lines
+
+
+def exclusive_keys(node: dict) -> dict[str, list[str]]:
+    """For each key of an object schema, the keys it excludes (both ways): `oneOf` branches of the form
+    `{"required": [a], "not": {"required": [b]}}`, and a property's `excludes` list."""
+    pairs = [(a, b) for branch in node.get("oneOf", ()) for a in branch.get("required", ())
+             for b in branch.get("not", {}).get("required", ())]
+    pairs += [(key, other) for key, sub in node.get("properties", {}).items() for other in sub.get("excludes", ())]
+    out: dict[str, list[str]] = {}
+    for a, b in pairs:
+        for key, other in ((a, b), (b, a)):
+            if other not in out.setdefault(key, []):
+                out[key].append(other)
+    return out
 
 
 def _coerce_integers(node: dict, instance: Any) -> Any:

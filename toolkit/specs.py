@@ -122,6 +122,7 @@ class TrainingSpec:
     device: str
     compile: bool = False
     peak_tflops: float | None = None  # per device, for MFU; None: the datasheet table (toolkit/flops.py)
+    steps_per_epoch: int | None = None  # set when the recipe gives training.epochs (the progress line shows them)
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,9 @@ class Recipe:
     logging: LoggingSpec
     checkpoint: CheckpointSpec
     kernels: KernelsSpec
+    # Choices that run but may not be what the user meant, one line each naming the key; the CLI prints them.
+    warnings: tuple[str, ...] = ()
 
     def to_json(self) -> str:
-        """The resolved recipe as written to <run_dir>/recipe.json."""
-        return json.dumps({**self.resolved, "name": self.name, "recipe_hash": self.hash}, indent=2) + "\n"
+        """The resolved recipe as written to <run_dir>/recipe.json: a recipe that reruns as it stands, with its hash."""
+        return json.dumps({**self.resolved, "recipe_hash": self.hash}, indent=2) + "\n"

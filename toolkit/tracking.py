@@ -37,8 +37,9 @@ def _fmt_duration(seconds: float) -> str:
 class ConsoleTracker:
     """A progress line (rewritten in place on a terminal, one line per log otherwise)."""
 
-    def __init__(self, total_steps: int, stream=None):
+    def __init__(self, total_steps: int, stream=None, steps_per_epoch: int | None = None):
         self.total_steps = total_steps
+        self.steps_per_epoch = steps_per_epoch  # an epoch-based run shows `epoch 1.50/2.00`
         self.stream = stream or sys.stdout
         self.interactive = self.stream.isatty()
         self._start = time.perf_counter()
@@ -51,7 +52,9 @@ class ConsoleTracker:
             return
         elapsed = time.perf_counter() - self._start
         eta = elapsed / max(step, 1) * (self.total_steps - step) if step else float("nan")
-        line = (f"step {step:>6}/{self.total_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+        epoch = (f"epoch {step / self.steps_per_epoch:.2f}/{self.total_steps / self.steps_per_epoch:.2f} | "
+                 if self.steps_per_epoch else "")
+        line = (f"step {step:>6}/{self.total_steps} | {epoch}loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
                 f"{metrics['tokens_per_s'] / 1e3:8.1f}k tok/s | ETA {_fmt_duration(eta)}")
         if "mfu" in metrics:
             line += f" | MFU {metrics['mfu']:.1%}"
@@ -132,11 +135,12 @@ class Trackers:
 
 
 def build_trackers(spec: LoggingSpec, run_dir: Path, total_steps: int, *, console: bool, append: bool,
-                   wandb_run_id: str | None = None, config: dict | None = None) -> Trackers:
+                   wandb_run_id: str | None = None, config: dict | None = None,
+                   steps_per_epoch: int | None = None) -> Trackers:
     """The trackers a recipe's logging section asks for (JSONL always)."""
     trackers = [JsonlTracker(run_dir / "metrics.jsonl", append=append)]
     if console:
-        trackers.append(ConsoleTracker(total_steps))
+        trackers.append(ConsoleTracker(total_steps, steps_per_epoch=steps_per_epoch))
     if spec.tensorboard:
         trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
     if spec.wandb.mode != "disabled":

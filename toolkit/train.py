@@ -134,7 +134,8 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     if info.is_main:
         trackers = build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet,
                                   append=resumed is not None, config=recipe.resolved,
-                                  wandb_run_id=resumed.wandb_run_id if resumed is not None else None)
+                                  wandb_run_id=resumed.wandb_run_id if resumed is not None else None,
+                                  steps_per_epoch=training.steps_per_epoch)
     if not quiet:
         print(startup_table(recipe, engine, dataset, mfu), flush=True)
         print(f"run dir | {run_dir}", flush=True)
