@@ -44,4 +44,5 @@ def test_a_pretrained_qwen2_run_is_labelled_by_its_config_in_the_table_and_recip
     assert "3 layers, width 32, 4 heads" in model_row  # the folder's shape, not the tiny preset's
     assert "gpt2" not in done.stdout
     saved = json.loads((run_dir / "recipe.json").read_text())["model"]
-    assert saved["pretrained"] == "tiny-qwen2" and "family" not in saved and "size" not in saved
+    # NOTE: anchored to the folder, so the run's recipe.json reruns from anywhere.
+    assert saved["pretrained"] == str(qwen2_recipe / "tiny-qwen2") and "family" not in saved and "size" not in saved
