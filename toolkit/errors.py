@@ -9,3 +9,14 @@ class UserError(Exception):
     def __init__(self, *lines: str):
         self.lines = [str(line) for line in lines]
         super().__init__("\n".join(self.lines))
+
+
+def describe_os_error(exc: BaseException) -> str:
+    """Why an I/O call failed, in a few words: `No space left on device (ENOSPC)` for an OSError."""
+    import errno
+    import os
+
+    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+        return f"{exc.strerror or os.strerror(exc.errno)} ({errno.errorcode[exc.errno]})"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

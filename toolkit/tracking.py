@@ -20,8 +20,11 @@ class JsonlTracker:
         self._file = open(path, "a" if append else "w", encoding="utf-8")
 
     def log(self, metrics: dict) -> None:
-        self._file.write(json.dumps(metrics) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(metrics) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a write's error has no file name: give it ours
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
     def close(self) -> None:
         self._file.close()
