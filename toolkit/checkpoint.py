@@ -153,7 +153,8 @@ class Checkpointer:
                 path = save_checkpoint(self.dir, engine.global_step, state, meta, shard)
         except UserError as exc:  # a write failed; the temp dir is gone, the earlier checkpoints are untouched
             kept = f"{self.last_saved_path} is intact" if self.last_saved_path is not None else "none saved before"
-            raise UserError(*(f"checkpoint step {engine.global_step}: {line}; earlier checkpoint: {kept}"
+            raise UserError(*(f"checkpoint step {engine.global_step}: {line}; earlier checkpoint: {kept}; free "
+                              "space or fix the permissions, then rerun the same command to resume"
                               for line in exc.lines)) from None
         self.last_saved_step, self.last_saved_path = engine.global_step, path
         if info is not None and info.active and info.rank != 0:  # rank 0 alone deletes stale and surplus ones

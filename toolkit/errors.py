@@ -15,8 +15,12 @@ def describe_os_error(exc: BaseException) -> str:
     """Why an I/O call failed, in a few words: `No space left on device (ENOSPC)` for an OSError."""
     import errno
     import os
+    import re
 
-    if isinstance(exc, OSError) and exc.errno in errno.errorcode:
-        return f"{exc.strerror or os.strerror(exc.errno)} ({errno.errorcode[exc.errno]})"
+    code = exc.errno if isinstance(exc, OSError) else None
+    found = re.search(r"\(os error (\d+)\)", str(exc))  # safetensors: "I/O error: File too large (os error 27)"
+    code = code if code is not None else int(found.group(1)) if found else None
+    if code in errno.errorcode:
+        return f"{getattr(exc, 'strerror', None) or os.strerror(code)} ({errno.errorcode[code]})"
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -52,8 +52,7 @@ class RunDirLock:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise UserError(f"{exc.filename or path}: cannot create the run directory's lock file: "
-                            f"{describe_os_error(exc)}; choose another --run-dir") from None
+            raise _not_writable(self.run_dir, "the run directory", exc) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -86,13 +85,17 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _not_writable(directory: Path, what: str, exc: OSError) -> UserError:
+    return UserError(f"{directory}: {what} is not writable: {describe_os_error(exc)}; "
+                     "make it writable or choose another --run-dir")
+
+
 def _probe_writable(directory: Path, what: str) -> None:
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".tmp-probe-"):
             pass
     except OSError as exc:
-        raise UserError(f"{directory}: {what} is not writable: {describe_os_error(exc)}; "
-                        "make it writable or choose another --run-dir") from None
+        raise _not_writable(directory, what, exc) from None
 
 
 def check_writable(run_dir: Path, checkpoint_dir: Path | None) -> None:
@@ -102,8 +105,9 @@ def check_writable(run_dir: Path, checkpoint_dir: Path | None) -> None:
         return
     existing = _nearest_existing(checkpoint_dir)
     if not existing.is_dir():
-        raise UserError(f"{existing}: exists and is not a directory, but checkpoints go to {checkpoint_dir} "
-                        "(recipe.checkpoint.dir); move it away or set checkpoint.dir")
+        inside = "" if existing == checkpoint_dir else f", and checkpoints go inside it to {checkpoint_dir}"
+        raise UserError(f"{existing}: is a file, not a directory{inside} (recipe.checkpoint.dir); "
+                        "move the file away or set checkpoint.dir to another name")
     if existing != run_dir:
         _probe_writable(existing, "the checkpoint directory")
 
