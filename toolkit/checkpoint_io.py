@@ -15,18 +15,20 @@ from toolkit.checkpoint_files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIF
                                       _fsync_dir, _fsync_file, _read_json, _remove_dir, _write_json, _write_pointer,
                                       make_temp_dir, sha256_file, step_dir_name, verify_checkpoint)
 from toolkit.checkpoint_state import flatten_state, unflatten_state
-from toolkit.errors import UserError, describe_os_error
+from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error, os_errno
 
 
 @contextmanager
 def _naming_failed_writes(path: Path):
     """A write that fails inside (full disk, file-size limit, read-only) is one UserError line naming the file:
-    the error's own file name where it has one, else `path`."""
+    the error's own file name where it has one, else `path`. Other errors keep their traceback."""
     from safetensors import SafetensorError
 
     try:
         yield
     except (OSError, SafetensorError) as exc:
+        if os_errno(exc) not in WRITE_ERRNOS:
+            raise
         raise UserError(f"{getattr(exc, 'filename', None) or path}: cannot write: {describe_os_error(exc)}") from None
 
 

@@ -53,9 +53,8 @@ def _cmd_run(args) -> int:
     from toolkit.run_stop import RunStopped
     from toolkit.train import run
 
-    recipe = load_recipe(args.recipe, args.overrides)
     try:
-        run(recipe, run_dir=args.run_dir)
+        run(load_recipe(args.recipe, args.overrides), run_dir=args.run_dir)
     except (UserError, RunStopped, RuntimeError) as exc:  # one line each (a bug keeps its traceback)
         return end_rank(exc)
     return 0

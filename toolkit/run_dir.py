@@ -13,7 +13,6 @@ file a failed checkpoint write was writing), signals (toolkit/run_stop.py).
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import shutil
@@ -21,16 +20,13 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
-from toolkit.errors import UserError, describe_os_error
+from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error
 
 LOCK_FILE = ".toolkit-run.lock"
 LOCK_HELD_ENV = "TOOLKIT_RUN_DIR_LOCKED"  # the run directory (resolved) whose lock the --nproc launcher holds
 # NOTE: measured on quickstart: 12.7 bytes per parameter at stage 0 fp32 (fp32 weights + AdamW's two
 # fp32 moments, plus RNG and data state), 12.1 at stage 2 bf16 (fp32 master + moments in the ZeRO shard).
 CHECKPOINT_BYTES_PER_PARAMETER = 12
-# What a failed write reports: full disk, quota, file-size limit, read-only or forbidden, a file in a folder's place.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
-                errno.EEXIST, errno.EISDIR, errno.EIO}
 
 
 def default_run_dir(recipe) -> Path:

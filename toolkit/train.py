@@ -6,7 +6,8 @@ Run directory contract: recipe.json (resolved recipe + hash), metrics.jsonl
 (one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s,
 elapsed_s, mfu where the device's peak is known, the memory fields of
 toolkit/memory_monitor.py, ...; evaluation lines carry eval_loss), memory.png
-(the memory timeline), tensorboard/, checkpoints/.
+(the memory timeline), tensorboard/, checkpoints/, and .toolkit-run.lock (one run at a time:
+toolkit/run_dir.py).
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
 
     Under torchrun every rank calls this; rank 0 alone prints, logs and writes the run directory's
     files (checkpoints: every rank writes its ZeRO shard), each rank trains on its slots of the data.
+    SIGTERM/SIGINT stop it at a step boundary with a checkpoint: `RunStopped` (toolkit/run_stop.py).
     """
     info = start_process_group(recipe.batch.world_size, recipe.training.device)
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all

@@ -105,6 +105,8 @@ def _cause(exitcode: int) -> str:
         return f"killed by {name}{oom}"
     if exitcode > 128 and exitcode - 128 in signal.valid_signals():
         return f"stopped by {signal.Signals(exitcode - 128).name}"
+    if exitcode == EXIT_USER_ERROR:
+        return "a user error (its line is above)"
     return f"exit code {exitcode} (its traceback is above)"
 
 
@@ -197,6 +199,10 @@ def end_rank(exc: BaseException) -> int:
         for line in lines:
             print(line, file=sys.stderr, flush=True)
     elif code != EXIT_PEER_LOST and lines:  # under the launcher, which names the rank that failed first
-        (Path(notes) / f"rank-{rank:05d}.json").write_text(
-            json.dumps({"rank": rank, "exit_code": code, "lines": lines}), encoding="utf-8")
+        try:
+            (Path(notes) / f"rank-{rank:05d}.json").write_text(
+                json.dumps({"rank": rank, "exit_code": code, "lines": lines}), encoding="utf-8")
+        except OSError:  # no room for the note: say it here
+            for line in lines:
+                print(line, file=sys.stderr, flush=True)
     return code
