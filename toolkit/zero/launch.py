@@ -170,13 +170,17 @@ def die_with_launcher() -> None:
         return
     import ctypes
 
-    # NOTE: PR_SET_PDEATHSIG fires when the thread that started us ends; torch elastic starts the
-    # ranks from the launcher's main thread, so that is the launcher's own end.
+    # NOTE: PR_SET_PDEATHSIG fires when the parent (the thread that started us) ends; torch elastic
+    # starts the ranks from the launcher's main thread (a numactl wrapper execs, keeping the pid).
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
         return
-    if os.getppid() != int(launcher):  # it died before we asked: nobody is left to report to
+    if os.getppid() == int(launcher):
+        return
+    try:
+        os.kill(int(launcher), 0)
+    except ProcessLookupError:  # it died before we asked: nobody is left to report to
         os._exit(EXIT_PEER_LOST)
 
 
