@@ -67,6 +67,7 @@ class Checkpointer:
         self.spec = recipe.checkpoint
         self.dir = Path(run_dir) / self.spec.dir
         self.last_saved_step: int | None = None
+        self.last_saved_path: Path | None = None  # the checkpoint a rerun resumes from (saved or restored)
         self._stale: list[str] = []
 
     def resume_point(self) -> Checkpoint | None:
@@ -114,7 +115,7 @@ class Checkpointer:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"{ckpt.path}: the checkpoint does not fit this model: {first}") from None
         stream.load_state_dict(ckpt.state["stream"])
-        self.last_saved_step = ckpt.step
+        self.last_saved_step, self.last_saved_path = ckpt.step, ckpt.path
 
     def after_step(self, engine, stream, wandb_run_id: str | None) -> Path | None:
         """Save when the step is a multiple of checkpoint.interval."""
@@ -129,6 +130,13 @@ class Checkpointer:
             return self.save(engine, stream, wandb_run_id)
         return None
 
+    def save_for_resume(self, engine, stream, wandb_run_id: str | None) -> Path | None:
+        """On a stop signal: save this step unless it is saved already, nothing is trained, or saving is off."""
+        step = engine.global_step
+        if step == 0 or self.last_saved_step == step or not (self.spec.interval or self.spec.save_final):
+            return self.last_saved_path if self.last_saved_step == step else None
+        return self.save(engine, stream, wandb_run_id)
+
     def save(self, engine, stream, wandb_run_id: str | None) -> Path:
         """Save now, then delete stale and surplus checkpoints (only after the new one is complete).
         A diverged run (non-finite loss) raises its error instead of saving."""
@@ -136,17 +144,22 @@ class Checkpointer:
         state = {"engine": engine.state_dict(), "stream": stream.state_dict(), "rng": capture_rng_state()}
         meta = checkpoint_meta(self.recipe, engine, wandb_run_id)
         info = getattr(engine, "dist", None)
-        if info is not None and info.active:  # several ranks: ZeRO shards from each, the rest from rank 0
-            shards = engine.write_shard if engine.sharded_checkpoint else None
-            path = save_distributed_checkpoint(self.dir, engine.global_step, state, meta, info, shards)
-            self.last_saved_step = engine.global_step
-            if info.rank != 0:  # rank 0 alone deletes stale and surplus checkpoints
-                self._stale = []
-                return path
-        else:
-            shard = engine.write_shard if getattr(engine, "sharded_checkpoint", False) else None
-            path = save_checkpoint(self.dir, engine.global_step, state, meta, shard)
-        self.last_saved_step = engine.global_step
+        try:
+            if info is not None and info.active:  # several ranks: ZeRO shards from each, the rest from rank 0
+                shards = engine.write_shard if engine.sharded_checkpoint else None
+                path = save_distributed_checkpoint(self.dir, engine.global_step, state, meta, info, shards)
+            else:
+                shard = engine.write_shard if getattr(engine, "sharded_checkpoint", False) else None
+                path = save_checkpoint(self.dir, engine.global_step, state, meta, shard)
+        except UserError as exc:  # a write failed; the temp dir is gone, the earlier checkpoints are untouched
+            kept = f"{self.last_saved_path} is intact" if self.last_saved_path is not None else "none saved before"
+            raise UserError(*(f"checkpoint step {engine.global_step}: {line}; earlier checkpoint: {kept}; free "
+                              "space or fix the permissions, then rerun the same command to resume"
+                              for line in exc.lines)) from None
+        self.last_saved_step, self.last_saved_path = engine.global_step, path
+        if info is not None and info.active and info.rank != 0:  # rank 0 alone deletes stale and surplus ones
+            self._stale = []
+            return path
         for name in self._stale:
             if name != path.name and (self.dir / name).is_dir():
                 _remove_dir(self.dir / name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,21 @@ from toolkit.checkpoint_files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIF
                                       _fsync_dir, _fsync_file, _read_json, _remove_dir, _write_json, _write_pointer,
                                       make_temp_dir, sha256_file, step_dir_name, verify_checkpoint)
 from toolkit.checkpoint_state import flatten_state, unflatten_state
-from toolkit.errors import UserError
+from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error, os_errno
+
+
+@contextmanager
+def _naming_failed_writes(path: Path):
+    """A write that fails inside (full disk, file-size limit, read-only) is one UserError line naming the file:
+    the error's own file name where it has one, else `path`. Other errors keep their traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        if os_errno(exc) not in WRITE_ERRNOS:
+            raise
+        raise UserError(f"{getattr(exc, 'filename', None) or path}: cannot write: {describe_os_error(exc)}") from None
 
 
 def _write_state_files(tmp: Path, step: int, state: dict, meta: dict, shard_files: dict | None = None) -> None:
@@ -22,21 +37,25 @@ def _write_state_files(tmp: Path, step: int, state: dict, meta: dict, shard_file
     from safetensors.torch import save_file
 
     skeleton, tensors = flatten_state(state)
-    save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
-    _fsync_file(tmp / TENSORS_FILE)
-    _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
-                                   **meta, "state": skeleton})
+    with _naming_failed_writes(tmp / TENSORS_FILE):
+        save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
+        _fsync_file(tmp / TENSORS_FILE)
+    with _naming_failed_writes(tmp / STATE_FILE):
+        _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
+                                       **meta, "state": skeleton})
     files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
              for f in (TENSORS_FILE, STATE_FILE)}
     files.update(shard_files or {})
-    _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "files": files})
-    _fsync_dir(tmp)
+    with _naming_failed_writes(tmp / MANIFEST_FILE):
+        _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "files": files})
+        _fsync_dir(tmp)
 
 
 def _write_shard_file(tmp: Path, write_shard) -> tuple[str, dict]:
     """A rank's ZeRO shard written into tmp and fsynced: (file name, its manifest entry)."""
-    shard = write_shard(tmp)
-    _fsync_file(tmp / shard)
+    with _naming_failed_writes(tmp):
+        shard = write_shard(tmp)
+        _fsync_file(tmp / shard)
     return shard, {"sha256": sha256_file(tmp / shard), "bytes": (tmp / shard).stat().st_size}
 
 
@@ -44,21 +63,24 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, write_sh
     """Write <ckpt_dir>/step-NNNNNN (or <ckpt_dir>/`name`) atomically, then point `latest` at it; returns the
     step dir. `write_shard(tmp_dir) -> file name` adds a one-process ZeRO run's shard (stages 1-3, no group)."""
     ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
     name = name or step_dir_name(step)
     final = ckpt_dir / name
-    tmp = make_temp_dir(ckpt_dir, name)
+    with _naming_failed_writes(ckpt_dir):
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(ckpt_dir, name)
     try:
         shard_files = dict([_write_shard_file(tmp, write_shard)]) if write_shard is not None else {}
         _write_state_files(tmp, step, state, meta, shard_files=shard_files)
-        if final.exists():  # the same step saved again (a fresh run in an old run dir): replace it
-            _remove_dir(final)
-        os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
+        with _naming_failed_writes(final):
+            if final.exists():  # the same step saved again (a fresh run in an old run dir): replace it
+                _remove_dir(final)
+            os.rename(tmp, final)
+            _fsync_dir(ckpt_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_pointer(ckpt_dir / LATEST_FILE, name)  # last: `latest` only ever names a complete checkpoint
+    with _naming_failed_writes(ckpt_dir / LATEST_FILE):
+        _write_pointer(ckpt_dir / LATEST_FILE, name)  # last: `latest` only ever names a complete checkpoint
     return final
 
 
@@ -74,36 +96,46 @@ def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: di
     final = ckpt_dir / name
     box = [None]
     if info.rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        box = [str(make_temp_dir(ckpt_dir, name))]
+        try:
+            with _naming_failed_writes(ckpt_dir):
+                ckpt_dir.mkdir(parents=True, exist_ok=True)
+                box = [str(make_temp_dir(ckpt_dir, name))]
+        except UserError as exc:
+            box = [exc]
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UserError):  # every rank stops; rank 0 alone says why
+        raise box[0] if info.rank == 0 else UserError()
     tmp = Path(box[0])
     report = None
     try:
         if write_shard is not None:
             report = _write_shard_file(tmp, write_shard)
     except Exception as exc:  # every rank must hear of it, or the others wait forever
-        report = ("error", f"rank {info.rank}: {type(exc).__name__}: {exc}")
+        why = exc.lines[0] if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+        report = ("error", f"rank {info.rank}: {why}", isinstance(exc, UserError))
     reports = [None] * info.world_size
     dist.all_gather_object(reports, report)
-    errors = [r[1] for r in reports if r is not None and r[0] == "error"]
+    errors = [r for r in reports if r is not None and r[0] == "error"]
+    outcome = [None]  # rank 0's verdict: None (complete), or why the checkpoint was abandoned
     if info.rank == 0:
         try:
             if errors:
-                raise RuntimeError(f"checkpoint step {step}: a rank could not write its shard: {errors[0]}")
+                raise (UserError if errors[0][2] else RuntimeError)(errors[0][1])
             _write_state_files(tmp, step, state, meta, shard_files={r[0]: r[1] for r in reports if r is not None})
-            if final.exists():
-                _remove_dir(final)
-            os.rename(tmp, final)
-            _fsync_dir(ckpt_dir)
-            _write_pointer(ckpt_dir / LATEST_FILE, name)
-        except BaseException:
+            with _naming_failed_writes(final):
+                if final.exists():
+                    _remove_dir(final)
+                os.rename(tmp, final)
+                _fsync_dir(ckpt_dir)
+            with _naming_failed_writes(ckpt_dir / LATEST_FILE):
+                _write_pointer(ckpt_dir / LATEST_FILE, name)
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            dist.barrier()
+            dist.broadcast_object_list([str(exc) or type(exc).__name__], src=0)
             raise
-    dist.barrier()  # rank 0 renamed (or cleaned up): the checkpoint is complete for everyone
-    if errors:
-        raise RuntimeError(f"checkpoint step {step}: a rank could not write its shard: {errors[0]}")
+    dist.broadcast_object_list(outcome, src=0)  # rank 0 renamed (or cleaned up): complete for everyone
+    if outcome[0] is not None:
+        raise UserError()  # rank 0 raises the reason
     return final
 
 

@@ -79,7 +79,8 @@ def resume_changes(meta: dict, recipe: Recipe) -> tuple[list[str], list[str]]:
         order.append(f"recipe.batch.global_batch {meta['global_batch']} -> {recipe.batch.global_batch}")
     if order:
         refusals.append(f"resume: data order changed: {', '.join(order)} (the saved data position would point "
-                        "at other samples; start fresh with checkpoint.resume=never)")
+                        f"at other samples; {_keep_global_batch(meta, recipe)}start fresh with "
+                        "checkpoint.resume=never)")
     if refusals:
         return refusals, []
     notes = dict(_NOTES)
@@ -92,6 +93,19 @@ def resume_changes(meta: dict, recipe: Recipe) -> tuple[list[str], list[str]]:
         warnings.append(f"world size {meta.get('world_size', 1)} -> {recipe.batch.world_size} "
                         "(same global batch, same samples per step)")
     return refusals, warnings
+
+
+def _keep_global_batch(meta: dict, recipe: Recipe) -> str:
+    """The way to resume at another world size with the saved global batch (empty when that is not the change)."""
+    saved, b = meta["global_batch"], recipe.batch
+    if saved == b.global_batch or meta.get("world_size", 1) == b.world_size:
+        return ""
+    if saved % b.world_size:
+        return f"the saved global batch {saved} does not split over {b.world_size} ranks; "
+    per_step = b.micro_batch_per_rank * b.world_size
+    how = (f"batch.grad_accum_steps={saved // per_step}" if saved % per_step == 0 else
+           f"batch.global_batch={saved} with a batch.micro_batch_per_rank that divides {saved // b.world_size}")
+    return f"to continue at world size {b.world_size} with the saved global batch {saved}, set {how}; or "
 
 
 def checkpoint_meta(recipe: Recipe, engine, wandb_run_id: str | None) -> dict:

@@ -51,16 +51,25 @@ def _cmd_estimate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
-        from toolkit.zero.launch import launch_ranks
+    from pathlib import Path
 
-        _load_recipe_and_warn(args, args.nproc, warn=False)  # user mistakes: one line, here; warnings: rank 0's
-        rest = ["--run-dir", args.run_dir] if args.run_dir else []
-        return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, *rest])
+    from toolkit.zero.launch import die_with_launcher, end_rank, launch_ranks
+
+    if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
+        from toolkit.run_dir import default_run_dir
+
+        # user mistakes: one line, here; warnings: rank 0's
+        recipe = _load_recipe_and_warn(args, args.nproc, warn=False)
+        run_dir = args.run_dir or str(default_run_dir(recipe))
+        return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, "--run-dir", run_dir], Path(run_dir))
+    die_with_launcher()  # a rank of `--nproc`: ends with its launcher
+    from toolkit.run_stop import RunStopped
     from toolkit.train import run
 
-    recipe = _load_recipe_and_warn(args, warn=os.environ.get("RANK", "0") == "0")
-    run(recipe, run_dir=args.run_dir)
+    try:
+        run(_load_recipe_and_warn(args, warn=os.environ.get("RANK", "0") == "0"), run_dir=args.run_dir)
+    except (UserError, RunStopped, RuntimeError) as exc:  # one line each (a bug keeps its traceback)
+        return end_rank(exc)
     return 0
 
 

@@ -1,6 +1,10 @@
 """The one exception type for mistakes a user can fix (bad recipe, missing file,
 wrong world size, corrupt checkpoint). The CLI prints its lines and exits 2;
-anything else is a bug in the toolkit and keeps its traceback."""
+anything else is a bug in the toolkit and keeps its traceback. Plus how a failed
+write (full disk, file-size limit, read-only) is told in a few words."""
+import errno
+import os
+import re
 
 
 class UserError(Exception):
@@ -9,3 +13,25 @@ class UserError(Exception):
     def __init__(self, *lines: str):
         self.lines = [str(line) for line in lines]
         super().__init__("\n".join(self.lines))
+
+
+# What a failed write reports: full disk, quota, file-size limit, read-only or forbidden, a file in a folder's place.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                errno.EEXIST, errno.EISDIR, errno.EIO}
+
+
+def os_errno(exc: BaseException) -> int | None:
+    """The errno of an OSError, or of a library error that quotes one (safetensors: "... (os error 27)")."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(found.group(1)) if found else None
+
+
+def describe_os_error(exc: BaseException) -> str:
+    """Why an I/O call failed, in a few words: `No space left on device (ENOSPC)` for an OSError."""
+    code = os_errno(exc)
+    if code in errno.errorcode:
+        return f"{getattr(exc, 'strerror', None) or os.strerror(code)} ({errno.errorcode[code]})"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

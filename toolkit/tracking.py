@@ -18,13 +18,22 @@ class JsonlTracker:
     def __init__(self, path: Path, append: bool):
         self.path = path
         self._file = open(path, "a" if append else "w", encoding="utf-8")
+        self._failed = False  # a write failed (its line is still in the buffer)
 
     def log(self, metrics: dict) -> None:
-        self._file.write(json.dumps(metrics) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(metrics) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a write's error has no file name: give it ours
+            self._failed = True
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # flushing the line that already failed: reported by `log`
+            if not self._failed:
+                raise
 
 
 def _fmt_duration(seconds: float) -> str:

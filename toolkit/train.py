@@ -6,22 +6,25 @@ Run directory contract: recipe.json (resolved recipe + hash), metrics.jsonl
 (one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s,
 elapsed_s, mfu where the device's peak is known, the memory fields of
 toolkit/memory_monitor.py, ...; evaluation lines carry eval_loss), memory.png
-(the memory timeline), tensorboard/, checkpoints/.
+(the memory timeline), tensorboard/, checkpoints/, and .toolkit-run.lock (one run at a time:
+toolkit/run_dir.py).
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
 from toolkit.data import BatchStream, Dataset, eval_batches
 from toolkit.engine import Engine, check_device
+from toolkit.errors import UserError
 from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
 from toolkit.memory_monitor import MemoryMonitor
+from toolkit.run_dir import (check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir,
+                             write_failure)
+from toolkit.run_stop import RunStopped, StopSignals, under_elastic_launcher
 from toolkit.specs import Recipe
 from toolkit.tracking import Trackers, build_trackers
 from toolkit.zero.comm import barrier, broadcast_object, shutdown, start_process_group
@@ -48,11 +51,6 @@ class RunResult:
     @property
     def final_loss(self) -> float:
         return self.train_metrics[-1]["loss"]
-
-
-def default_run_dir(recipe: Recipe) -> Path:
-    """runs/<recipe-name>-<timestamp>."""
-    return Path("runs") / f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def model_shape_text(spec, model) -> str:
@@ -100,22 +98,64 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
 
     Under torchrun every rank calls this; rank 0 alone prints, logs and writes the run directory's
     files (checkpoints: every rank writes its ZeRO shard), each rank trains on its slots of the data.
+    SIGTERM/SIGINT stop it at a step boundary with a checkpoint: `RunStopped` (toolkit/run_stop.py).
     """
     check_device(recipe)  # a recipe this machine cannot run leaves no run dir behind
     info = start_process_group(recipe.batch.world_size, recipe.training.device)
-    quiet = quiet or not info.is_main
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
+    lock = _agree(lambda: claim_run_dir(run_dir), info)  # rank 0 holds it (or the --nproc launcher does)
+    stop = StopSignals(under_elastic_launcher()).install(run_dir, recipe.training.max_steps)
+    try:
+        return _train(recipe, run_dir, info, stop, quiet=quiet or not info.is_main)
+    finally:
+        stop.restore()
+        if lock is not None:
+            lock.release()
+
+
+def _agree(claim, info):
+    """Rank 0 runs `claim()`; its UserError stops every rank (the others silently: rank 0 says it)."""
+    problem = None
+    result = None
     if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    barrier(info)
+        try:
+            result = claim()
+        except UserError as exc:
+            problem = exc
+    if broadcast_object(problem.lines if problem is not None else None, info) is not None:
+        raise problem if problem is not None else UserError()
+    return result
+
+
+def _check_steps_left(recipe: Recipe, resumed, *, warn: bool) -> None:
+    """A checkpoint past training.max_steps is refused; one at it leaves nothing to train (a warning)."""
+    if resumed is None or resumed.step < recipe.training.max_steps:
+        return
+    where = f"the checkpoint {resumed.path} is at step {resumed.step}"
+    if resumed.step > recipe.training.max_steps:
+        raise UserError(f"recipe.training.max_steps: {recipe.training.max_steps} is below the step the run "
+                        f"resumes from: {where}; raise training.max_steps to train further, or start fresh with "
+                        "checkpoint.resume=never (or another --run-dir)")
+    if warn:
+        print(f"warning: recipe.training.max_steps: nothing to train: {where}, which is training.max_steps; "
+              "raise training.max_steps to train further", file=sys.stderr, flush=True)
+
+
+def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: bool) -> RunResult:
+    """The run behind `run`, in a run directory this process (or its launcher) holds."""
     checkpointer = Checkpointer(recipe, run_dir)
+    saves = recipe.checkpoint.interval > 0 or recipe.checkpoint.save_final
+    _agree(lambda: check_writable(run_dir, checkpointer.dir if saves else None), info)
     resumed = checkpointer.resume_point()  # before the run dir changes: a refused resume leaves it as it was
     start_step = resumed.step if resumed is not None else 0
+    _check_steps_left(recipe, resumed, warn=info.is_main)
+    engine = Engine(recipe)
+    if saves:
+        _agree(lambda: check_room_for_checkpoint(checkpointer.dir, engine.num_parameters), info)
     barrier(info)  # every rank has read the checkpoint before rank 0 touches the run dir
     if info.is_main:
         (run_dir / "recipe.json").write_text(recipe.to_json())
 
-    engine = Engine(recipe)
     monitor = MemoryMonitor(engine)
     mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size,
                     recipe.training.peak_tflops)
@@ -156,9 +196,13 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
             log({"step": step, "eval_loss": engine.evaluate(held_out)})
 
     start = window_start = time.perf_counter()
-    window_steps = 0
+    window_steps = stopped_by = 0
+    stop.deferring = True  # from here a signal stops the run at the next step boundary, with a checkpoint
     try:
         while engine.global_step < training.max_steps:
+            stopped_by = stop.agreed(info, engine.device)
+            if stopped_by:
+                break
             step_result = engine.train_batch(stream.next_step())
             step, window_steps = engine.global_step, window_steps + 1
             if step % training.log_interval == 0 or step == training.max_steps:
@@ -180,14 +224,23 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
             if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
                 evaluate(step)
             checkpointer.after_step(engine, stream, trackers.wandb_run_id)
-        if engine.global_step > start_step:  # a checkpoint already at max_steps has nothing left to do
-            evaluate(engine.global_step)
-        checkpointer.finish(engine, stream, trackers.wandb_run_id)
+        if stopped_by:
+            checkpointer.save_for_resume(engine, stream, trackers.wandb_run_id)
+        else:
+            if engine.global_step > start_step:  # a checkpoint already at max_steps has nothing left to do
+                evaluate(engine.global_step)
+            checkpointer.finish(engine, stream, trackers.wandb_run_id)
+    except OSError as exc:  # metrics, events, the memory plot: one line naming the file
+        raise (write_failure(exc, run_dir) or exc) from None
     finally:
         trackers.close()
         monitor.close()
     memory_note = monitor.write_timeline(run_dir / "memory.png") if info.is_main else ""
     shutdown(info)
+    if stopped_by:
+        raise RunStopped(stopped_by, run_dir, engine.global_step, training.max_steps, checkpointer.last_saved_path,
+                         why="no step was trained" if engine.global_step == 0 else
+                         "checkpoint.interval is 0 and checkpoint.save_final is false")
     if not quiet:
         wall = time.perf_counter() - start
         train = result.train_metrics
@@ -197,5 +250,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
         if result.eval_metrics:
             summary += f", eval loss {result.eval_metrics[-1]['eval_loss']:.4f}"
         print(summary + f" ({dataset.loss_reference()})", flush=True)
+        if checkpointer.last_saved_path is not None:
+            print(f"checkpoint | {checkpointer.last_saved_path}", flush=True)
         print(monitor.summary() + "\n" + memory_note, flush=True)
     return result
