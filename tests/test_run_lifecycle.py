@@ -47,18 +47,22 @@ def _errors(stderr):
     return [line for line in stderr.strip().splitlines() if not line.startswith("warning:")]
 
 
-def test_a_second_run_into_a_busy_run_dir_is_refused_in_one_line_and_the_first_completes(tmp_path):
+def test_a_second_run_into_a_busy_run_dir_is_refused_in_one_line_and_the_first_goes_on(tmp_path):
     run_dir = tmp_path / "run"
-    first = _start(run_dir, "training.max_steps=40", "optimizer.lr=0.001")
+    # NOTE: the first run is long and stopped by SIGTERM, so a slow start of the second cannot find it ended.
+    first = _start(run_dir, "training.max_steps=100000", "optimizer.lr=0.001", "checkpoint.interval=0")
     _wait_for_step(run_dir, 3, first)
     second = run_cli("run", "quickstart", "--run-dir", str(run_dir), "optimizer.lr=0.003", *FAST)
     assert second.returncode == 2
     assert _errors(second.stderr) == [
         f"error: {run_dir}: another toolkit run (pid {first.pid}) is writing this run directory; "
         "wait for it to end or choose another --run-dir"]
+    assert first.poll() is None  # the refused run touched nothing of the first's
+    first.send_signal(signal.SIGTERM)
     _, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err
-    assert _steps(run_dir) == list(range(1, 41))  # every line parses, each step once
+    assert first.returncode == 143, err
+    steps = _steps(run_dir)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3  # every line parses, each step once
     assert json.loads((run_dir / "recipe.json").read_text())["optimizer"]["lr"] == 0.001
 
 
@@ -136,8 +140,8 @@ def test_a_checkpoint_over_the_file_size_limit_is_one_line_and_the_earlier_one_s
 
 def test_metrics_over_the_file_size_limit_are_one_line_naming_the_file(tmp_path):
     run_dir = tmp_path / "run"
-    # recipe.json takes ~2 kB, each metrics line ~0.4 kB: the 8th or so line crosses 4 kB
-    proc = _start(run_dir, "training.max_steps=30", preexec_fn=_file_size_limit(4000))
+    # the limit is per file: recipe.json ~2 kB, tokenizer/tokenizer.json ~4.7 kB, each metrics line ~0.2 kB
+    proc = _start(run_dir, "training.max_steps=60", preexec_fn=_file_size_limit(6000))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2
     assert _errors(err) == [f"error: {run_dir}/metrics.jsonl: cannot write: File too large (EFBIG); free space "
@@ -212,3 +216,12 @@ def test_resuming_a_two_rank_checkpoint_in_one_process_says_how_to_keep_the_glob
             "or start fresh with checkpoint.resume=never") in refusal
     refusals, warnings = resume_changes(meta, load_recipe("quickstart", ["batch.grad_accum_steps=2"], world_size=1))
     assert refusals == [] and "world size 2 -> 1 (same global batch, same samples per step)" in warnings
+
+
+def test_a_tokenizer_over_the_file_size_limit_is_one_line_naming_the_file(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "training.max_steps=3", preexec_fn=_file_size_limit(3000))  # tokenizer.json ~4.7 kB
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    assert _errors(err) == [f"error: {run_dir}/tokenizer/tokenizer.json: cannot write: File too large (EFBIG); "
+                            "free space or fix the permissions, then rerun the same command"]

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterable
 
-from toolkit.errors import UserError
+from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error, os_errno
 
 EOT = "<|endoftext|>"
 BYTE_VOCAB_SIZE = 257  # 256 bytes + <|endoftext|>
@@ -103,8 +103,11 @@ def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if os_errno(exc) in WRITE_ERRNOS:  # the tokenizers library's own errors quote the errno
+            raise UserError(f"{path}: cannot write: {describe_os_error(exc)}; free space or fix the permissions, "
+                            "then rerun the same command") from None
         raise
 
 
