@@ -15,9 +15,12 @@ EXIT_USER_ERROR = 2
 
 
 def _cmd_validate(args) -> int:
+    from toolkit.optional_packages import check_recipe_packages
     from toolkit.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    for note in check_recipe_packages(recipe):
+        print(f"note: {note}", file=sys.stderr)
     b = recipe.batch
     print(f"{args.recipe}: valid (hash {recipe.hash}); {recipe.model.family}-{recipe.model.size}, "
           f"global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
@@ -38,17 +41,20 @@ def _cmd_estimate(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from toolkit.optional_packages import check_recipe_packages
     from toolkit.recipe import load_recipe
 
     if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
         from toolkit.zero.launch import launch_ranks
 
-        load_recipe(args.recipe, args.overrides, world_size=args.nproc)  # user mistakes: one line, here
+        # user mistakes: one line, here
+        check_recipe_packages(load_recipe(args.recipe, args.overrides, world_size=args.nproc))
         rest = ["--run-dir", args.run_dir] if args.run_dir else []
         return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, *rest])
+    recipe = load_recipe(args.recipe, args.overrides)
+    check_recipe_packages(recipe)  # before torch is imported; a missing matplotlib is noted at the end
     from toolkit.train import run
 
-    recipe = load_recipe(args.recipe, args.overrides)
     run(recipe, run_dir=args.run_dir)
     return 0
 
@@ -89,8 +95,10 @@ def _cmd_recipes(args) -> int:
 
 
 def _cmd_tutorials(args) -> int:
+    from toolkit.optional_packages import check_command_packages
     from toolkit.tutorials import BUILD_COMMAND, TUTORIALS_DIR, build_all
 
+    check_command_packages(BUILD_COMMAND)
     stale = build_all(check=True)
     if args.check:
         for path in stale:
@@ -122,10 +130,12 @@ def _doctor_environment() -> list[str]:
 def _cmd_doctor(args) -> int:
     from toolkit import ops
     from toolkit.doctor import cpu_kernel_lines, distributed_lines
+    from toolkit.optional_packages import doctor_lines as optional_package_lines
 
     # NOTE: one (title, lines) section per component; add yours to this list.
     sections = [("environment", _doctor_environment()), ("distributed", distributed_lines()),
-                ("kernels", cpu_kernel_lines() + ops.doctor_lines())]
+                ("kernels", cpu_kernel_lines() + ops.doctor_lines()),
+                ("optional packages", optional_package_lines())]
     for title, lines in sections:
         print(f"{title}:")
         for line in lines:
