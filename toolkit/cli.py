@@ -53,9 +53,18 @@ def _cmd_run(args) -> int:
         return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, *rest])
     recipe = load_recipe(args.recipe, args.overrides)
     check_recipe_packages(recipe)  # before torch is imported; a missing matplotlib is noted at the end
+    from toolkit.memory_fit import allocation_failure, certainly_cpu, check_memory_fit, is_allocation_failure
+
+    if certainly_cpu(recipe):  # refuse a recipe too big for this machine in a second, before torch loads
+        check_memory_fit(recipe, "cpu", warn=False)
     from toolkit.train import run
 
-    run(recipe, run_dir=args.run_dir)
+    try:
+        run(recipe, run_dir=args.run_dir)
+    except (RuntimeError, MemoryError) as exc:  # the last resort: the pre-flight estimate is a lower bound
+        if not is_allocation_failure(exc):
+            raise
+        raise allocation_failure(recipe, exc) from None
     return 0
 
 

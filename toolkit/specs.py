@@ -113,6 +113,7 @@ class TrainingSpec:
     log_interval: int
     device: str
     compile: bool = False
+    memory_check: str = "refuse"
 
 
 @dataclass(frozen=True)

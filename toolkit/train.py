@@ -19,8 +19,9 @@ from pathlib import Path
 
 from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
 from toolkit.data import BatchStream, Dataset, eval_batches
-from toolkit.engine import Engine
+from toolkit.engine import Engine, pick_device
 from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
+from toolkit.memory_fit import check_memory_fit
 from toolkit.memory_monitor import MemoryMonitor
 from toolkit.specs import Recipe
 from toolkit.tracking import Trackers, build_trackers
@@ -92,6 +93,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     files (checkpoints: every rank writes its ZeRO shard), each rank trains on its slots of the data.
     """
     info = start_process_group(recipe.batch.world_size, recipe.training.device)
+    check_memory_fit(recipe, pick_device(recipe.training.device))  # before anything large is allocated
     quiet = quiet or not info.is_main
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
     if info.is_main:
