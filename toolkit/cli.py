@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `toolkit` console script."""
+    from toolkit.cpu_threads import set_openmp_wait_policy
+
+    set_openmp_wait_policy()  # before any sub-command loads torch (and with it OpenMP)
     parser = build_parser()
     # Overrides may come after options (`run R --run-dir D a.b=1`): argparse leaves them over.
     args, rest = parser.parse_known_args(argv)

@@ -114,6 +114,7 @@ class TrainingSpec:
     device: str
     compile: bool = False
     memory_check: str = "refuse"
+    cpu_threads: int | str = "auto"
 
 
 @dataclass(frozen=True)

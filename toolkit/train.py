@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
+from toolkit.cpu_threads import apply_cpu_threads, choose_cpu_threads
 from toolkit.data import BatchStream, Dataset, eval_batches
 from toolkit.engine import Engine, pick_device
 from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
@@ -80,6 +81,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
                       f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
         ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),
+        ("threads", choose_cpu_threads(recipe).describe()),
         ("flops", mfu.describe_flops()),
     ]
     width = max(len(k) for k, _ in rows)
@@ -94,6 +96,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     """
     info = start_process_group(recipe.batch.world_size, recipe.training.device)
     check_memory_fit(recipe, pick_device(recipe.training.device))  # before anything large is allocated
+    apply_cpu_threads(recipe)
     quiet = quiet or not info.is_main
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
     if info.is_main:
