@@ -71,8 +71,8 @@ def test_run_without_tensorboard_is_one_line_and_leaves_no_run_dir(without, tmp_
 def test_run_without_matplotlib_trains_and_notes_the_missing_plot(without, tmp_path):
     without("matplotlib")
     run_dir = tmp_path / "run"
-    proc = run_cli("run", "quickstart", "training.max_steps=3", "scheduler.warmup_num_steps=1", "training.eval_batches=0",
-                   "checkpoint.save_final=false", "--run-dir", str(run_dir), timeout=120)
+    proc = run_cli("run", "quickstart", "training.max_steps=3", "scheduler.warmup_num_steps=1",
+                   "training.eval_batches=0", "checkpoint.save_final=false", "--run-dir", str(run_dir), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert 'no memory.png: matplotlib is not installed; pip install "toolkit[dashboards]"' in proc.stdout
     assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "memory.png").exists()

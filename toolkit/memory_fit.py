@@ -112,7 +112,8 @@ def _verdict(recipe: Recipe, terms: list[Term], limit: int, where: str, on_cuda:
     parts = ", ".join(f"{t.what} {format_bytes(t.nbytes)} ({t.keys})"
                       for t in sorted(terms, key=lambda t: -t.nbytes) if t.nbytes >= need / ranks / 100)
     per = f" for {ranks} ranks" if ranks > 1 else ""
-    return (f"recipe: too big for this machine: needs about {format_bytes(need)}{per} on {where} but {format_bytes(limit)} is available: "
+    return (f"recipe: too big for this machine: needs about {format_bytes(need)}{per} on {where} "
+            f"but {format_bytes(limit)} is available: "
             f"{parts}; ways out: {ways_out(recipe, biggest, on_cuda)}")
 
 
@@ -163,7 +164,7 @@ def allocation_failure(recipe: Recipe, exc: BaseException) -> UserError:
     m, d, b = recipe.model, recipe.data, recipe.batch
     tried = re.search(r"[Tt]ried to allocate (\d+) bytes|[Tt]ried to allocate ([\d.]+ \w+)", str(exc))
     amount = "" if tried is None else f" allocating {tried[2] or format_bytes(int(tried[1]))}"
-    return UserError(f"recipe: ran out of memory{amount} ({type(exc).__name__}); the size comes from batch.micro_batch_per_rank "
-                     f"{b.micro_batch_per_rank}, data.seq_len {d.seq_len}, model.n_embd {m.n_embd}, model.n_layer "
-                     f"{m.n_layer}, vocabulary {m.vocab_size}, zero.stage {recipe.zero.stage}; lower one of them, or "
-                     f"turn on model.activation_checkpointing or zero.offload_optimizer")
+    return UserError(f"recipe: ran out of memory{amount} ({type(exc).__name__}); the size comes from "
+                     f"batch.micro_batch_per_rank {b.micro_batch_per_rank}, data.seq_len {d.seq_len}, model.n_embd "
+                     f"{m.n_embd}, model.n_layer {m.n_layer}, vocabulary {m.vocab_size}, zero.stage {recipe.zero.stage}; "
+                     f"lower one of them, or turn on model.activation_checkpointing or zero.offload_optimizer")

@@ -54,8 +54,8 @@ OPTIONAL_PACKAGES = (
                     lambda r: r.logging.wandb.mode != "disabled"),
     OptionalPackage("pyarrow", "parquet", "recipe.data.kind", "parquet", lambda r: r.data.kind == "parquet"),
     # memory.png is drawn by every run: a base install skips it with a note, never fails.
-    OptionalPackage("matplotlib", "dashboards", "memory.png", "(every run draws it; skipped with a note if absent)", lambda r: True,
-                    required=False),
+    OptionalPackage("matplotlib", "dashboards", "memory.png", "(every run draws it; skipped with a note if absent)",
+                    lambda r: True, required=False),
     OptionalPackage("jinja2", "tutorials", "toolkit tutorials build", ""),
     OptionalPackage("nbformat", "tutorials", "toolkit tutorials build", ""),
 )
