@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from toolkit.memory import format_bytes
-from toolkit.optional_packages import is_installed, package
+from toolkit.optional_packages import package
 
 # ===========================================================================
 # Model-state bytes, counted from tensors
@@ -246,11 +246,12 @@ class MemoryMonitor:
         """Plot the timeline to `path` (matplotlib's Agg renderer); returns a one-line note of what happened."""
         if not self.timeline:
             return "memory | no timeline: no step was logged"
-        if not is_installed("matplotlib"):  # a default-on plot: a base install gets a note, not an error
+        try:
+            # NOTE: the Figure API, not pyplot: no global backend switch (a notebook that
+            # calls toolkit.run keeps its inline plots), and Figure.savefig renders with Agg.
+            from matplotlib.figure import Figure
+        except ImportError:  # a default-on plot: a base install gets a note, not an error
             return f"memory | no memory.png: matplotlib is not installed; {package('matplotlib').install}"
-        # NOTE: the Figure API, not pyplot: no global backend switch (a notebook that
-        # calls toolkit.run keeps its inline plots), and Figure.savefig renders with Agg.
-        from matplotlib.figure import Figure
         plot_timeline(Figure, self.timeline, self.peaks.describe(), path)
         return f"memory | timeline -> {path}"
 
