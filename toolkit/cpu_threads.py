@@ -3,9 +3,10 @@
 torch's default is one thread per logical CPU, and OpenMP threads busy-wait (spin) at
 the end of every parallel region. On a machine shared with other work that is the worst
 case: a thread waits for a sibling the scheduler has parked, and the spinning steals the
-CPU from the one thread with work. Measured on a 2-core machine beside busy neighbours
-(the quickstart, 60 steps): 2 spinning threads 18-93 s, 1 thread 6-12 s, 2 passive
-threads 11 s. So:
+CPU from the one thread with work. Measured on a 2-core EPYC VM (2026-12-03), 60
+quickstart steps' loop beside two busy processes: 2 spinning threads 75-161 s, 1 thread
+9-11 s; in ad-hoc runs there, 2 passive threads 11 s, and for a 40-GFLOP-per-micro-batch
+model 2 spinning threads 62-71 s, 2 passive 21-29 s, 1 thread 24 s. So:
 - the CLI sets OMP_WAIT_POLICY=PASSIVE (idle threads sleep) unless the user set it; it
   must be in the environment before torch loads OpenMP, hence `set_openmp_wait_policy`;
 - "auto" respects an explicit OMP_NUM_THREADS, else takes the cores this process may run
@@ -21,8 +22,9 @@ from toolkit.memory import parameter_count, resolve_model_shape
 from toolkit.specs import Recipe
 
 # NOTE: below about a GFLOP per micro batch (6 x parameters x tokens) a step is tens of
-# milliseconds of small ops: a second thread saved little even on an idle machine and
-# cost the most beside busy neighbours (see the module's figures). The quickstart does 0.74.
+# milliseconds of small ops: on the idle 2-core VM a second thread made the whole quickstart
+# run 8% faster (8.8 vs 9.6 s wall, 3 runs each), beside busy neighbours 7-14x slower.
+# The quickstart does 0.74.
 SMALL_WORK_FLOPS = 1e9
 
 
