@@ -23,7 +23,7 @@ from toolkit.specs import Recipe
 
 # NOTE: below about a GFLOP per micro batch (6 x parameters x tokens) a step is tens of
 # milliseconds of small ops: on the idle 2-core VM a second thread made the whole quickstart
-# run 8% faster (8.8 vs 9.6 s wall, 3 runs each), beside busy neighbours 7-14x slower.
+# run 8% faster (8.8 vs 9.6 s wall, 3 runs each), beside busy neighbours 8-15x slower.
 # The quickstart does 0.74.
 SMALL_WORK_FLOPS = 1e9
 
