@@ -122,7 +122,7 @@ def test_memory_png_is_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_p
     monitor.window_metrics(1)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
     note = monitor.write_timeline(tmp_path / "memory.png")
-    assert note == "memory | no memory.png: matplotlib is not installed (pip install matplotlib)"
+    assert note == 'memory | no memory.png: matplotlib is not installed; pip install "toolkit[dashboards]"'
     assert not (tmp_path / "memory.png").exists()
 
 

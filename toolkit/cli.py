@@ -26,12 +26,15 @@ def _load_recipe_and_warn(args, world_size: int | None = None, *, warn: bool = T
 
 
 def _cmd_validate(args) -> int:
+    from toolkit.optional_packages import check_recipe_packages
     from toolkit.recipe_checks import fp16_device_warning
 
     recipe = _load_recipe_and_warn(args, args.world_size)
     note = fp16_device_warning(recipe.precision.dtype, recipe.training.device)  # `run` refuses it on such a machine
     if note:
         print(f"warning: {note}", file=sys.stderr, flush=True)
+    for note in check_recipe_packages(recipe):
+        print(f"note: {note}", file=sys.stderr)
     b = recipe.batch
     print(f"{args.recipe}: valid (hash {recipe.hash}); {recipe.model.label}, "
           f"global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
@@ -51,26 +54,51 @@ def _cmd_estimate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from pathlib import Path
-
-    from toolkit.zero.launch import die_with_launcher, end_rank, launch_ranks
+    from toolkit.optional_packages import check_recipe_packages
 
     if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
+        from pathlib import Path
+
         from toolkit.run_dir import default_run_dir
+        from toolkit.zero.launch import launch_ranks
 
         # user mistakes: one line, here; warnings: rank 0's
         recipe = _load_recipe_and_warn(args, args.nproc, warn=False)
+        check_recipe_packages(recipe)
         run_dir = args.run_dir or str(default_run_dir(recipe))
         return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, "--run-dir", run_dir], Path(run_dir))
-    die_with_launcher()  # a rank of `--nproc`: ends with its launcher
     from toolkit.run_stop import RunStopped
+
+    try:
+        _run_this_process(args)
+    except (UserError, RunStopped, RuntimeError) as exc:  # one line each (a bug keeps its traceback)
+        from toolkit.zero.launch import end_rank
+
+        return end_rank(exc)
+    return 0
+
+
+def _run_this_process(args) -> None:
+    """`toolkit run` in one process, or one rank of `--nproc` / torchrun."""
+    from toolkit.memory_fit import allocation_failure, certainly_cpu, check_memory_fit, is_allocation_failure
+    from toolkit.optional_packages import check_recipe_packages
+
+    if os.environ.get("TOOLKIT_LAUNCHER_PID"):  # a rank of `--nproc`: ends with its launcher
+        from toolkit.zero.launch import die_with_launcher
+
+        die_with_launcher()
+    recipe = _load_recipe_and_warn(args, warn=os.environ.get("RANK", "0") == "0")
+    check_recipe_packages(recipe)  # before torch is imported; a missing matplotlib is noted at the end
+    if certainly_cpu(recipe):  # refuse a recipe too big for this machine in a second, before torch loads
+        check_memory_fit(recipe, "cpu", warn=False)
     from toolkit.train import run
 
     try:
-        run(_load_recipe_and_warn(args, warn=os.environ.get("RANK", "0") == "0"), run_dir=args.run_dir)
-    except (UserError, RunStopped, RuntimeError) as exc:  # one line each (a bug keeps its traceback)
-        return end_rank(exc)
-    return 0
+        run(recipe, run_dir=args.run_dir)
+    except (RuntimeError, MemoryError) as exc:  # the last resort: the pre-flight estimate is a lower bound
+        if not is_allocation_failure(exc):
+            raise
+        raise allocation_failure(recipe, exc) from None
 
 
 def _cmd_export(args) -> int:
@@ -109,8 +137,10 @@ def _cmd_recipes(args) -> int:
 
 
 def _cmd_tutorials(args) -> int:
+    from toolkit.optional_packages import check_command_packages
     from toolkit.tutorials import BUILD_COMMAND, TUTORIALS_DIR, build_all
 
+    check_command_packages(BUILD_COMMAND)
     stale = build_all(check=True)
     if args.check:
         for path in stale:
@@ -153,10 +183,12 @@ def _doctor_environment() -> list[str]:
 def _cmd_doctor(args) -> int:
     from toolkit import ops
     from toolkit.doctor import cpu_kernel_lines, distributed_lines
+    from toolkit.optional_packages import doctor_lines as optional_package_lines
 
     # NOTE: one (title, lines) section per component; add yours to this list.
     sections = [("environment", _doctor_environment()), ("distributed", distributed_lines()),
-                ("kernels", cpu_kernel_lines() + ops.doctor_lines())]
+                ("kernels", cpu_kernel_lines() + ops.doctor_lines()),
+                ("optional packages", optional_package_lines())]
     print(version_line())
     for title, lines in sections:
         print(f"{title}:")
@@ -259,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `toolkit` console script."""
+    from toolkit.cpu_threads import set_openmp_wait_policy
+
+    set_openmp_wait_policy()  # before any sub-command loads torch (and with it OpenMP)
     parser = build_parser()
     # Overrides may come after options (`run R --run-dir D a.b=1`): argparse leaves them over.
     args, rest = parser.parse_known_args(argv)

@@ -222,10 +222,11 @@ def _parquet_documents(path: Path, column: str, errors: str) -> Iterator[str]:
 
 def import_pyarrow_parquet():
     """pyarrow.parquet, or a one-line error saying how to install it."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError("recipe.data.kind: 'parquet' needs pyarrow: pip install 'toolkit[parquet]'") from None
+    from toolkit.optional_packages import require_package
+
+    require_package("pyarrow")
+    import pyarrow.parquet as pq
+
     return pq
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import platform
 
+from toolkit.cpu_threads import doctor_line as cpu_threads_line
+
 
 def cpu_name() -> str:
     """The CPU's model name (Linux), else what platform knows."""
@@ -59,6 +61,7 @@ def distributed_lines() -> list[str]:
         lines.append("launch: toolkit run --nproc N RECIPE, or torchrun --nproc_per_node N -m toolkit run RECIPE")
     lines.append(f"cpu {cpu_name()}: {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads, "
                  f"SIMD {_cpu_flags()}")
+    lines.append(cpu_threads_line())
     return lines
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from toolkit.memory import format_bytes
+from toolkit.optional_packages import package
 
 # ===========================================================================
 # Model-state bytes, counted from tensors
@@ -257,8 +258,8 @@ class MemoryMonitor:
             # NOTE: the Figure API, not pyplot: no global backend switch (a notebook that
             # calls toolkit.run keeps its inline plots), and Figure.savefig renders with Agg.
             from matplotlib.figure import Figure
-        except ImportError:
-            return "memory | no memory.png: matplotlib is not installed (pip install matplotlib)"
+        except ImportError:  # a default-on plot: a base install gets a note, not an error
+            return f"memory | no memory.png: matplotlib is not installed; {package('matplotlib').install}"
         plot_timeline(Figure, self.timeline, self.peaks.describe(), path)
         return f"memory | timeline -> {path}"
 

@@ -123,6 +123,8 @@ class TrainingSpec:
     compile: bool = False
     peak_tflops: float | None = None  # per device, for MFU; None: the datasheet table (toolkit/flops.py)
     steps_per_epoch: int | None = None  # set when the recipe gives training.epochs (the progress line shows them)
+    memory_check: str = "refuse"
+    cpu_threads: int | str = "auto"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from toolkit.optional_packages import require_package
 from toolkit.specs import LoggingSpec
 
 
@@ -88,6 +89,7 @@ class TensorBoardTracker:
     """Scalars under <run_dir>/tensorboard, readable by a TensorBoard server."""
 
     def __init__(self, log_dir: Path):
+        require_package("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
@@ -107,6 +109,7 @@ class WandbTracker:
     """A W&B run in <run_dir>/wandb; `run_id` lets a resumed run continue the same one."""
 
     def __init__(self, run_dir: Path, project: str, name: str, mode: str, run_id: str | None, config: dict):
+        require_package("wandb")
         import wandb
 
         self.run = wandb.init(project=project, name=name, mode=mode, dir=str(run_dir), id=run_id,

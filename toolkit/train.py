@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
+from toolkit.cpu_threads import apply_cpu_threads, choose_cpu_threads
 from toolkit.data import BatchStream, Dataset, eval_batches
-from toolkit.engine import Engine, check_device
+from toolkit.engine import Engine, check_device, pick_device
 from toolkit.errors import UserError
 from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
+from toolkit.memory_fit import check_memory_fit
 from toolkit.memory_monitor import MemoryMonitor
 from toolkit.run_dir import (check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir,
                              write_failure)
@@ -87,6 +89,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
                       f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
         ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),
+        ("threads", choose_cpu_threads(recipe).describe()),
         ("flops", mfu.describe_flops()),
     ]
     width = max(len(k) for k, _ in rows)
@@ -102,6 +105,8 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     """
     check_device(recipe)  # a recipe this machine cannot run leaves no run dir behind
     info = start_process_group(recipe.batch.world_size, recipe.training.device)
+    check_memory_fit(recipe, pick_device(recipe.training.device))  # before anything large is allocated
+    apply_cpu_threads(recipe)
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
     lock = _agree(lambda: claim_run_dir(run_dir), info)  # rank 0 holds it (or the --nproc launcher does)
     stop = StopSignals(under_elastic_launcher()).install(run_dir, recipe.training.max_steps)

@@ -1,0 +1,68 @@
+"""training.cpu_threads: auto picks one thread for a model too small to split, the usable
+cores shared among local ranks for a larger one, and respects OMP_NUM_THREADS; an
+integer sets it; the start-up table shows the choice and why."""
+import os
+
+import pytest
+
+from conftest import run_cli
+from toolkit import cpu_threads
+from toolkit.cpu_threads import choose_cpu_threads, set_openmp_wait_policy
+from toolkit.recipe import load_recipe
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """machine(cores, local_ranks): pretend this process may run on `cores` CPUs, no OMP_NUM_THREADS set."""
+    def make(cores: int, local_ranks: int = 1) -> None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+        monkeypatch.setattr(cpu_threads, "usable_cores", lambda: cores)
+    return make
+
+
+def test_auto_gives_a_tiny_model_one_thread(machine):
+    machine(16)
+    choice = choose_cpu_threads(load_recipe("quickstart"))
+    assert choice.count == 1 and "0.74 GFLOP per micro batch" in choice.reason
+
+
+def test_auto_shares_the_usable_cores_among_local_ranks_for_a_larger_model(machine):
+    machine(16, local_ranks=4)
+    choice = choose_cpu_threads(load_recipe("gpt2-124m"))
+    assert choice.count == 4 and choice.reason == "auto: 16 usable cores / 4 ranks"
+
+
+def test_auto_respects_omp_num_threads_and_an_integer_wins(machine, monkeypatch):
+    machine(16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert choose_cpu_threads(load_recipe("gpt2-124m")) == cpu_threads.ThreadChoice(3, "OMP_NUM_THREADS")
+    assert choose_cpu_threads(load_recipe("quickstart", ["training.cpu_threads=2"])).count == 2
+
+
+def test_the_cli_makes_idle_openmp_threads_sleep_unless_told(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    set_openmp_wait_policy()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    set_openmp_wait_policy()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize("setting, row", [
+    (None, "threads   | 1 torch thread (auto: 0.74 GFLOP per micro batch is too little to split;"),
+    ("2", "threads   | 2 torch threads (training.cpu_threads)"),
+])
+def test_startup_table_shows_the_thread_choice(monkeypatch, tmp_path, setting, row):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    overrides = ["training.max_steps=2", "scheduler.warmup_num_steps=1", "training.eval_batches=0",
+                 "checkpoint.save_final=false"] + ([f"training.cpu_threads={setting}"] if setting else [])
+    proc = run_cli("run", "quickstart", *overrides, "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert row in proc.stdout
+
+
+def test_a_thread_count_below_one_is_one_line():
+    proc = run_cli("validate", "quickstart", "training.cpu_threads=0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: recipe.training.cpu_threads: 0 is less than the minimum of 1"
