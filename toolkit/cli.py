@@ -72,6 +72,8 @@ def _cmd_run(args) -> int:
     try:
         _run_this_process(args)
     except (UserError, RunStopped, RuntimeError) as exc:  # one line each (a bug keeps its traceback)
+        if isinstance(exc, UserError) and not os.environ.get("TOOLKIT_LAUNCH_NOTES"):
+            raise  # main() prints it; torch may not be loaded yet (the memory check runs before it)
         from toolkit.zero.launch import end_rank
 
         return end_rank(exc)

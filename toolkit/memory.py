@@ -220,18 +220,25 @@ def resolve_model_shape(model: ModelSpec) -> tuple[ModelSpec, bool | None]:
     except (OSError, ValueError) as exc:
         raise UserError(f"recipe.model.pretrained: {path}: cannot read: {exc}") from None
     kind = config.get("model_type")
-    if kind == "gpt2":
-        shape = dict(family="gpt2", n_layer=config["n_layer"], n_embd=config["n_embd"], n_head=config["n_head"],
-                     n_kv_head=config["n_head"], intermediate_size=config.get("n_inner") or 4 * config["n_embd"],
-                     max_positions=config["n_positions"], vocab_size=config["vocab_size"])
-        return replace(model, **shape), config.get("tie_word_embeddings", True)
-    if kind == "llama":
-        heads = config["num_attention_heads"]
-        shape = dict(family="llama", n_layer=config["num_hidden_layers"], n_embd=config["hidden_size"],
-                     n_head=heads, n_kv_head=config.get("num_key_value_heads") or heads,
-                     intermediate_size=config["intermediate_size"],
-                     max_positions=config["max_position_embeddings"], vocab_size=config["vocab_size"])
-        return replace(model, **shape), config.get("tie_word_embeddings", False)
+    llama_keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    try:
+        if kind == "gpt2":
+            shape = dict(family="gpt2", n_layer=config["n_layer"], n_embd=config["n_embd"], n_head=config["n_head"],
+                         n_kv_head=config["n_head"], intermediate_size=config.get("n_inner") or 4 * config["n_embd"],
+                         max_positions=config["n_positions"], vocab_size=config["vocab_size"])
+            return replace(model, **shape), config.get("tie_word_embeddings", True)
+        # NOTE: Qwen2, Mistral and their kin are llama-shaped (gated MLP, RMSNorm, grouped KV heads): the
+        # estimate counts them as llama (Qwen2's q/k/v biases are a rounding error).
+        if kind == "llama" or all(isinstance(config.get(k), int) for k in llama_keys):
+            heads = config["num_attention_heads"]
+            shape = dict(family="llama", n_layer=config["num_hidden_layers"], n_embd=config["hidden_size"],
+                         n_head=heads, n_kv_head=config.get("num_key_value_heads") or heads,
+                         intermediate_size=config["intermediate_size"],
+                         max_positions=config.get("max_position_embeddings") or model.max_positions,
+                         vocab_size=config["vocab_size"])
+            return replace(model, **shape), config.get("tie_word_embeddings", False)
+    except KeyError as exc:
+        raise UserError(f"recipe.model.pretrained: {path}: no {exc.args[0]!r} in this {kind} config") from None
     raise UserError(f"recipe.model.pretrained: {path}: model_type {kind!r} is not one the estimator knows "
                     f"(gpt2, llama)")
 
