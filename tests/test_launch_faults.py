@@ -59,8 +59,8 @@ def _alive(pid):
 
 
 def _told(stderr):
-    """What the user is told: stderr without warnings."""
-    return [line for line in stderr.strip().splitlines() if not line.startswith("warning:")]
+    """What the user is told: stderr without warnings and notes."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith(("warning:", "note:"))]
 
 
 def test_a_killed_rank_is_named_in_one_line_without_the_survivors_traceback(tmp_path):
@@ -98,6 +98,7 @@ def test_ctrl_c_checkpoints_every_rank_then_one_process_resumes_with_the_global_
     launcher.send_signal(signal.SIGINT)
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 130, err
+    assert len(_told(err)) == 1, err
     [line] = _told(err)
     step = int(line.split("at step ")[1].split()[0])
     assert line == (f"stopped by SIGINT at step {step} of 200: checkpoint {run_dir}/checkpoints/step-{step:06d}; "
