@@ -2,9 +2,10 @@
 end the run at a step boundary with a checkpoint and one line saying how to
 resume; a rank that lost its peer stops without a traceback of its own.
 
-While the loop runs, a signal only sets a flag; at the top of every step the ranks
-agree on it (an all-reduce of the signal number, so no rank is left waiting in a
-collective), finish there, save a checkpoint together and raise `RunStopped`. The
+While the loop runs, a signal only sets a flag; at a step boundary the ranks agree
+on it (an all-reduce of the signal number, so no rank is left waiting in a
+collective; under several ranks only every training.log_interval steps, where the
+loop waits for the GPU anyway), finish there, save a checkpoint together and raise `RunStopped`. The
 process exits with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT),
 the shell's convention for "ended by that signal". Before the loop (start-up) a
 signal stops the run at once: nothing is trained yet, nothing is saved. A second

@@ -205,7 +205,10 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
     stop.deferring = True  # from here a signal stops the run at the next step boundary, with a checkpoint
     try:
         while engine.global_step < training.max_steps:
-            stopped_by = stop.agreed(info, engine.device)
+            # NOTE: several ranks agree on the stop flag through a collective, which waits for the GPU: so only
+            # at logging steps, where the loop waits anyway to read the loss (one process: every step).
+            if not info.active or engine.global_step % training.log_interval == 0:
+                stopped_by = stop.agreed(info, engine.device)
             if stopped_by:
                 break
             step_result = engine.train_batch(stream.next_step())
