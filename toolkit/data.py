@@ -20,7 +20,7 @@ samples of a step do not depend on how the global batch is split. Its position
 
 Several processes (torchrun, `toolkit run --nproc N`): every rank reads the same
 cache; one builds each entry (a file lock, then a temp dir renamed into place) and
-the others load it. Rank 0 alone writes the tokenizer into the run dir.
+the others load it (the entries on disk: toolkit/data_cache.py). Rank 0 alone writes the tokenizer into the run dir.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import os
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -39,11 +38,12 @@ import numpy as np
 import torch
 
 from toolkit.corpus import fingerprint_files, list_files, read_documents
+from toolkit.data_cache import (CACHE_FORMAT, build_lock, cache_dir, cache_key, cached_token_meta, publish_entry,
+                                read_tokens, set_aside_damaged)
 from toolkit.errors import UserError
 from toolkit.specs import BatchSpec, DataSpec
 from toolkit.tokenizer import RUN_TOKENIZER_DIR, TextTokenizer, byte_tokenizer, load_tokenizer_folder, train_bpe
 
-CACHE_FORMAT = 1
 _CHUNK_CHARS = 4_000_000  # documents tokenized per encode_batch call (bounded memory, parallel in Rust)
 
 
@@ -81,36 +81,6 @@ def _documents(spec: DataSpec, files: list[Path]) -> Iterator[str]:
         yield from read_documents(spec.kind, path, field=spec.field, column=spec.column, errors=spec.errors)
 
 
-def _key(obj: dict) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename a finished temp dir into place; another process that got there first wins."""
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():
-            raise
-
-
-@contextmanager
-def _build_lock(final: Path) -> Iterator[None]:
-    """Held while checking for and building one cache entry: ranks that start together build it once."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: concurrent builders are still safe (_publish), only wasteful
-        yield
-        return
-    with open(final.parent / f".lock-{final.name}", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def process_rank() -> int:
     """This process's rank: the joined group's, else torchrun's RANK, else 0."""
     import torch.distributed as dist
@@ -122,14 +92,6 @@ def process_rank() -> int:
     return launched_world()[0]
 
 
-def _cache_dir(spec: DataSpec) -> Path:
-    try:
-        spec.cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"recipe.data.cache_dir: {spec.cache_dir}: cannot create: {exc.strerror}") from None
-    return spec.cache_dir
-
-
 def build_tokenizer(spec: DataSpec, files: list[Path], corpus_key: str, log: Callable[[str], None]) -> TextTokenizer:
     """The recipe's tokenizer; a BPE is trained on the training documents once and cached."""
     if spec.tokenizer == "byte":
@@ -138,18 +100,21 @@ def build_tokenizer(spec: DataSpec, files: list[Path], corpus_key: str, log: Cal
         return load_tokenizer_folder(spec.tokenizer_path)
     import tokenizers
 
-    key = _key({"bpe": spec.vocab_size, "corpus": corpus_key, "validation_fraction": spec.validation_fraction,
-                "seed": spec.seed, "tokenizers": tokenizers.__version__})
-    folder = _cache_dir(spec) / f"bpe-{key}"
-    with _build_lock(folder):
-        if (folder / "tokenizer.json").is_file():
-            return load_tokenizer_folder(folder)
+    key = cache_key({"bpe": spec.vocab_size, "corpus": corpus_key, "validation_fraction": spec.validation_fraction,
+                     "seed": spec.seed, "tokenizers": tokenizers.__version__})
+    folder = cache_dir(spec) / f"bpe-{key}"
+    with build_lock(folder):
+        if folder.exists():
+            try:
+                return load_tokenizer_folder(folder, where="recipe.data.cache_dir")
+            except UserError as exc:
+                set_aside_damaged(folder, exc.lines[0])
         start = time.perf_counter()
         train_docs = (d for d in _documents(spec, files) if not in_validation(d, spec.validation_fraction, spec.seed))
         tokenizer = train_bpe(train_docs, spec.vocab_size)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-bpe-{key}-", dir=folder.parent))
         tokenizer.save(tmp)
-        _publish(tmp, folder)
+        publish_entry(tmp, folder)
     log(f"data    | trained a BPE tokenizer to {tokenizer.vocab_size} tokens in {time.perf_counter() - start:.1f}s "
         f"-> {folder}")
     return tokenizer
@@ -201,12 +166,6 @@ def _write_token_files(spec: DataSpec, files: list[Path], tokenizer: TextTokeniz
             "unigram_entropy": float(-(p * np.log(p)).sum())}
 
 
-def _read_tokens(path: Path, dtype: str, count: int) -> np.ndarray:
-    if count == 0:
-        return np.zeros(0, dtype=dtype)  # np.memmap refuses an empty file
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-
-
 class TokenCorpus:
     """A real-text corpus tokenized once: memory-mapped train/valid token streams, the tokenizer, statistics."""
 
@@ -216,22 +175,22 @@ class TokenCorpus:
         settings = {"kind": spec.kind, "field": spec.field, "column": spec.column, "errors": spec.errors}
         corpus_key = fingerprint_files(self.files, settings)
         self.tokenizer = build_tokenizer(spec, self.files, corpus_key, log)
-        self.key = _key({"format": CACHE_FORMAT, "corpus": corpus_key,
-                         "tokenizer": hashlib.sha256(self.tokenizer.tokenizer.to_str().encode()).hexdigest(),
-                         "eot": self.tokenizer.eot_id, "validation_fraction": spec.validation_fraction,
-                         "seed": spec.seed})
-        self.dir = _cache_dir(spec) / f"tokens-{self.key}"
-        with _build_lock(self.dir):
-            self.built = not (self.dir / "meta.json").is_file()
+        self.key = cache_key({"format": CACHE_FORMAT, "corpus": corpus_key,
+                              "tokenizer": hashlib.sha256(self.tokenizer.tokenizer.to_str().encode()).hexdigest(),
+                              "eot": self.tokenizer.eot_id, "validation_fraction": spec.validation_fraction,
+                              "seed": spec.seed})
+        self.dir = cache_dir(spec) / f"tokens-{self.key}"
+        with build_lock(self.dir):
+            self.meta = cached_token_meta(self.dir)
+            self.built = self.meta is None
             if self.built:
-                self._build(spec, log)
-        self.meta = json.loads((self.dir / "meta.json").read_text())
+                self.meta = self._build(spec, log)
         if self.meta["train_documents"] + self.meta["valid_documents"] == 0:
             raise UserError(f"recipe.data.paths: the {len(self.files)} file(s) hold no text (empty corpus)")
-        self.train = _read_tokens(self.dir / "train.bin", self.meta["dtype"], self.meta["train_tokens"])
-        self.valid = _read_tokens(self.dir / "valid.bin", self.meta["dtype"], self.meta["valid_tokens"])
+        self.train = read_tokens(self.dir / "train.bin", self.meta["dtype"], self.meta["train_tokens"])
+        self.valid = read_tokens(self.dir / "valid.bin", self.meta["dtype"], self.meta["valid_tokens"])
 
-    def _build(self, spec: DataSpec, log: Callable[[str], None]) -> None:
+    def _build(self, spec: DataSpec, log: Callable[[str], None]) -> dict:
         start = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-tokens-{self.key}-", dir=self.dir.parent))
         try:
@@ -241,8 +200,9 @@ class TokenCorpus:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _publish(tmp, self.dir)
+        publish_entry(tmp, self.dir)
         log(f"data    | tokenized {len(self.files)} files in {meta['tokenize_s']:.1f}s -> {self.dir}")
+        return meta
 
 
 class PackedSequences:
