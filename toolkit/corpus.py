@@ -232,12 +232,12 @@ def list_files(paths: tuple[str, ...], exclude: tuple[str, ...], where: str = "r
             if not os.access(path, os.R_OK):
                 raise UserError(f"{here}: {path}: cannot read: permission denied")
         files.update((m, None) for m in matches)
+    if not files and skipped:
+        raise UserError(f"{where}.paths: no regular file to read: {_skipped_summary(skipped)}")
+    if not files:
+        raise UserError(f"{where}.exclude: excludes every file that data.paths names")
     if skipped:
         warn_once(f"{where}.paths: skipped {_skipped_summary(skipped)}; only regular files are read")
-    if not files:
-        if skipped:
-            raise UserError(f"{where}.paths: no regular file to read: {_skipped_summary(skipped)}")
-        raise UserError(f"{where}.exclude: excludes every file that data.paths names")
     return [Path(p) for p in files]
 
 
