@@ -335,7 +335,12 @@ class BatchStream:
             raise UserError(f"resume: the checkpoint's data position is for {int(saved)} training sequences, the data "
                             f"now gives {len(self.tokens)} (the corpus or its tokenizer changed); start fresh with "
                             "checkpoint.resume=never")
-        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        epoch, step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        if epoch < 0 or not 0 <= step_in_epoch <= self.steps_per_epoch:
+            raise UserError(f"resume: the checkpoint's data position (epoch {epoch}, step {step_in_epoch} of the "
+                            f"epoch) is outside this data ({self.steps_per_epoch} steps per epoch); a hand-edited "
+                            "checkpoint?")
+        self.epoch, self.step_in_epoch = epoch, step_in_epoch
         self._perm = self._permutation(self.epoch)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import Checkpoint, find_checkpoint, load_checkpoint, make_temp_dir
+from toolkit.checkpoint import Checkpoint, find_checkpoint, load_training_checkpoint, make_temp_dir
 from toolkit.errors import UserError
 from toolkit.tokenizer import TOKENIZER_FILE, TextTokenizer, byte_tokenizer, load_tokenizer_folder, run_tokenizer_dir
 
@@ -123,7 +123,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     step_dir = find_checkpoint(Path(source))
-    ckpt = load_checkpoint(step_dir)
+    ckpt = load_training_checkpoint(step_dir)
     model = build_hf_model(ckpt)
     tokenizer = run_tokenizer(ckpt, model.config.vocab_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -62,11 +62,11 @@ def load_generator(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | N
                 hf_logging.enable_progress_bar()
         source = str(path)
     else:
-        from toolkit.checkpoint import find_checkpoint, load_checkpoint
+        from toolkit.checkpoint import find_checkpoint, load_training_checkpoint
         from toolkit.export import build_hf_model, run_tokenizer_folder
 
         step_dir = find_checkpoint(path)
-        ckpt = load_checkpoint(step_dir)
+        ckpt = load_training_checkpoint(step_dir)
         tokenizer = _tokenizer(Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_folder(ckpt), path)
         model = build_hf_model(ckpt)
         source = f"{step_dir} (step {ckpt.step})"
