@@ -42,8 +42,8 @@ from toolkit.checkpoint_files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIF
                                       list_checkpoints, make_temp_dir, prune_checkpoints, sha256_file, step_dir_name,
                                       verify_checkpoint)
 from toolkit.checkpoint_io import Checkpoint, load_checkpoint, save_checkpoint, save_distributed_checkpoint
-from toolkit.checkpoint_resume import (checkpoint_meta, load_training_checkpoint, model_shape, resume_changes,
-                                       truncate_metrics)
+from toolkit.checkpoint_resume import (check_checkpoint_dir_kept, checkpoint_meta, load_training_checkpoint,
+                                       model_shape, resume_changes, truncate_metrics)
 from toolkit.checkpoint_state import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
 from toolkit.errors import UserError
 from toolkit.specs import Recipe
@@ -67,6 +67,7 @@ class Checkpointer:
     def __init__(self, recipe: Recipe, run_dir: Path):
         self.recipe = recipe
         self.spec = recipe.checkpoint
+        self.run_dir = Path(run_dir)
         self.dir = Path(run_dir) / self.spec.dir
         self.last_saved_step: int | None = None
         self._stale: list[str] = []
@@ -78,6 +79,8 @@ class Checkpointer:
             path = None
         elif resume == "auto":
             path = latest_checkpoint(self.dir)
+            if path is None:
+                check_checkpoint_dir_kept(self.run_dir, self.spec.dir)
         else:
             try:
                 path = find_checkpoint(Path(resume), self.spec.dir)

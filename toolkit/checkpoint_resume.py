@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint_files import STATE_FILE, TEMP_PREFIX, MapOf, is_plain_file_name, structure_problem
+from toolkit.checkpoint_files import (STATE_FILE, TEMP_PREFIX, MapOf, _checkpoint_dirname, is_plain_file_name,
+                                      latest_checkpoint, structure_problem)
 from toolkit.checkpoint_io import Checkpoint, load_checkpoint
 from toolkit.checkpoint_state import check_rng_state
 from toolkit.errors import UserError
@@ -30,7 +31,8 @@ _SHAPE_KEYS = {"family": "model.family", "n_layer": "model.n_layer", "n_embd": "
                "n_head": "model.n_head", "n_kv_head": "model.n_kv_head",
                "intermediate_size": "model.intermediate_size", "max_positions": "model.max_positions",
                "vocab_size": "data.vocab_size"}
-_DATA_ORDER_EXEMPT = {"data.eval_samples", "data.vocab_size"}  # held-out only / reported as a shape change
+# held-out only / reported as a shape change / where tokens are cached (the stream compares the corpus itself)
+_DATA_ORDER_EXEMPT = {"data.eval_samples", "data.vocab_size", "data.cache_dir"}
 _IGNORED = {"checkpoint.resume"}  # how the checkpoint was chosen, not what it holds
 _NOTES = {
     "precision.dtype": "weights and AdamW state are fp32 in every precision, so they carry over",
@@ -148,6 +150,17 @@ def load_training_checkpoint(step_dir: Path) -> Checkpoint:
     if problem:
         raise UserError(f"{ckpt.path / STATE_FILE}: {problem} (a hand-edited or foreign checkpoint)")
     return ckpt
+
+
+def check_checkpoint_dir_kept(run_dir: Path, checkpoint_dir: str) -> None:
+    """Refuse a fresh start that would hide the checkpoints which the run dir's last run (its recipe.json)
+    saved under another checkpoint.dir: it would rewrite the run's metrics over them without a word."""
+    before = _checkpoint_dirname(Path(run_dir), checkpoint_dir)
+    found = latest_checkpoint(Path(run_dir) / before) if before != checkpoint_dir else None
+    if found is not None:
+        raise UserError(f"recipe.checkpoint.dir: {checkpoint_dir!r} holds no checkpoint, but this run dir's last run "
+                        f"saved to {before!r} ({found.name}); set checkpoint.dir back to resume from it, or "
+                        "checkpoint.resume=never to start fresh")
 
 
 def checkpoint_meta(recipe: Recipe, engine, wandb_run_id: str | None) -> dict:

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from toolkit.corpus import fingerprint_files, list_files, read_documents
+from toolkit.corpus import fingerprint_files, list_files, read_documents, warn_once
 from toolkit.data_cache import (CACHE_FORMAT, build_lock, cache_dir, cache_key, cached_token_meta, publish_entry,
                                 read_tokens, set_aside_damaged)
 from toolkit.errors import UserError
@@ -209,7 +209,8 @@ class PackedSequences:
     """Sequences of seq_len + 1 tokens over a token stream; neighbours share one token, so every
     token but the first is a target exactly once. Indexed like a [n, seq_len + 1] int64 tensor."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, order: np.ndarray | None = None):
+    def __init__(self, tokens: np.ndarray, seq_len: int, order: np.ndarray | None = None, source: str | None = None):
+        self.source = source  # the token cache key: which corpus and tokenizer the sequences come from
         count = max((len(tokens) - 1) // seq_len, 0)
         item = tokens.dtype.itemsize
         self.windows = np.lib.stride_tricks.as_strided(tokens, shape=(count, seq_len + 1),
@@ -253,7 +254,7 @@ class Dataset:
             raise UserError(f"recipe.data.validation_fraction: the validation split holds {len(corpus.valid)} tokens "
                             f"({corpus.meta['valid_documents']} documents), fewer than one sequence of {need}; "
                             "raise it, add documents, or set it to 0")
-        self.train = PackedSequences(corpus.train, spec.seq_len)
+        self.train = PackedSequences(corpus.train, spec.seq_len, source=corpus.key)
         eval_count = max((len(corpus.valid) - 1) // spec.seq_len, 0)
         self.eval = PackedSequences(corpus.valid, spec.seq_len,
                                     order=np.random.default_rng(spec.seed).permutation(eval_count))
@@ -326,7 +327,8 @@ class BatchStream:
 
     def state_dict(self) -> dict:
         """Position in the stream (plain ints) for checkpoints."""
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "sequences": len(self.tokens)}
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "sequences": len(self.tokens),
+                "corpus": getattr(self.tokens, "source", None)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where a saved stream stopped."""
@@ -335,6 +337,10 @@ class BatchStream:
             raise UserError(f"resume: the checkpoint's data position is for {int(saved)} training sequences, the data "
                             f"now gives {len(self.tokens)} (the corpus or its tokenizer changed); start fresh with "
                             "checkpoint.resume=never")
+        corpus = getattr(self.tokens, "source", None)
+        if state.get("corpus") and corpus and state["corpus"] != corpus:  # same count, other tokens
+            warn_once("resume: the corpus changed since the checkpoint (its files' bytes or the tokenizer; same "
+                      "number of sequences): the saved data position now walks other sequences")
         epoch, step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
         if epoch < 0 or not 0 <= step_in_epoch <= self.steps_per_epoch:
             raise UserError(f"resume: the checkpoint's data position (epoch {epoch}, step {step_in_epoch} of the "
