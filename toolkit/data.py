@@ -326,7 +326,7 @@ class BatchStream:
         return micro_batches
 
     def state_dict(self) -> dict:
-        """Position in the stream (plain ints) for checkpoints."""
+        """Position in the stream (plain ints) for checkpoints, and which corpus it is a position in."""
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "sequences": len(self.tokens),
                 "corpus": getattr(self.tokens, "source", None)}
 
