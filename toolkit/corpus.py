@@ -171,14 +171,18 @@ def open_regular_file(path: str | os.PathLike) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-_warned: set[str] = set()
+_WARNED_ENV = "TOOLKIT_WARNED"
 
 
 def warn_once(line: str) -> None:
-    """Print `warning: line` to stderr once per process, and on rank 0 only under torchrun."""
-    if line in _warned or os.environ.get("RANK", "0") != "0":
+    """Print `warning: line` to stderr once per launch: once per process, on rank 0 only, and not again in
+    ranks that `toolkit run --nproc` starts after the launcher printed it."""
+    # NOTE: the printed lines' digests go into the environment, which the launcher's ranks inherit.
+    digest = hashlib.sha256(line.encode()).hexdigest()[:12]
+    warned = os.environ.get(_WARNED_ENV, "").split()
+    if digest in warned or os.environ.get("RANK", "0") != "0":
         return
-    _warned.add(line)
+    os.environ[_WARNED_ENV] = " ".join([*warned, digest])
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
