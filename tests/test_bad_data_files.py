@@ -105,6 +105,18 @@ def test_an_unreadable_file_is_an_error_naming_it(tmp_path):
     assert line == f"error: recipe.data.paths[0]: {corpus / 'doc003.txt'}: cannot read: permission denied"
 
 
+def test_a_file_this_process_may_not_read_is_an_error_even_when_root_could(tmp_path, monkeypatch):
+    # The same check as above, where chmod cannot deny (tests run as root): os.access answers for the process.
+    import toolkit.corpus as corpus
+
+    write_corpus(tmp_path / "corpus", python_like_docs(3))
+    denied = str(tmp_path / "corpus" / "doc001.txt")
+    monkeypatch.setattr(corpus.os, "access", lambda path, mode: str(path) != denied)
+    with pytest.raises(UserError) as info:
+        corpus.list_files((str(tmp_path / "corpus" / "*.txt"),), ())
+    assert info.value.lines == [f"recipe.data.paths[0]: {denied}: cannot read: permission denied"]
+
+
 @pytest.mark.skipif(not os.path.isfile("/proc/self/mem"), reason="needs Linux /proc")
 def test_a_read_error_is_one_line_naming_the_file(tmp_path):
     # /proc/self/mem is a regular file that fails at offset 0 with EIO, even for root.
