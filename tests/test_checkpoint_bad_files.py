@@ -8,6 +8,7 @@ that would make a resumed run silently wrong is refused or warned about.
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 
@@ -85,8 +86,6 @@ EDITS = {
 
 @pytest.mark.parametrize("name", list(EDITS))
 def test_a_hand_edited_checkpoint_is_one_line_for_resume_export_and_generate(tmp_path, capsys, saved_run, name):
-    import shutil
-
     file, change, words = EDITS[name]
     run_dir = tmp_path / "run"
     shutil.copytree(saved_run, run_dir)
@@ -102,8 +101,6 @@ def test_a_hand_edited_checkpoint_is_one_line_for_resume_export_and_generate(tmp
 
 
 def test_a_state_json_nested_too_deeply_is_one_line_through_the_real_cli(tmp_path, saved_run):
-    import shutil
-
     shutil.copytree(saved_run, tmp_path / "run")
     step_dir = tmp_path / "run" / "checkpoints" / "step-000002"
     (step_dir / "state.json").write_text('{"format": "toolkit-checkpoint", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
@@ -127,8 +124,6 @@ def test_a_garbage_zero_shard_is_one_line_naming_it(tmp_path, capsys):
 
 
 def test_a_model_config_that_builds_no_model_is_one_line_on_export(tmp_path, capsys, saved_run):
-    import shutil
-
     shutil.copytree(saved_run, tmp_path / "run")
     step_dir = tmp_path / "run" / "checkpoints" / "step-000002"
     for fields, words in (({"n_head": 0}, "ZeroDivisionError"), ({"n_head": 4, "vocab_size": -5}, "negative dimension")):
@@ -139,8 +134,6 @@ def test_a_model_config_that_builds_no_model_is_one_line_on_export(tmp_path, cap
 
 
 def test_a_data_position_outside_the_data_is_refused(tmp_path, capsys, saved_run):
-    import shutil
-
     shutil.copytree(saved_run, tmp_path / "run")
     edit(tmp_path / "run" / "checkpoints" / "step-000002", "state.json", put(["state", "stream", "step_in_epoch"], 10**6))
     err = error_lines(capsys, ["run", "quickstart", "--run-dir", str(tmp_path / "run"), *TINY, "training.max_steps=4"])
@@ -158,8 +151,6 @@ def test_a_data_position_outside_the_data_is_refused(tmp_path, capsys, saved_run
     ("batch.grad_accum_steps=2", "recipe.batch.global_batch 8 -> 16"),
 ])
 def test_resume_refuses_changes_that_move_the_data_or_the_shapes(tmp_path, capsys, saved_run, override, words):
-    import shutil
-
     shutil.copytree(saved_run, tmp_path / "run")
     err = error_lines(capsys, ["run", "quickstart", "--run-dir", str(tmp_path / "run"), *TINY, "training.max_steps=4",
                                override])
@@ -167,8 +158,6 @@ def test_resume_refuses_changes_that_move_the_data_or_the_shapes(tmp_path, capsy
 
 
 def test_resume_allows_a_zero_stage_change_with_a_warning(tmp_path, capsys, saved_run):
-    import shutil
-
     shutil.copytree(saved_run, tmp_path / "run")
     capsys.readouterr()
     assert main(["run", "quickstart", "--run-dir", str(tmp_path / "run"), *TINY, "training.max_steps=3",
@@ -178,8 +167,6 @@ def test_resume_allows_a_zero_stage_change_with_a_warning(tmp_path, capsys, save
 
 
 def test_a_changed_checkpoint_dir_does_not_start_fresh_over_the_old_checkpoints(tmp_path, capsys, saved_run):
-    import shutil
-
     shutil.copytree(saved_run, tmp_path / "run")
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     err = error_lines(capsys, ["run", "quickstart", "--run-dir", str(tmp_path / "run"), *TINY, "training.max_steps=4",

@@ -52,9 +52,9 @@ __all__ = [
     "FORMAT", "FORMAT_VERSION", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "TEMP_PREFIX",
     "TENSORS_FILE", "Checkpoint", "Checkpointer", "capture_rng_state", "checkpoint_meta", "find_checkpoint",
     "flatten_state", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_training_checkpoint",
-    "make_temp_dir", "model_shape",
-    "prune_checkpoints", "restore_rng_state", "resume_changes", "save_checkpoint", "save_distributed_checkpoint",
-    "sha256_file", "step_dir_name", "truncate_metrics", "unflatten_state", "verify_checkpoint",
+    "make_temp_dir", "model_shape", "prune_checkpoints", "restore_rng_state", "resume_changes", "save_checkpoint",
+    "save_distributed_checkpoint", "sha256_file", "step_dir_name", "truncate_metrics", "unflatten_state",
+    "verify_checkpoint",
 ]
 
 

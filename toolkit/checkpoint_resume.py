@@ -133,9 +133,10 @@ def _training_problem(ckpt: Checkpoint) -> str | None:
     engine = ckpt.state["engine"]
     if ("model" in engine) == ("zero" in engine):
         return "state.engine: holds neither or both of model and zero"
-    if engine.get("loss_scaler") is not None and (problem := structure_problem(engine["loss_scaler"], _SCALER,
-                                                                              "state.engine.loss_scaler")):
-        return problem
+    if engine.get("loss_scaler") is not None:
+        problem = structure_problem(engine["loss_scaler"], _SCALER, "state.engine.loss_scaler")
+        if problem:
+            return problem
     for name in engine.get("zero", {}).get("files", ()):
         if not is_plain_file_name(name) or name not in ckpt.files:
             return f"state.engine.zero.files: {name!r} is not a shard file that manifest.json lists"

@@ -84,7 +84,7 @@ def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
             (tag, value), = node.items()
             if tag == _TENSOR:
                 if not isinstance(value, str):
-                    raise ValueError(f"{path}: {_TENSOR} names {value!r}, not a tensor key")
+                    raise ValueError(f"{path}: {_TENSOR} holds {type(value).__name__}, expected a tensor key")
                 if value not in tensors:
                     raise KeyError(value)
                 return tensors[value]

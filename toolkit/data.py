@@ -19,8 +19,9 @@ samples of a step do not depend on how the global batch is split. Its position
 (epoch, step in epoch) is what a checkpoint saves.
 
 Several processes (torchrun, `toolkit run --nproc N`): every rank reads the same
-cache; one builds each entry (a file lock, then a temp dir renamed into place) and
-the others load it (the entries on disk: toolkit/data_cache.py). Rank 0 alone writes the tokenizer into the run dir.
+cache; one builds each entry (a file lock, then a temp dir renamed into place;
+toolkit/data_cache.py) and the others load it. Rank 0 alone writes the tokenizer
+into the run dir.
 """
 from __future__ import annotations
 
