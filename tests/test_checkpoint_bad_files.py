@@ -191,3 +191,16 @@ def test_resume_warns_when_the_corpus_changed_and_allows_a_new_cache_dir(tmp_pat
     err = capsys.readouterr().err
     assert "warning: resume: the corpus changed since the checkpoint" in err
     assert "recipe.data.cache_dir" in err and "error" not in err
+
+
+@pytest.mark.parametrize("pointer", [None, "../../etc\n", "step-000009\n"])
+def test_a_missing_or_wrong_latest_pointer_still_resumes_from_the_newest_step(tmp_path, capsys, saved_run, pointer):
+    shutil.copytree(saved_run, tmp_path / "run")
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    if pointer is None:
+        latest.unlink()
+    else:
+        latest.write_text(pointer)
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    assert main(["run", "quickstart", "--run-dir", str(tmp_path / "run"), *TINY, "training.max_steps=3"]) == 0
+    assert [s for s, _ in train_losses(tmp_path / "run")] == [1, 2, 3]
