@@ -42,7 +42,8 @@ from toolkit.checkpoint_files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIF
                                       list_checkpoints, make_temp_dir, prune_checkpoints, sha256_file, step_dir_name,
                                       verify_checkpoint)
 from toolkit.checkpoint_io import Checkpoint, load_checkpoint, save_checkpoint, save_distributed_checkpoint
-from toolkit.checkpoint_resume import checkpoint_meta, model_shape, resume_changes, truncate_metrics
+from toolkit.checkpoint_resume import (check_checkpoint_dir_kept, checkpoint_meta, load_training_checkpoint,
+                                       model_shape, resume_changes, truncate_metrics)
 from toolkit.checkpoint_state import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
 from toolkit.errors import UserError
 from toolkit.specs import Recipe
@@ -50,9 +51,10 @@ from toolkit.specs import Recipe
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "TEMP_PREFIX",
     "TENSORS_FILE", "Checkpoint", "Checkpointer", "capture_rng_state", "checkpoint_meta", "find_checkpoint",
-    "flatten_state", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "make_temp_dir", "model_shape",
-    "prune_checkpoints", "restore_rng_state", "resume_changes", "save_checkpoint", "save_distributed_checkpoint",
-    "sha256_file", "step_dir_name", "truncate_metrics", "unflatten_state", "verify_checkpoint",
+    "flatten_state", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_training_checkpoint",
+    "make_temp_dir", "model_shape", "prune_checkpoints", "restore_rng_state", "resume_changes", "save_checkpoint",
+    "save_distributed_checkpoint", "sha256_file", "step_dir_name", "truncate_metrics", "unflatten_state",
+    "verify_checkpoint",
 ]
 
 
@@ -65,6 +67,7 @@ class Checkpointer:
     def __init__(self, recipe: Recipe, run_dir: Path):
         self.recipe = recipe
         self.spec = recipe.checkpoint
+        self.run_dir = Path(run_dir)
         self.dir = Path(run_dir) / self.spec.dir
         self.last_saved_step: int | None = None
         self.last_saved_path: Path | None = None  # the checkpoint a rerun resumes from (saved or restored)
@@ -77,21 +80,20 @@ class Checkpointer:
             path = None
         elif resume == "auto":
             path = latest_checkpoint(self.dir)
+            if path is None:
+                check_checkpoint_dir_kept(self.run_dir, self.spec.dir)
         else:
             try:
                 path = find_checkpoint(Path(resume), self.spec.dir)
             except UserError as exc:
                 raise UserError(f"recipe.checkpoint.resume: {exc.lines[0]}") from None
         try:
-            ckpt = load_checkpoint(path) if path is not None else None
+            ckpt = load_training_checkpoint(path) if path is not None else None
         except UserError as exc:
             raise UserError(f"{exc.lines[0]}; resume from another checkpoint with checkpoint.resume=PATH "
                             "or start fresh with checkpoint.resume=never") from None
         start = 0
         if ckpt is not None:
-            missing = [k for k in ("recipe", "model_shape", "global_batch") if k not in ckpt.meta]
-            if missing:
-                raise UserError(f"{ckpt.path / STATE_FILE}: lacks {', '.join(missing)}; not a training checkpoint")
             refusals, warnings = resume_changes(ckpt.meta, self.recipe)
             if refusals:
                 raise UserError(*refusals)
@@ -111,7 +113,7 @@ class Checkpointer:
         """Engine and data position as they were when `ckpt` was saved (the RNGs: `restore_rng_state`)."""
         try:
             engine.load_state_dict(ckpt.state["engine"], checkpoint_dir=ckpt.path)
-        except (RuntimeError, KeyError, ValueError) as exc:
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:  # a foreign or edited state
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"{ckpt.path}: the checkpoint does not fit this model: {first}") from None
         stream.load_state_dict(ckpt.state["stream"])

@@ -96,15 +96,94 @@ def _remove_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Structure: what a JSON file of a checkpoint must hold (hand-edited ones are checked, not trusted)
+
+class MapOf:
+    """Structure spec: a JSON object whose every value matches `spec`."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+
+_WORDS = {bool: "true/false", int: "an integer", float: "a number", str: "a string", dict: "an object",
+          list: "a list", tuple: "a list", type(None): "null", object: "a value"}
+
+
+def _word(kind) -> str:
+    return _WORDS.get(kind, f"a {kind.__name__.lower()}")
+
+
+def structure_problem(value, spec, path: str = "") -> str | None:
+    """Where `value` first differs from `spec`, as `path: what`, or None. A spec is a type or a tuple of types,
+    a dict of keys (a key ending in ? is optional), `[spec]` for a list, or `MapOf(spec)`."""
+    def at(key) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if isinstance(spec, MapOf):
+        if not isinstance(value, dict):
+            return f"{path or 'the file'}: is {_word(type(value))}, expected an object"
+        return next((p for k, v in value.items() if (p := structure_problem(v, spec.spec, at(k)))), None)
+    if isinstance(spec, list):
+        if not isinstance(value, (list, tuple)):
+            return f"{path}: is {_word(type(value))}, expected a list"
+        return next((p for i, v in enumerate(value) if (p := structure_problem(v, spec[0], at(i)))), None)
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return f"{path or 'the file'}: is {_word(type(value))}, expected an object"
+        for key, sub in spec.items():
+            name = key.rstrip("?")
+            if name not in value:
+                if key.endswith("?"):
+                    continue
+                return f"{at(name)}: missing"
+            problem = structure_problem(value[name], sub, at(name))
+            if problem:
+                return problem
+        return None
+    kinds = spec if isinstance(spec, tuple) else (spec,)
+    if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
+        return None
+    return f"{path}: is {_word(type(value))}, expected {' or '.join(_word(k) for k in kinds)}"
+
+
+_MANIFEST = {"step": int, "files": MapOf({"sha256": str, "bytes": int})}
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_plain_file_name(name: str) -> bool:
+    """A name of a file inside the checkpoint directory itself (no folders, no `..`, not hidden)."""
+    return bool(name) and os.path.basename(name) == name and "\\" not in name and not name.startswith(".")
+
+
+def _check_manifest(path: Path, manifest: dict) -> None:
+    problem = structure_problem(manifest, _MANIFEST)
+    if problem:
+        raise UserError(f"{path}: {problem} (a hand-edited or foreign manifest)")
+    for name, entry in manifest["files"].items():
+        if not is_plain_file_name(name):
+            raise UserError(f"{path}: files: {name!r} is not a file of the checkpoint directory")
+        if not _SHA256.fullmatch(entry["sha256"]) or entry["bytes"] < 0:
+            raise UserError(f"{path}: files.{name}: not a sha256 (64 hex digits) and a byte count")
+    for name in (TENSORS_FILE, STATE_FILE):
+        if name not in manifest["files"]:
+            raise UserError(f"{path}: files: lacks {name}, which every checkpoint holds")
+
+
+# ---------------------------------------------------------------------------
 # Verifying: every file against the manifest
 
 def _read_json(path: Path, what: str) -> dict:
+    """A toolkit checkpoint JSON file (format and version checked), or one line naming it."""
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path}: not a regular file ({what})")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{path}: missing ({what})") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{path}: corrupt checkpoint file ({what}): {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise UserError(f"{path}: corrupt checkpoint file ({what}): nested too deeply") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UserError(f"{path}: not a toolkit checkpoint file ({what})")
     if data.get("version") != FORMAT_VERSION:
@@ -119,7 +198,8 @@ def verify_checkpoint(step_dir: Path) -> dict:
     if not step_dir.is_dir():
         raise UserError(f"{step_dir}: no such checkpoint directory")
     manifest = _read_json(step_dir / MANIFEST_FILE, "the checkpoint's manifest; the save did not complete")
-    for name, entry in manifest.get("files", {}).items():
+    _check_manifest(step_dir / MANIFEST_FILE, manifest)
+    for name, entry in manifest["files"].items():
         path = step_dir / name
         if not path.is_file():
             raise UserError(f"{path}: missing from the checkpoint")

@@ -14,6 +14,7 @@ from pathlib import Path
 from toolkit.checkpoint_files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, STATE_FILE, TENSORS_FILE,
                                       _fsync_dir, _fsync_file, _read_json, _remove_dir, _write_json, _write_pointer,
                                       make_temp_dir, sha256_file, step_dir_name, verify_checkpoint)
+from toolkit.checkpoint_files import structure_problem
 from toolkit.checkpoint_state import flatten_state, unflatten_state
 from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error, os_errno
 
@@ -141,11 +142,13 @@ def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: di
 
 @dataclass
 class Checkpoint:
-    """A loaded, verified checkpoint: `state` feeds the engine, stream and RNGs; `meta` is the rest of state.json."""
+    """A loaded, verified checkpoint: `state` feeds the engine, stream and RNGs; `meta` is the rest of state.json;
+    `files` are the names manifest.json verified."""
     path: Path
     step: int
     state: dict
     meta: dict
+    files: tuple[str, ...] = ()
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -158,8 +161,14 @@ def load_checkpoint(step_dir: Path) -> Checkpoint:
     from safetensors.torch import load_file
 
     step_dir = Path(step_dir)
-    verify_checkpoint(step_dir)
-    data = _read_json(step_dir / STATE_FILE, "the checkpoint's state")
+    manifest = verify_checkpoint(step_dir)
+    state_path = step_dir / STATE_FILE
+    data = _read_json(state_path, "the checkpoint's state")
+    problem = structure_problem(data, {"step": int, "state": object})
+    if problem is None and data["step"] != manifest["step"]:
+        problem = f"step: {data['step']}, but {MANIFEST_FILE} says {manifest['step']}"
+    if problem:
+        raise UserError(f"{state_path}: {problem} (a hand-edited or foreign checkpoint)")
     try:
         tensors = load_file(str(step_dir / TENSORS_FILE), device="cpu")
     except (SafetensorError, OSError) as exc:
@@ -167,6 +176,9 @@ def load_checkpoint(step_dir: Path) -> Checkpoint:
     try:
         state = unflatten_state(data.pop("state"), tensors)
     except KeyError as exc:
-        raise UserError(f"{step_dir / STATE_FILE}: names tensor {exc.args[0]!r}, "
-                        f"which {TENSORS_FILE} does not have") from None
-    return Checkpoint(path=step_dir, step=int(data["step"]), state=state, meta=data)
+        raise UserError(f"{state_path}: names tensor {exc.args[0]!r}, which {TENSORS_FILE} does not have") from None
+    except ValueError as exc:
+        raise UserError(f"{state_path}: {exc} (a hand-edited checkpoint)") from None
+    except RecursionError:
+        raise UserError(f"{state_path}: state: nested too deeply (a hand-edited checkpoint)") from None
+    return Checkpoint(path=step_dir, step=data["step"], state=state, meta=data, files=tuple(manifest["files"]))

@@ -1,7 +1,10 @@
 """Resume rules: what a changed recipe may and may not do to a checkpoint (refused:
 model shape, optimizer type, data order; allowed with a warning: the rest), the meta
-that state.json carries for that comparison, and trimming metrics.jsonl back to the
-resumed step. The `Checkpointer` (toolkit/checkpoint.py) applies them.
+that state.json carries for that comparison and the structure a training checkpoint
+must have (`load_training_checkpoint`: resume, export and generate read through it, so
+a hand-edited state.json is one line naming the key, never a KeyError), and trimming
+metrics.jsonl back to the resumed step. The `Checkpointer` (toolkit/checkpoint.py)
+applies them.
 """
 from __future__ import annotations
 
@@ -9,7 +12,13 @@ import json
 import os
 from pathlib import Path
 
-from toolkit.checkpoint_files import TEMP_PREFIX
+import torch
+
+from toolkit.checkpoint_files import (STATE_FILE, TEMP_PREFIX, MapOf, _checkpoint_dirname, is_plain_file_name,
+                                      latest_checkpoint, structure_problem)
+from toolkit.checkpoint_io import Checkpoint, load_checkpoint
+from toolkit.checkpoint_state import check_rng_state
+from toolkit.errors import UserError
 from toolkit.specs import ModelSpec, Recipe
 
 # NOTE: the checkpoint holds fp32 weights and fp32 AdamW moments in every precision
@@ -22,7 +31,8 @@ _SHAPE_KEYS = {"family": "model.family", "n_layer": "model.n_layer", "n_embd": "
                "n_head": "model.n_head", "n_kv_head": "model.n_kv_head",
                "intermediate_size": "model.intermediate_size", "max_positions": "model.max_positions",
                "vocab_size": "data.vocab_size"}
-_DATA_ORDER_EXEMPT = {"data.eval_samples", "data.vocab_size"}  # held-out only / reported as a shape change
+# held-out only / reported as a shape change / where tokens are cached (the stream compares the corpus itself)
+_DATA_ORDER_EXEMPT = {"data.eval_samples", "data.vocab_size", "data.cache_dir"}
 _IGNORED = {"checkpoint.resume", "name", "description"}  # how the checkpoint was chosen or named, not what it holds
 _NOTES = {
     "precision.dtype": "weights and AdamW state are fp32 in every precision, so they carry over",
@@ -106,6 +116,66 @@ def _keep_global_batch(meta: dict, recipe: Recipe) -> str:
     how = (f"batch.grad_accum_steps={saved // per_step}" if saved % per_step == 0 else
            f"batch.global_batch={saved} with a batch.micro_batch_per_rank that divides {saved // b.world_size}")
     return f"to continue at world size {b.world_size} with the saved global batch {saved}, set {how}; or "
+
+
+# What state.json holds in a training checkpoint (checkpoint_meta below, Engine.state_dict,
+# BatchStream.state_dict, capture_rng_state), after its tensors are put back.
+_NUMBER = (int, float)
+_TRAINING = {
+    "recipe": dict, "model_shape": dict, "global_batch": int, "world_size?": int,
+    "model_config?": (dict, type(None)), "recipe_hash?": str, "wandb_run_id?": (str, type(None)),
+    "state": {
+        "engine": {"scheduler": {"last_batch_iteration": int}, "global_step": int, "skipped_steps": int,
+                   "loss_scaler?": (dict, type(None)), "model?": MapOf(torch.Tensor),
+                   "optimizer?": {"state": MapOf(MapOf((torch.Tensor, int, float))),
+                                  "param_groups": [{"params": [int]}]},
+                   "buffers?": (dict, type(None)),
+                   "zero?": {"files": [str], "step": int, "stage": int, "world_size": int, "aliases?": MapOf(str)}},
+        "stream": {"epoch": int, "step_in_epoch": int, "sequences?": int, "corpus?": (str, type(None))},
+        "rng": {"python": (tuple, list), "numpy": dict, "torch": torch.Tensor, "cuda?": (list, type(None))},
+    },
+}
+_SCALER = {"cur_scale": _NUMBER, "cur_iter": int, "last_overflow_iter": int, "cur_hysteresis": int,
+           "overflows_at_min_scale": int}
+
+
+def _training_problem(ckpt: Checkpoint) -> str | None:
+    data = {**ckpt.meta, "state": ckpt.state}
+    problem = structure_problem(data, _TRAINING)
+    if problem:
+        return problem
+    engine = ckpt.state["engine"]
+    if ("model" in engine) == ("zero" in engine):
+        return "state.engine: holds neither or both of model and zero"
+    if engine.get("loss_scaler") is not None:
+        problem = structure_problem(engine["loss_scaler"], _SCALER, "state.engine.loss_scaler")
+        if problem:
+            return problem
+    for name in engine.get("zero", {}).get("files", ()):
+        if not is_plain_file_name(name) or name not in ckpt.files:
+            return f"state.engine.zero.files: {name!r} is not a shard file that manifest.json lists"
+    rng = check_rng_state(ckpt.state["rng"])
+    return f"state.{rng}" if rng else None
+
+
+def load_training_checkpoint(step_dir: Path) -> Checkpoint:
+    """`load_checkpoint`, then the structure a training run saves checked key by key (one line naming it)."""
+    ckpt = load_checkpoint(step_dir)
+    problem = _training_problem(ckpt)
+    if problem:
+        raise UserError(f"{ckpt.path / STATE_FILE}: {problem} (a hand-edited or foreign checkpoint)")
+    return ckpt
+
+
+def check_checkpoint_dir_kept(run_dir: Path, checkpoint_dir: str) -> None:
+    """Refuse a fresh start that would hide the checkpoints which the run dir's last run (its recipe.json)
+    saved under another checkpoint.dir: it would rewrite the run's metrics over them without a word."""
+    before = _checkpoint_dirname(Path(run_dir), checkpoint_dir)
+    found = latest_checkpoint(Path(run_dir) / before) if before != checkpoint_dir else None
+    if found is not None:
+        raise UserError(f"recipe.checkpoint.dir: {checkpoint_dir!r} holds no checkpoint, but this run dir's last run "
+                        f"saved to {before!r} ({found.name}); set checkpoint.dir back to resume from it, or "
+                        "checkpoint.resume=never to start fresh")
 
 
 def checkpoint_meta(recipe: Recipe, engine, wandb_run_id: str | None) -> dict:

@@ -73,27 +73,40 @@ def flatten_state(state) -> tuple[object, dict[str, torch.Tensor]]:
 
 
 def unflatten_state(skeleton, tensors: dict[str, torch.Tensor]):
-    """Inverse of `flatten_state`."""
-    def build(node):
+    """Inverse of `flatten_state`. A tensor key missing from `tensors` raises KeyError(key); a malformed
+    skeleton (a hand-edited state.json) raises ValueError naming the place, as `state.a.b: what`."""
+    def build(node, path: str):
         if isinstance(node, list):
-            return [build(v) for v in node]
+            return [build(v, f"{path}.{i}") for i, v in enumerate(node)]
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
             (tag, value), = node.items()
             if tag == _TENSOR:
+                if not isinstance(value, str):
+                    raise ValueError(f"{path}: {_TENSOR} holds {type(value).__name__}, expected a tensor key")
                 if value not in tensors:
                     raise KeyError(value)
                 return tensors[value]
             if tag == _TUPLE:
-                return tuple(build(v) for v in value)
+                if not isinstance(value, list):
+                    raise ValueError(f"{path}: {_TUPLE} holds {type(value).__name__}, expected a list")
+                return tuple(build(v, f"{path}.{i}") for i, v in enumerate(value))
             if tag == _ITEMS:
-                return {k: build(v) for k, v in value}
+                scalar = (str, int, float, type(None))
+                if not isinstance(value, list) or not all(
+                        isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], scalar) for kv in value):
+                    raise ValueError(f"{path}: {_ITEMS} must be a list of [scalar key, value] pairs")
+                return {k: build(v, f"{path}.{k}") for k, v in value}
             if tag == _NDARRAY:
-                return np.array(value["data"], dtype=value["dtype"]).reshape(value["shape"])
-        return {k: build(v) for k, v in node.items()}
+                try:
+                    return np.array(value["data"], dtype=value["dtype"]).reshape(value["shape"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise ValueError(f"{path}: not an array ({_NDARRAY} needs data, dtype and shape): "
+                                     f"{type(exc).__name__}: {exc}") from None
+        return {k: build(v, f"{path}.{k}") for k, v in node.items()}
 
-    return build(skeleton)
+    return build(skeleton, "state")
 
 
 # ---------------------------------------------------------------------------
@@ -106,6 +119,22 @@ def capture_rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def check_rng_state(state: dict) -> str | None:
+    """Why `state` (from a checkpoint) cannot be restored, or None: each part is tried on a scratch generator."""
+    trials = {"python": lambda v: random.Random().setstate(v),
+              "numpy": lambda v: np.random.RandomState().set_state(v),
+              "torch": lambda v: torch.Generator().set_state(v)}
+    for name, trial in trials.items():
+        try:
+            trial(state[name])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+            return f"rng.{name}: not a generator state ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    cuda = state.get("cuda")
+    if cuda is not None and not (isinstance(cuda, list) and all(isinstance(t, torch.Tensor) for t in cuda)):
+        return "rng.cuda: not a list of CUDA generator states"
+    return None
 
 
 def restore_rng_state(state: dict) -> None:

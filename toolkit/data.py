@@ -19,8 +19,9 @@ samples of a step do not depend on how the global batch is split. Its position
 (epoch, step in epoch) is what a checkpoint saves.
 
 Several processes (torchrun, `toolkit run --nproc N`): every rank reads the same
-cache; one builds each entry (a file lock, then a temp dir renamed into place) and
-the others load it. Rank 0 alone writes the tokenizer into the run dir.
+cache; one builds each entry (a file lock, then a temp dir renamed into place;
+toolkit/data_cache.py) and the others load it. Rank 0 alone writes the tokenizer
+into the run dir.
 """
 from __future__ import annotations
 
@@ -31,20 +32,20 @@ import os
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from toolkit.corpus import fingerprint_files, list_files, read_documents
+from toolkit.corpus import fingerprint_files, list_files, read_documents, warn_once
+from toolkit.data_cache import (CACHE_FORMAT, build_lock, cache_dir, cache_key, cached_token_meta, publish_entry,
+                                read_tokens, set_aside_damaged)
 from toolkit.errors import UserError
 from toolkit.specs import BatchSpec, DataSpec
 from toolkit.tokenizer import (RUN_TOKENIZER_DIR, TextTokenizer, byte_tokenizer, load_tokenizer_folder,
                                synthetic_tokenizer, train_bpe)
 
-CACHE_FORMAT = 1
 _CHUNK_CHARS = 4_000_000  # documents tokenized per encode_batch call (bounded memory, parallel in Rust)
 
 
@@ -82,36 +83,6 @@ def _documents(spec: DataSpec, files: list[Path]) -> Iterator[str]:
         yield from read_documents(spec.kind, path, field=spec.field, column=spec.column, errors=spec.errors)
 
 
-def _key(obj: dict) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename a finished temp dir into place; another process that got there first wins."""
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():
-            raise
-
-
-@contextmanager
-def _build_lock(final: Path) -> Iterator[None]:
-    """Held while checking for and building one cache entry: ranks that start together build it once."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: concurrent builders are still safe (_publish), only wasteful
-        yield
-        return
-    with open(final.parent / f".lock-{final.name}", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def process_rank() -> int:
     """This process's rank: the joined group's, else torchrun's RANK, else 0."""
     import torch.distributed as dist
@@ -123,14 +94,6 @@ def process_rank() -> int:
     return launched_world()[0]
 
 
-def _cache_dir(spec: DataSpec) -> Path:
-    try:
-        spec.cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"recipe.data.cache_dir: {spec.cache_dir}: cannot create: {exc.strerror}") from None
-    return spec.cache_dir
-
-
 def build_tokenizer(spec: DataSpec, files: list[Path], corpus_key: str, log: Callable[[str], None]) -> TextTokenizer:
     """The recipe's tokenizer; a BPE is trained on the training documents once and cached."""
     if spec.tokenizer == "byte":
@@ -139,18 +102,21 @@ def build_tokenizer(spec: DataSpec, files: list[Path], corpus_key: str, log: Cal
         return load_tokenizer_folder(spec.tokenizer_path)
     import tokenizers
 
-    key = _key({"bpe": spec.vocab_size, "corpus": corpus_key, "validation_fraction": spec.validation_fraction,
-                "seed": spec.seed, "tokenizers": tokenizers.__version__})
-    folder = _cache_dir(spec) / f"bpe-{key}"
-    with _build_lock(folder):
-        if (folder / "tokenizer.json").is_file():
-            return load_tokenizer_folder(folder)
+    key = cache_key({"bpe": spec.vocab_size, "corpus": corpus_key, "validation_fraction": spec.validation_fraction,
+                     "seed": spec.seed, "tokenizers": tokenizers.__version__})
+    folder = cache_dir(spec) / f"bpe-{key}"
+    with build_lock(folder):
+        if folder.exists():
+            try:
+                return load_tokenizer_folder(folder, where="recipe.data.cache_dir")
+            except UserError as exc:
+                set_aside_damaged(folder, exc.lines[0])
         start = time.perf_counter()
         train_docs = (d for d in _documents(spec, files) if not in_validation(d, spec.validation_fraction, spec.seed))
         tokenizer = train_bpe(train_docs, spec.vocab_size)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-bpe-{key}-", dir=folder.parent))
         tokenizer.save(tmp)
-        _publish(tmp, folder)
+        publish_entry(tmp, folder)
     log(f"data    | trained a BPE tokenizer to {tokenizer.vocab_size} tokens in {time.perf_counter() - start:.1f}s "
         f"-> {folder}")
     return tokenizer
@@ -202,12 +168,6 @@ def _write_token_files(spec: DataSpec, files: list[Path], tokenizer: TextTokeniz
             "unigram_entropy": float(-(p * np.log(p)).sum())}
 
 
-def _read_tokens(path: Path, dtype: str, count: int) -> np.ndarray:
-    if count == 0:
-        return np.zeros(0, dtype=dtype)  # np.memmap refuses an empty file
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-
-
 class TokenCorpus:
     """A real-text corpus tokenized once: memory-mapped train/valid token streams, the tokenizer, statistics."""
 
@@ -217,22 +177,22 @@ class TokenCorpus:
         settings = {"kind": spec.kind, "field": spec.field, "column": spec.column, "errors": spec.errors}
         corpus_key = fingerprint_files(self.files, settings)
         self.tokenizer = build_tokenizer(spec, self.files, corpus_key, log)
-        self.key = _key({"format": CACHE_FORMAT, "corpus": corpus_key,
-                         "tokenizer": hashlib.sha256(self.tokenizer.tokenizer.to_str().encode()).hexdigest(),
-                         "eot": self.tokenizer.eot_id, "validation_fraction": spec.validation_fraction,
-                         "seed": spec.seed})
-        self.dir = _cache_dir(spec) / f"tokens-{self.key}"
-        with _build_lock(self.dir):
-            self.built = not (self.dir / "meta.json").is_file()
+        self.key = cache_key({"format": CACHE_FORMAT, "corpus": corpus_key,
+                              "tokenizer": hashlib.sha256(self.tokenizer.tokenizer.to_str().encode()).hexdigest(),
+                              "eot": self.tokenizer.eot_id, "validation_fraction": spec.validation_fraction,
+                              "seed": spec.seed})
+        self.dir = cache_dir(spec) / f"tokens-{self.key}"
+        with build_lock(self.dir):
+            self.meta = cached_token_meta(self.dir)
+            self.built = self.meta is None
             if self.built:
-                self._build(spec, log)
-        self.meta = json.loads((self.dir / "meta.json").read_text())
+                self.meta = self._build(spec, log)
         if self.meta["train_documents"] + self.meta["valid_documents"] == 0:
             raise UserError(f"recipe.data.paths: the {len(self.files)} file(s) hold no text (empty corpus)")
-        self.train = _read_tokens(self.dir / "train.bin", self.meta["dtype"], self.meta["train_tokens"])
-        self.valid = _read_tokens(self.dir / "valid.bin", self.meta["dtype"], self.meta["valid_tokens"])
+        self.train = read_tokens(self.dir / "train.bin", self.meta["dtype"], self.meta["train_tokens"])
+        self.valid = read_tokens(self.dir / "valid.bin", self.meta["dtype"], self.meta["valid_tokens"])
 
-    def _build(self, spec: DataSpec, log: Callable[[str], None]) -> None:
+    def _build(self, spec: DataSpec, log: Callable[[str], None]) -> dict:
         start = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-tokens-{self.key}-", dir=self.dir.parent))
         try:
@@ -242,15 +202,17 @@ class TokenCorpus:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _publish(tmp, self.dir)
+        publish_entry(tmp, self.dir)
         log(f"data    | tokenized {len(self.files)} files in {meta['tokenize_s']:.1f}s -> {self.dir}")
+        return meta
 
 
 class PackedSequences:
     """Sequences of seq_len + 1 tokens over a token stream; neighbours share one token, so every
     token but the first is a target exactly once. Indexed like a [n, seq_len + 1] int64 tensor."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, order: np.ndarray | None = None):
+    def __init__(self, tokens: np.ndarray, seq_len: int, order: np.ndarray | None = None, source: str | None = None):
+        self.source = source  # the token cache key: which corpus and tokenizer the sequences come from
         count = max((len(tokens) - 1) // seq_len, 0)
         item = tokens.dtype.itemsize
         self.windows = np.lib.stride_tricks.as_strided(tokens, shape=(count, seq_len + 1),
@@ -296,7 +258,7 @@ class Dataset:
             raise UserError(f"recipe.data.validation_fraction: the validation split holds {len(corpus.valid)} tokens "
                             f"({corpus.meta['valid_documents']} documents), fewer than one sequence of {need}; "
                             "raise it, add documents, or set it to 0")
-        self.train = PackedSequences(corpus.train, spec.seq_len)
+        self.train = PackedSequences(corpus.train, spec.seq_len, source=corpus.key)
         eval_count = max((len(corpus.valid) - 1) // spec.seq_len, 0)
         self.eval = PackedSequences(corpus.valid, spec.seq_len,
                                     order=np.random.default_rng(spec.seed).permutation(eval_count))
@@ -368,8 +330,9 @@ class BatchStream:
         return micro_batches
 
     def state_dict(self) -> dict:
-        """Position in the stream (plain ints) for checkpoints."""
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "sequences": len(self.tokens)}
+        """Position in the stream (plain ints) for checkpoints, and which corpus it is a position in."""
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "sequences": len(self.tokens),
+                "corpus": getattr(self.tokens, "source", None)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where a saved stream stopped."""
@@ -378,7 +341,16 @@ class BatchStream:
             raise UserError(f"resume: the checkpoint's data position is for {int(saved)} training sequences, the data "
                             f"now gives {len(self.tokens)} (the corpus or its tokenizer changed); start fresh with "
                             "checkpoint.resume=never")
-        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        corpus = getattr(self.tokens, "source", None)
+        if state.get("corpus") and corpus and state["corpus"] != corpus:  # same count, other tokens
+            warn_once("resume: the corpus changed since the checkpoint (its files' bytes or the tokenizer; same "
+                      "number of sequences): the saved data position now walks other sequences")
+        epoch, step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        if epoch < 0 or not 0 <= step_in_epoch <= self.steps_per_epoch:
+            raise UserError(f"resume: the checkpoint's data position (epoch {epoch}, step {step_in_epoch} of the "
+                            f"epoch) is outside this data ({self.steps_per_epoch} steps per epoch); a hand-edited "
+                            "checkpoint?")
+        self.epoch, self.step_in_epoch = epoch, step_in_epoch
         self._perm = self._permutation(self.epoch)
 
 

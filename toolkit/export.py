@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import Checkpoint, find_checkpoint, load_checkpoint, make_temp_dir
+from toolkit.checkpoint import Checkpoint, find_checkpoint, load_training_checkpoint, make_temp_dir
 from toolkit.errors import UserError
 from toolkit.tokenizer import (TOKENIZER_FILE, TextTokenizer, byte_tokenizer, load_tokenizer_folder, run_tokenizer_dir,
                                synthetic_tokenizer)
@@ -50,9 +50,17 @@ def hf_config(ckpt: Checkpoint):
         raise UserError(f"{ckpt.path}: the model is not a transformers model (no config in the checkpoint); "
                         "only recipe-built or pretrained models export")
     stored = dict(stored)
-    config = CONFIG_MAPPING[stored.pop("model_type")].from_dict(stored)
+    try:
+        config = CONFIG_MAPPING[stored.pop("model_type")].from_dict(stored)
+    except Exception as exc:  # NOTE: transformers' field validation raises huggingface_hub's own Exception types
+        raise UserError(f"{ckpt.path / 'state.json'}: model_config: {_first_line(exc.__cause__ or exc)}") from None
     config.use_cache = True  # NOTE: training turns the KV cache off; generation wants it
     return config
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def checkpoint_model_state(ckpt: Checkpoint) -> dict:
@@ -75,8 +83,13 @@ def build_hf_model(ckpt: Checkpoint):
     from transformers import AutoModelForCausalLM
 
     config = hf_config(ckpt)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError, ArithmeticError, AttributeError, KeyError) as exc:
+        # NOTE: only a stored config a person edited gets here (sizes <= 0, heads that do not divide the width)
+        raise UserError(f"{ckpt.path / 'state.json'}: model_config does not build a "
+                        f"{config.model_type} model: {type(exc).__name__}: {_first_line(exc)}") from None
     try:
         model.load_state_dict(checkpoint_model_state(ckpt), strict=True, assign=True)
     except RuntimeError as exc:
@@ -134,7 +147,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     step_dir = find_checkpoint(Path(source))
-    ckpt = load_checkpoint(step_dir)
+    ckpt = load_training_checkpoint(step_dir)
     model = build_hf_model(ckpt)
     tokenizer = run_tokenizer(ckpt, model.config.vocab_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -69,11 +69,11 @@ def load_generator(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | N
                 hf_logging.enable_progress_bar()
         source = str(path)
     else:
-        from toolkit.checkpoint import find_checkpoint, load_checkpoint
+        from toolkit.checkpoint import find_checkpoint, load_training_checkpoint
         from toolkit.export import build_hf_model, run_tokenizer_folder
 
         step_dir = find_checkpoint(path)
-        ckpt = load_checkpoint(step_dir)
+        ckpt = load_training_checkpoint(step_dir)
         model = build_hf_model(ckpt)
         data = (ckpt.meta.get("recipe") or {}).get("data") or {}
         folder = Path(tokenizer_dir) if tokenizer_dir else run_tokenizer_folder(ckpt)

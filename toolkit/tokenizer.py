@@ -145,16 +145,50 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> TextTokenizer:
     return TextTokenizer(tok, tok.token_to_id(EOT), "bpe")
 
 
-def _eot_of_folder(folder: Path, tok) -> int:
-    config_path = folder / CONFIG_FILE
-    name = None
-    if config_path.is_file():
-        try:
-            name = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
-        except ValueError as exc:
-            raise UserError(f"{config_path}: malformed JSON: {exc}") from None
-        if isinstance(name, dict):  # an AddedToken written out
-            name = name.get("content")
+def _read_folder_file(path: Path, where: str) -> str:
+    """The UTF-8 text of a regular file in a tokenizer folder, or one line naming it."""
+    from toolkit.corpus import open_regular_file
+
+    try:
+        with open_regular_file(path) as f:
+            data = f.read()
+        return data.decode("utf-8")
+    except UserError as exc:
+        raise UserError(f"{where}: {exc.lines[0]}") from None
+    except OSError as exc:
+        raise UserError(f"{where}: {path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{where}: {path}: not UTF-8 (byte offset {exc.start}); not a tokenizer file") from None
+
+
+def _folder_config(folder: Path, where: str) -> dict:
+    """eos_token and toolkit_kind from tokenizer_config.json (None and "pretrained" when absent), type-checked."""
+    path = folder / CONFIG_FILE
+    if not path.exists():
+        return {"eos_token": None, "toolkit_kind": "pretrained"}
+    text = _read_folder_file(path, where)
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise UserError(f"{where}: {path}: malformed JSON: {exc}") from None
+    except RecursionError:
+        raise UserError(f"{where}: {path}: malformed JSON: nested too deeply") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{where}: {path}: expected a JSON object, got {type(config).__name__}")
+    eos = config.get("eos_token")
+    if isinstance(eos, dict):  # an AddedToken written out
+        eos = eos.get("content")
+    if eos is not None and not isinstance(eos, str):
+        raise UserError(f"{where}: {path}: eos_token is {json.dumps(config['eos_token'])[:80]}, expected a token "
+                        "string (or an object with a string 'content')")
+    kind = config.get("toolkit_kind", "pretrained")
+    if kind not in ("byte", "bpe", "pretrained", "synthetic"):
+        raise UserError(f"{where}: {path}: toolkit_kind is {json.dumps(kind)[:80]}, expected byte, bpe, pretrained "
+                        "or synthetic")
+    return {"eos_token": eos, "toolkit_kind": kind}
+
+
+def _eot_of_folder(folder: Path, tok, name: str | None) -> int:
     for candidate in ([name] if name else []) + list(_EOT_CANDIDATES):
         token_id = tok.token_to_id(candidate)
         if token_id is not None:
@@ -168,28 +202,24 @@ def load_tokenizer_folder(folder: Path, where: str = "recipe.data.tokenizer_path
     """A Hugging Face tokenizer folder (tokenizer.json; eos_token from tokenizer_config.json).
 
     need_eot=False (decoding only) also accepts a synthetic run's tokenizer, which has no end-of-text token.
+    Every problem with its files is one line naming `where` and the file.
     """
     from tokenizers import Tokenizer
 
     folder = Path(folder)
     path = folder / TOKENIZER_FILE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise UserError(f"{where}: {folder}: no {TOKENIZER_FILE} there (save a fast tokenizer with "
                         "AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
+    text = _read_folder_file(path, where)
     try:
-        tok = Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_str(text)
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
-        raise UserError(f"{where}: {path}: cannot load: {str(exc).splitlines()[0]}") from None
-    kind = "pretrained"
-    config_path = folder / CONFIG_FILE
-    if config_path.is_file():
-        try:
-            kind = json.loads(config_path.read_text(encoding="utf-8")).get("toolkit_kind", kind)
-        except ValueError:
-            pass
-    if kind == "synthetic" and not need_eot:
-        return TextTokenizer(tok, None, kind)
-    return TextTokenizer(tok, _eot_of_folder(folder, tok), kind)
+        raise UserError(f"{where}: {path}: cannot load: {str(exc).splitlines()[0][:200]}") from None
+    config = _folder_config(folder, where)
+    if config["toolkit_kind"] == "synthetic" and not need_eot:
+        return TextTokenizer(tok, None, "synthetic")
+    return TextTokenizer(tok, _eot_of_folder(folder, tok, config.get("eos_token")), config["toolkit_kind"])
 
 
 def pretrained_vocab_size(folder: Path, where: str) -> int:

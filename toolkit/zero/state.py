@@ -53,26 +53,44 @@ class ShardFilesReader:
     """Ranges of per-parameter fp32 tensors, assembled from the shard files of any world size."""
 
     def __init__(self, directory: Path, files: list[str], step: int):
-        from safetensors import safe_open
-
         self.directory, self.step = Path(directory), int(step)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._pieces: dict[str, list[tuple[int, int, str]]] = {}
         self._stack = contextlib.ExitStack()
         self._handles = {}
-        for name in files:
-            path = self.directory / name
-            if not path.is_file():
-                raise UserError(f"{path}: missing ZeRO shard file (the checkpoint is incomplete)")
+        try:
+            for name in files:
+                self._open(name)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _open(self, name: str) -> None:
+        """Open one shard file and read its metadata (ranges and shapes), each checked; one line if bad."""
+        from safetensors import SafetensorError, safe_open
+
+        path = self.directory / name
+        if not path.is_file():
+            raise UserError(f"{path}: missing ZeRO shard file (the checkpoint is incomplete)")
+        try:
             handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            meta = handle.metadata() or {}
-            if meta.get("format") != SHARD_FORMAT:
-                raise UserError(f"{path}: not a toolkit ZeRO shard file")
-            self._handles[name] = handle
-            for pname, shape in json.loads(meta["shapes"]).items():
-                self.shapes[pname] = tuple(shape)
-            for pname, (start, stop) in json.loads(meta["ranges"]).items():
-                self._pieces.setdefault(pname, []).append((start, stop, name))
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{path}: not a readable ZeRO shard file: {str(exc).splitlines()[0]}") from None
+        meta = handle.metadata() or {}
+        if meta.get("format") != SHARD_FORMAT:
+            raise UserError(f"{path}: not a toolkit ZeRO shard file")
+        try:
+            shapes, ranges = json.loads(meta["shapes"]), json.loads(meta["ranges"])
+            shapes = {p: tuple(int(d) for d in shape) for p, shape in shapes.items()}
+            ranges = {p: (int(a), int(b)) for p, (a, b) in ranges.items()}
+            if any(p not in shapes or not 0 <= a <= b <= torch.Size(shapes[p]).numel() for p, (a, b) in ranges.items()):
+                raise ValueError("a range outside its parameter")
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+            raise UserError(f"{path}: the shard's ranges/shapes metadata is malformed ({exc})") from None
+        self._handles[name] = handle
+        self.shapes.update(shapes)
+        for pname, (start, stop) in ranges.items():
+            self._pieces.setdefault(pname, []).append((start, stop, name))
 
     def names(self) -> list[str]:
         """Parameter names the shards hold."""
@@ -88,12 +106,23 @@ class ShardFilesReader:
         for a, b, file in self._pieces[name]:
             lo, hi = max(a, start), min(b, stop)
             if lo < hi:
-                out[lo - start:hi - start] = self._handles[file].get_slice(f"{kind}/{name}")[lo - a:hi - a]
+                out[lo - start:hi - start] = self._slice(file, f"{kind}/{name}", lo - a, hi - a)
                 covered += hi - lo
         if covered != stop - start:
             raise UserError(f"{self.directory}: the ZeRO shards cover {covered} of elements [{start}, {stop}) "
                             f"of {name!r} (shard files missing)")
         return out
+
+    def _slice(self, file: str, key: str, start: int, stop: int) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        try:
+            piece = self._handles[file].get_slice(key)[start:stop]
+        except (SafetensorError, RuntimeError, ValueError, TypeError) as exc:
+            raise UserError(f"{self.directory / file}: cannot read {key!r}: {str(exc).splitlines()[0]}") from None
+        if piece.dim() != 1 or piece.numel() != stop - start:
+            raise UserError(f"{self.directory / file}: {key!r} does not match the shard's ranges metadata")
+        return piece
 
     def full(self, kind: str, name: str) -> torch.Tensor:
         """A whole parameter (or moment) in its shape."""
