@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import run_cli
+from tests.conftest import run_cli
 from toolkit import cpu_threads
 from toolkit.cpu_threads import choose_cpu_threads, set_openmp_wait_policy
 from toolkit.recipe import load_recipe

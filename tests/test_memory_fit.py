@@ -5,7 +5,7 @@ one line too. The shipped recipes are not refused where they are meant to run.
 """
 import pytest
 
-from conftest import run_cli
+from tests.conftest import run_cli
 from toolkit.errors import UserError
 from toolkit.memory import GiB
 from toolkit.memory_fit import allocation_failure, is_allocation_failure, size_terms

@@ -14,7 +14,7 @@ import tomllib
 
 import pytest
 
-from conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli
 from toolkit.optional_packages import OPTIONAL_PACKAGES
 
 
