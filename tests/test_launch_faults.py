@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, wait_for_step
 
 pytestmark = pytest.mark.dist
 
@@ -28,14 +28,7 @@ def _launch(run_dir, *extra):
 
 
 def _wait_for_step(run_dir, step, proc, timeout=180):
-    out = run_dir.parent / "launcher.out"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        if f"step {step:>6}/" in out.read_text():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no step {step} within {timeout}s")
+    wait_for_step(run_dir.parent / "launcher.out", step, proc, timeout)
 
 
 def _children(pid):

@@ -9,11 +9,10 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, wait_for_step
 
 FAST = ["scheduler.warmup_num_steps=1", "training.log_interval=1", "training.eval_batches=0"]
 
@@ -26,15 +25,8 @@ def _start(run_dir, *overrides, preexec_fn=None):
                                 stderr=subprocess.PIPE, preexec_fn=preexec_fn)
 
 
-def _wait_for_step(run_dir, step, proc, timeout=120):
-    out = run_dir.parent / f"{run_dir.name}.out"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        if f"step {step:>6}/" in out.read_text():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no step {step} within {timeout}s")
+def _wait_for_step(run_dir, step, proc, timeout=180):
+    wait_for_step(run_dir.parent / f"{run_dir.name}.out", step, proc, timeout)
 
 
 def _steps(run_dir):
