@@ -66,3 +66,9 @@ def test_a_thread_count_below_one_is_one_line():
     proc = run_cli("validate", "quickstart", "training.cpu_threads=0")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: recipe.training.cpu_threads: 0 is less than the minimum of 1"
+
+
+def test_a_thread_count_openmp_cannot_start_is_one_line():
+    proc = run_cli("validate", "quickstart", "training.cpu_threads=20000")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: recipe.training.cpu_threads: 20000 is greater than the maximum of 1024"

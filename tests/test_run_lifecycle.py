@@ -217,3 +217,25 @@ def test_a_tokenizer_over_the_file_size_limit_is_one_line_naming_the_file(tmp_pa
     assert proc.returncode == 2
     assert _errors(err) == [f"error: {run_dir}/tokenizer/tokenizer.json: cannot write: File too large (EFBIG); "
                             "free space or fix the permissions, then rerun the same command"]
+
+
+@pytest.mark.parametrize("blocked", ["recipe.json", "memory.png"])
+def test_a_run_file_that_cannot_be_written_is_one_line_naming_it(tmp_path, blocked):
+    run_dir = tmp_path / "run"
+    (run_dir / blocked).mkdir(parents=True)  # a folder where the file goes: EISDIR
+    proc = run_cli("run", "quickstart", "--run-dir", str(run_dir), "training.max_steps=2", *FAST)
+    assert proc.returncode == 2
+    assert _errors(proc.stderr) == [f"error: {run_dir / blocked}: cannot write: Is a directory (EISDIR); "
+                                    "free space or fix the permissions, then rerun the same command to resume"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_stop_during_start_up_passes_through_handlers_that_catch_every_error(tmp_path):
+    from toolkit.run_stop import RunStopped
+
+    # NOTE: a kernel build falls back on `except Exception`; a SIGTERM then must still stop the run.
+    with pytest.raises(RunStopped):
+        try:
+            raise RunStopped(signal.SIGTERM, tmp_path, None, 10, why="no step was trained")
+        except Exception:
+            pytest.fail("a broad handler swallowed the stop")

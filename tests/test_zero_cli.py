@@ -3,6 +3,7 @@ sharded checkpoints), then `torchrun --nproc_per_node 2 -m toolkit run` resuming
 same run directory under ZeRO-3; `toolkit export` consolidates the shards. Plus the
 launcher's user errors and `toolkit doctor`."""
 import json
+import os
 import sys
 
 import pytest
@@ -43,6 +44,8 @@ def test_nproc_run_logs_once_and_saves_one_shard_per_rank(two_launches):
     assert first.stdout.count("done: 8 steps") == 1  # rank 0 alone prints
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 9))
     assert "world 2" in first.stdout
+    if "OMP_NUM_THREADS" not in os.environ:  # the launcher leaves the choice to each rank's 'auto'
+        assert "threads   | 1 torch thread (auto: " in first.stdout
     step4 = run_dir / "checkpoints" / "step-000004"
     assert sorted(p.name for p in step4.glob("zero-rank-*")) == ["zero-rank-00000-of-00002.safetensors",
                                                                  "zero-rank-00001-of-00002.safetensors"]
@@ -108,3 +111,9 @@ def test_stage3_with_compile_is_a_one_line_user_error(tmp_path):
     proc = run_cli("run", "quickstart", "zero.stage=3", "training.compile=true", "--run-dir", str(tmp_path / "r"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: recipe.training.compile: not with zero.stage 3")
+
+
+def test_nproc_below_one_is_one_line_naming_the_option():
+    proc = run_cli("run", "quickstart", "--nproc", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: --nproc 0: must be at least 1"

@@ -59,6 +59,9 @@ def _cmd_run(args) -> int:
     if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
         from pathlib import Path
 
+        if args.nproc < 1:
+            raise UserError(f"--nproc {args.nproc}: must be at least 1")
+
         from toolkit.run_dir import default_run_dir
         from toolkit.zero.launch import launch_ranks
 

@@ -151,12 +151,12 @@ def _read_json_object(path: Path) -> dict:
     try:
         with open(path, "rb") as file:
             data = file.read(MAX_RECIPE_BYTES + 1)
+        if len(data) > MAX_RECIPE_BYTES:  # before decoding: the cut may split a character
+            raise RecipeError(f"{path}: larger than {MAX_RECIPE_BYTES >> 20} MiB, not a recipe (a recipe is a few KB)")
         # NOTE: utf-8-sig also reads files that an editor saved with a byte-order mark.
         text = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{path}: cannot read: {clipped(str(exc))}") from None
-    if len(data) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"{path}: larger than {MAX_RECIPE_BYTES >> 20} MiB, not a recipe (a recipe is a few KB)")
     if not text.strip():
         raise RecipeError(f"{path}: empty file, expected a JSON object")
     try:

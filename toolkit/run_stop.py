@@ -28,8 +28,11 @@ _PEER_LOST_MARKERS = ("Connection reset by peer", "Connection closed by peer", "
                       "Connection refused", "NCCL communicator was aborted")
 
 
-class RunStopped(Exception):
-    """The run stopped on a signal: at `step`, saved as `checkpoint` (None: nothing saved, `why`)."""
+class RunStopped(BaseException):
+    """The run stopped on a signal: at `step`, saved as `checkpoint` (None: nothing saved, `why`).
+
+    NOTE: a BaseException, like KeyboardInterrupt: a signal during start-up must not be swallowed by a
+    handler that keeps going on any error (a kernel build falls back on `except Exception`)."""
 
     def __init__(self, signum: int, run_dir: Path, step: int | None, max_steps: int,
                  checkpoint: Path | None = None, why: str = ""):

@@ -112,6 +112,8 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     stop = StopSignals(under_elastic_launcher()).install(run_dir, recipe.training.max_steps)
     try:
         return _train(recipe, run_dir, info, stop, quiet=quiet or not info.is_main)
+    except OSError as exc:  # recipe.json, metrics, events, the memory plot: one line naming the file
+        raise (write_failure(exc, run_dir) or exc) from None
     finally:
         stop.restore()
         if lock is not None:
@@ -238,8 +240,6 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
             if engine.global_step > start_step:  # a checkpoint already at max_steps has nothing left to do
                 evaluate(engine.global_step)
             checkpointer.finish(engine, stream, trackers.wandb_run_id)
-    except OSError as exc:  # metrics, events, the memory plot: one line naming the file
-        raise (write_failure(exc, run_dir) or exc) from None
     finally:
         trackers.close()
         monitor.close()

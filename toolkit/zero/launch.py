@@ -38,15 +38,8 @@ EXIT_USER_ERROR = 2
 _COLLATERAL = {-signal.SIGTERM, 128 + signal.SIGTERM, EXIT_PEER_LOST}
 
 
-def threads_per_rank(nproc: int) -> int:
-    """CPU threads each rank may use: the cores split evenly (torchrun's default is 1)."""
-    return max(1, (os.cpu_count() or 1) // nproc)
-
-
 def launch_ranks(nproc: int, toolkit_args: list[str], run_dir: Path) -> int:
     """Run `python -m toolkit *toolkit_args` as `nproc` ranks in `run_dir` (locked for them); the exit code."""
-    if nproc < 1:
-        raise UserError(f"--nproc {nproc}: must be at least 1")
     if "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
         raise UserError("--nproc inside a torchrun launch: give one or the other")
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -55,8 +48,8 @@ def launch_ranks(nproc: int, toolkit_args: list[str], run_dir: Path) -> int:
 
     lock = RunDirLock(run_dir).acquire()
     notes = Path(tempfile.mkdtemp(prefix="toolkit-launch-"))
-    # NOTE: each rank gets its share of the cores; torchrun would give each one thread.
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    # NOTE: no OMP_NUM_THREADS here: each rank's training.cpu_threads 'auto' takes its share of the cores
+    # it may use (LOCAL_WORLD_SIZE), or one thread for a small model (toolkit/cpu_threads.py).
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1)
