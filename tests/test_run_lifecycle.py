@@ -189,6 +189,7 @@ def test_resuming_past_max_steps_is_refused_and_at_max_steps_says_nothing_is_lef
         f"error: recipe.training.max_steps: 2 is below the step the run resumes from: the checkpoint "
         f"{run_dir}/checkpoints/step-000004 is at step 4; raise training.max_steps to train further, or start "
         "fresh with checkpoint.resume=never (or another --run-dir)"]
+    assert "warning: resume from" not in below.stderr  # no "max_steps 4 -> 2" before the refusal
     assert (run_dir / "recipe.json").read_text() == recipe_before
 
     again = run_cli("run", "quickstart", "--run-dir", str(run_dir), "training.max_steps=4", *FAST)

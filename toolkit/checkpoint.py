@@ -95,6 +95,11 @@ class Checkpointer:
         start = 0
         if ckpt is not None:
             refusals, warnings = resume_changes(ckpt.meta, self.recipe)
+            max_steps = self.recipe.training.max_steps
+            if ckpt.step > max_steps:  # before the warnings: a refused resume says one thing
+                refusals = [f"recipe.training.max_steps: {max_steps} is below the step the run resumes from: "
+                            f"the checkpoint {ckpt.path} is at step {ckpt.step}; raise training.max_steps to train "
+                            "further, or start fresh with checkpoint.resume=never (or another --run-dir)", *refusals]
             if refusals:
                 raise UserError(*refusals)
             for line in warnings:

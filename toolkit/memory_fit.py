@@ -67,7 +67,8 @@ def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]
     states = Term("model states", est.states.gpu, f"{shape}, zero.stage {z.stage}, world size {b.world_size}")
     activations = est.activations.checkpointed if m.activation_checkpointing else est.activations.full
     acts = Term("activations", activations, f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len "
-                                            f"{d.seq_len}, model.n_embd {m.n_embd}, model.n_layer {m.n_layer}")
+                                            f"{d.seq_len}, model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
+                                            f"logits over vocabulary {m.vocab_size}")
     # NOTE: real-text token files are only known after tokenizing, and are read a window at a time;
     # the synthetic chain is one in-memory tensor per split.
     samples = d.num_samples + d.eval_samples

@@ -135,14 +135,10 @@ def _agree(claim, info):
 
 
 def _check_steps_left(recipe: Recipe, resumed, *, warn: bool) -> None:
-    """A checkpoint past training.max_steps is refused; one at it leaves nothing to train (a warning)."""
-    if resumed is None or resumed.step < recipe.training.max_steps:
+    """A checkpoint at training.max_steps leaves nothing to train (a warning; past it, resume_point refuses)."""
+    if resumed is None or resumed.step != recipe.training.max_steps:
         return
     where = f"the checkpoint {resumed.path} is at step {resumed.step}"
-    if resumed.step > recipe.training.max_steps:
-        raise UserError(f"recipe.training.max_steps: {recipe.training.max_steps} is below the step the run "
-                        f"resumes from: {where}; raise training.max_steps to train further, or start fresh with "
-                        "checkpoint.resume=never (or another --run-dir)")
     if warn:
         print(f"warning: recipe.training.max_steps: nothing to train: {where}, which is training.max_steps; "
               "raise training.max_steps to train further", file=sys.stderr, flush=True)
