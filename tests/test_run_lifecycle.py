@@ -217,7 +217,7 @@ def test_a_tokenizer_over_the_file_size_limit_is_one_line_naming_the_file(tmp_pa
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2
     assert _errors(err) == [f"error: {run_dir}/tokenizer/tokenizer.json: cannot write: File too large (EFBIG); "
-                            "free space or fix the permissions, then rerun the same command"]
+                            "free space or fix the permissions, then rerun the same command to resume"]
 
 
 @pytest.mark.parametrize("blocked", ["recipe.json", "memory.png"])

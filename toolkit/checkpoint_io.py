@@ -16,7 +16,7 @@ from toolkit.checkpoint_files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIF
                                       make_temp_dir, sha256_file, step_dir_name, verify_checkpoint)
 from toolkit.checkpoint_files import structure_problem
 from toolkit.checkpoint_state import flatten_state, unflatten_state
-from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error, os_errno
+from toolkit.errors import UserError, failed_write
 
 
 @contextmanager
@@ -28,9 +28,10 @@ def _naming_failed_writes(path: Path):
     try:
         yield
     except (OSError, SafetensorError) as exc:
-        if os_errno(exc) not in WRITE_ERRNOS:
+        line = failed_write(exc, path)
+        if line is None:
             raise
-        raise UserError(f"{getattr(exc, 'filename', None) or path}: cannot write: {describe_os_error(exc)}") from None
+        raise UserError(line) from None
 
 
 def _write_state_files(tmp: Path, step: int, state: dict, meta: dict, shard_files: dict | None = None) -> None:

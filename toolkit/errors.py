@@ -35,3 +35,19 @@ def describe_os_error(exc: BaseException) -> str:
         return f"{getattr(exc, 'strerror', None) or os.strerror(code)} ({errno.errorcode[code]})"
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def failed_write(exc: BaseException, path) -> str | None:
+    """`FILE: cannot write: why` for a write that failed (full disk, file-size limit, read-only, ...): the
+    error's own file name where it has one, else `path`; None when `exc` is not a failed write."""
+    if os_errno(exc) not in WRITE_ERRNOS:
+        return None
+    return f"{getattr(exc, 'filename', None) or path}: cannot write: {describe_os_error(exc)}"
+
+
+def write_failure(exc: BaseException, path) -> UserError | None:
+    """One line for a write of the run that failed, with the way out; None when `exc` is not a failed write
+    (a bug keeps its traceback)."""
+    line = failed_write(exc, path)
+    return None if line is None else UserError(f"{line}; free space or fix the permissions, then rerun the same "
+                                               "command to resume")

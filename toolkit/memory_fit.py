@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import UserError
 from toolkit.memory import estimate_memory, format_bytes
+from toolkit.recipe_checks import gpu_driver_visible
 from toolkit.specs import Recipe
 
 TOKEN_BYTES = 8  # synthetic samples are int64 tensors of seq_len + 1 tokens (toolkit/data.py)
@@ -124,7 +125,7 @@ def certainly_cpu(recipe: Recipe) -> bool:
         return True
     if not sys.platform.startswith("linux"):
         return sys.platform == "darwin"  # no CUDA on macOS; elsewhere ask torch
-    return not (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd"))  # NVIDIA, ROCm
+    return not gpu_driver_visible()
 
 
 def check_memory_fit(recipe: Recipe, device, *, warn: bool = True) -> None:

@@ -257,11 +257,15 @@ def recipe_warnings(r: dict, given: dict, max_steps: int) -> list[str]:
     return warnings
 
 
+def gpu_driver_visible() -> bool:
+    """True when this machine shows an NVIDIA or ROCm GPU driver: a cheap look that imports no torch."""
+    return (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd")
+            or shutil.which("nvidia-smi") is not None)
+
+
 def fp16_device_warning(dtype: str, device: str) -> str | None:
-    """`validate`'s warning for fp16 on 'auto' where no NVIDIA driver shows (no torch import: a cheap look)."""
-    if dtype != "fp16" or device != "auto":
-        return None
-    if os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi"):
+    """`validate`'s warning for fp16 on 'auto' where no GPU driver shows (no torch import: a cheap look)."""
+    if dtype != "fp16" or device != "auto" or gpu_driver_visible():
         return None
     return ("recipe.precision.dtype: 'fp16' needs a CUDA device and this machine shows no NVIDIA driver: "
             "`toolkit run` here refuses it (training.device 'auto' falls back to the CPU); use 'bf16' on a CPU")

@@ -1,7 +1,7 @@
 """The run directory's guards: one run at a time (an advisory lock held for the
 run's life), the checks made before training (the run directory and the
-checkpoint directory are writable, the disk has room for a checkpoint), and a
-write that fails later turned into one line naming the file.
+checkpoint directory are writable, the disk has room for a checkpoint). A write
+that fails later is one line naming the file: toolkit/errors.py write_failure.
 
 The lock is `fcntl.flock` on <run_dir>/.toolkit-run.lock: the kernel releases it
 when the holder exits, however it exits, so a crash never leaves a stale lock.
@@ -20,7 +20,7 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
-from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error
+from toolkit.errors import UserError, describe_os_error
 
 LOCK_FILE = ".toolkit-run.lock"
 LOCK_HELD_ENV = "TOOLKIT_RUN_DIR_LOCKED"  # the run directory (resolved) whose lock the --nproc launcher holds
@@ -122,11 +122,3 @@ def check_room_for_checkpoint(checkpoint_dir: Path, num_parameters: int) -> None
                         f"parameters takes about {needed / 1e9:.2f} GB ({CHECKPOINT_BYTES_PER_PARAMETER} bytes "
                         "each: fp32 weights and AdamW's two moments); free space or choose another --run-dir")
 
-
-def write_failure(exc: OSError, fallback: Path) -> UserError | None:
-    """One line for a write that failed during the run (the file, or `fallback`, and the reason);
-    None for an OSError that is not a failed write (a bug keeps its traceback)."""
-    if exc.errno not in WRITE_ERRNOS:
-        return None
-    return UserError(f"{exc.filename or fallback}: cannot write: {describe_os_error(exc)}; "
-                     "free space or fix the permissions, then rerun the same command to resume")

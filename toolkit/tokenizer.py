@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterable
 
-from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error, os_errno
+from toolkit.errors import UserError, write_failure
 
 EOT = "<|endoftext|>"
 BYTE_VOCAB_SIZE = 257  # 256 bytes + <|endoftext|>
@@ -105,9 +105,9 @@ def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if os_errno(exc) in WRITE_ERRNOS:  # the tokenizers library's own errors quote the errno
-            raise UserError(f"{path}: cannot write: {describe_os_error(exc)}; free space or fix the permissions, "
-                            "then rerun the same command") from None
+        error = write_failure(exc, path)  # the tokenizers library's own errors quote the errno
+        if error is not None:
+            raise error from None
         raise
 
 

@@ -20,12 +20,11 @@ from toolkit.checkpoint import Checkpointer, restore_rng_state, truncate_metrics
 from toolkit.cpu_threads import apply_cpu_threads, choose_cpu_threads
 from toolkit.data import BatchStream, Dataset, eval_batches
 from toolkit.engine import Engine, check_device, pick_device
-from toolkit.errors import UserError
+from toolkit.errors import UserError, write_failure
 from toolkit.flops import MfuBasis, mfu_basis, unknown_peak_warning
 from toolkit.memory_fit import check_memory_fit
 from toolkit.memory_monitor import MemoryMonitor
-from toolkit.run_dir import (check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir,
-                             write_failure)
+from toolkit.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
 from toolkit.run_stop import RunStopped, StopSignals, under_elastic_launcher
 from toolkit.specs import Recipe
 from toolkit.tracking import Trackers, build_trackers
