@@ -70,12 +70,12 @@ def _cmd_run(args) -> int:
         check_recipe_packages(recipe)
         run_dir = args.run_dir or str(default_run_dir(recipe))
         return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, "--run-dir", run_dir], Path(run_dir))
-    from toolkit.run_stop import RunStopped
+    from toolkit.run_stop import NOTES_ENV, RunStopped
 
     try:
         _run_this_process(args)
     except (UserError, RunStopped, RuntimeError) as exc:  # one line each (a bug keeps its traceback)
-        if isinstance(exc, UserError) and not os.environ.get("TOOLKIT_LAUNCH_NOTES"):
+        if isinstance(exc, UserError) and not os.environ.get(NOTES_ENV):
             raise  # main() prints it; torch may not be loaded yet (the memory check runs before it)
         from toolkit.zero.launch import end_rank
 
@@ -87,8 +87,9 @@ def _run_this_process(args) -> None:
     """`toolkit run` in one process, or one rank of `--nproc` / torchrun."""
     from toolkit.memory_fit import allocation_failure, certainly_cpu, check_memory_fit, is_allocation_failure
     from toolkit.optional_packages import check_recipe_packages
+    from toolkit.run_stop import LAUNCHER_PID_ENV
 
-    if os.environ.get("TOOLKIT_LAUNCHER_PID"):  # a rank of `--nproc`: ends with its launcher
+    if os.environ.get(LAUNCHER_PID_ENV):  # a rank of `--nproc`: ends with its launcher
         from toolkit.zero.launch import die_with_launcher
 
         die_with_launcher()

@@ -23,6 +23,9 @@ import threading
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# `toolkit run --nproc` tells its ranks (toolkit/zero/launch.py); here, so that a rank knows it before torch loads:
+LAUNCHER_PID_ENV = "TOOLKIT_LAUNCHER_PID"  # a rank checks that its parent is still this process
+NOTES_ENV = "TOOLKIT_LAUNCH_NOTES"  # the folder where ranks leave the lines the launcher prints
 EXIT_PEER_LOST = 3  # a rank whose peer died first (the launcher reports the peer, not this rank)
 _PEER_LOST_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                       "Connection refused", "NCCL communicator was aborted")

@@ -28,10 +28,8 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.run_dir import LOCK_HELD_ENV, RunDirLock
-from toolkit.run_stop import EXIT_PEER_LOST, RunStopped, lost_peer
+from toolkit.run_stop import EXIT_PEER_LOST, LAUNCHER_PID_ENV, NOTES_ENV, RunStopped, lost_peer
 
-LAUNCHER_PID_ENV = "TOOLKIT_LAUNCHER_PID"  # a rank checks that its parent is still this process
-NOTES_ENV = "TOOLKIT_LAUNCH_NOTES"  # the folder where ranks leave the lines the launcher prints
 EXIT_USER_ERROR = 2
 # Exit codes of ranks that ended because another one failed first: stopped by the launcher's
 # SIGTERM (killed, or stopped cleanly), or lost their peer in a collective.
