@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* __restric
   }
 }
 
-// Columns per block (TOOLKIT_COLUMN_SUM_TILE: 8, 16 or 32, for kernels/tune_norm.py). Measured on an
+// Columns per block (TOOLKIT_COLUMN_SUM_TILE: 8, 16 or 32, for benchmarks/norm_tune.py). Measured on an
 // H200, the norm backward's 528 partial rows (GPU us, RMSNorm 2048 / LayerNorm 1600 / 768): 32 columns
 // a block 2.2 / 2.5 / 2.9; 8 a block, so that every SM gets two blocks, 4.0 / 5.1 / 3.4.
 #ifndef TOOLKIT_COLUMN_SUM_TILE

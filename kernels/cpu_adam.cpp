@@ -13,7 +13,7 @@
 // each thread walks its block with AVX-512 (16 floats), else AVX2+FMA (8 floats), else a scalar
 // loop the compiler vectorises. The pass reads 16 bytes and writes 12 per element, so it is memory
 // bound: the win over torch's fused CPU AdamW comes from one pass, wide vectors and all cores.
-// Built by toolkit/zero/cpu_adam.py (torch.utils.cpp_extension, -O3 -march=native -fopenmp, cached).
+// Built by toolkit/ops/cpu_adam.py (torch.utils.cpp_extension, -O3 -march=native -fopenmp, cached).
 // Reference it is checked against: torch.optim.AdamW (tests/test_zero_cpu_adam.py).
 
 #include <torch/extension.h>

@@ -3,7 +3,7 @@
 // Checks the tensor lists, packs one table of (pointers, numel) plus chunk prefix
 // sums into pinned host memory, copies it to the GPU on the current stream
 // (non-blocking) and launches. Python calls `adamw_step` and `grad_norm`
-// through toolkit/fused_adamw.py; a flat ZeRO shard is a list of one tensor.
+// through toolkit/ops/fused_adamw.py; a flat ZeRO shard is a list of one tensor.
 #include <cstring>
 #include <vector>
 

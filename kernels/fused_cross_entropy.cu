@@ -8,7 +8,7 @@
 //   loss[r] = lse[r] - x_t                   0 where t == ignore_index; NaN if t is out of range
 //   dx_j    = (exp(x_j - lse[r]) - [j == t]) * dloss[r]    0 where t == ignore_index
 // over the row's first `classes` columns j. A row holds `width` >= classes columns: an LM
-// head padded to a multiple of 128 columns (toolkit/fused_modules.py, so that its GEMMs are
+// head padded to a multiple of 128 columns (toolkit/ops/fused_modules.py, so that its GEMMs are
 // aligned) leaves columns past `classes` that are no class: the forward skips them and the
 // backward writes 0 there.
 //

@@ -18,7 +18,7 @@
 // blocks as fit on the GPU at once) and each row group walks rows, holding w (and b) in
 // registers across them where that costs at most 48 registers a thread. x and y take
 // cache hints chosen per norm (below). Measured on an H200 with
-// kernels/tune_norm.py (16384 rows, x fp32, y bf16; LayerNorm 768 / 1600 / RMSNorm 2048, GPU ms):
+// benchmarks/norm_tune.py (16384 rows, x fp32, y bf16; LayerNorm 768 / 1600 / RMSNorm 2048, GPU ms):
 //   shipped                                  0.0207 / 0.0511 / 0.0507   torch.compile 0.0194 / 0.0682 / 0.0501
 //   a block per 256 / (32 W) rows, no hints  0.0238 / 0.0606 / 0.0559
 //   the same with the hints                  0.0201 / 0.0518 / 0.0519
@@ -41,7 +41,7 @@ struct NormLayout {
   int groups() const { return threads() / group(); }
 };
 
-// Packs per thread of the widest variant (TOOLKIT_NORM_PACKS: 1, 2, 4, 6, 8); kernels/tune_norm.py
+// Packs per thread of the widest variant (TOOLKIT_NORM_PACKS: 1, 2, 4, 6, 8); benchmarks/norm_tune.py
 // tries others through TOOLKIT_NORM_FWD_MAX_PACKS.
 #ifndef TOOLKIT_NORM_FWD_MAX_PACKS
 #define TOOLKIT_NORM_FWD_MAX_PACKS 8

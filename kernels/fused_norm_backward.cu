@@ -16,7 +16,7 @@
 // of the narrow shape reach the threads through shared memory: the copy engine brings a
 // block's rows in two iterations ahead (bulk copies, bulk_copy.cuh; sm_90 and later). One
 // column-sum launch (common.cuh) sums the partials of dw and db in a fixed order
-// (deterministic). P, R and B: below, from kernels/tune_norm.py's sweeps.
+// (deterministic). P, R and B: below, from benchmarks/norm_tune.py's sweeps.
 // NOTE: a warp-per-row layout like the forward's (4-element packs, dw/db for up to
 // 16 columns per thread) measured slower here on an H200 (RMSNorm 2048 columns:
 // 0.134 vs 0.114 ms; LayerNorm 768: equal) at 97-128 registers per thread.
@@ -28,7 +28,7 @@ namespace {
 
 // The launch shape of both norms: P elements per thread, R rows per row group and iteration,
 // B threads per block at most, M blocks per SM promised to __launch_bounds__ (caps registers),
-// prefetch of the next rows into registers. Chosen on an H200 with kernels/tune_norm.py (backward
+// prefetch of the next rows into registers. Chosen on an H200 with benchmarks/norm_tune.py (backward
 // GPU ms, 16384 rows, x fp32, dy bf16; LayerNorm 768 / LayerNorm 1600 / RMSNorm 2048):
 //   (8, 1, 256, 4, 0)  0.044 / 0.091 / 0.094   torch.compile 0.048 / 0.109 / 0.093
 //   (8, 2, 256, 3, 0)  0.045 / 0.093 / 0.110   (two rows in flight: RMSNorm spills)

@@ -1,5 +1,5 @@
 // fused_norm_binding.cpp: torch-facing side of fused_norm.cu (LayerNorm, RMSNorm).
-// Python (toolkit/fused_ops.py) upcasts weight / bias to fp32 and picks out_dtype.
+// Python (toolkit/ops/custom_ops.py) upcasts weight / bias to fp32 and picks out_dtype.
 #include <vector>
 
 #include "torch_utils.h"

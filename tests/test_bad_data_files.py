@@ -14,11 +14,11 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.text_corpus import python_like_docs, text_recipe, write_corpus
-from toolkit.corpus import open_regular_file
-from toolkit.data import Dataset
+from toolkit.data.corpus import open_regular_file
+from toolkit.data.batches import Dataset
 from toolkit.errors import UserError
-from toolkit.recipe import recipe_from_dict
-from toolkit.tokenizer import byte_tokenizer
+from toolkit.recipe.load import recipe_from_dict
+from toolkit.data.tokenizer import byte_tokenizer
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
 
@@ -107,7 +107,7 @@ def test_an_unreadable_file_is_an_error_naming_it(tmp_path):
 
 def test_a_file_this_process_may_not_read_is_an_error_even_when_root_could(tmp_path, monkeypatch):
     # The same check as above, where chmod cannot deny (tests run as root): os.access answers for the process.
-    import toolkit.corpus as corpus
+    import toolkit.data.corpus as corpus
 
     write_corpus(tmp_path / "corpus", python_like_docs(3))
     denied = str(tmp_path / "corpus" / "doc001.txt")

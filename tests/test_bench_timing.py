@@ -1,4 +1,4 @@
-"""kernels/bench.py's timing helpers, on the CPU with a fake profiler (the benchmarks themselves need a GPU)."""
+"""benchmarks/kernels.py's timing helpers, on the CPU with a fake profiler (the benchmarks themselves need a GPU)."""
 import importlib.util
 
 import pytest
@@ -8,7 +8,7 @@ from tests.conftest import REPO
 
 
 def load_bench():
-    """kernels/bench.py as a module (kernels/ is a folder of scripts, not a package)."""
+    """benchmarks/kernels.py as a module (kernels/ is a folder of scripts, not a package)."""
     spec = importlib.util.spec_from_file_location("kernels_bench", REPO / "kernels" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

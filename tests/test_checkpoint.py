@@ -1,4 +1,4 @@
-"""toolkit/checkpoint.py: the state format, atomic saves, verified loads, exact
+"""toolkit/checkpoint/checkpointer.py: the state format, atomic saves, verified loads, exact
 resume through the real loop, and what a changed recipe may do on resume."""
 import json
 import random
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from toolkit import checkpoint_io
-from toolkit.checkpoint import (capture_rng_state, flatten_state, latest_checkpoint, list_checkpoints,
+from toolkit.checkpoint import io
+from toolkit.checkpoint.checkpointer import (capture_rng_state, flatten_state, latest_checkpoint, list_checkpoints,
                                 load_checkpoint, restore_rng_state, save_checkpoint, unflatten_state)
-from toolkit.cli import main
-from toolkit.engine import Engine
+from toolkit.cli.main import main
+from toolkit.runtime.engine import Engine
 from toolkit.errors import UserError
-from toolkit.recipe import load_recipe
-from toolkit.train import run
+from toolkit.recipe.load import load_recipe
+from toolkit.train.loop import run
 
 # A tiny, fast quickstart. dropout > 0 so that the resumed runs need the restored RNG
 # states; total_num_steps pinned so a 4-step run and an 8-step run share one lr schedule.
@@ -216,7 +216,7 @@ def test_interrupted_save_leaves_latest_and_the_previous_checkpoint_intact(tmp_p
     def power_cut(*args):
         raise OSError("simulated power cut before the rename")
 
-    monkeypatch.setattr(checkpoint_io.os, "rename", power_cut)
+    monkeypatch.setattr(io.os, "rename", power_cut)
     with pytest.raises(OSError, match="power cut"):
         run(tiny("training.max_steps=4"), tmp_path, quiet=True)
     monkeypatch.undo()

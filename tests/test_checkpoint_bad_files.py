@@ -15,8 +15,8 @@ import pytest
 from tests.conftest import run_cli
 from tests.test_checkpoint import TINY, tiny, train_losses
 from tests.text_corpus import python_like_docs, text_recipe, write_corpus
-from toolkit.cli import main
-from toolkit.train import run
+from toolkit.cli.main import main
+from toolkit.train.loop import run
 
 
 def resign(step_dir):

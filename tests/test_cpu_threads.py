@@ -6,9 +6,9 @@ import os
 import pytest
 
 from tests.conftest import run_cli
-from toolkit import cpu_threads
-from toolkit.cpu_threads import choose_cpu_threads, set_openmp_wait_policy
-from toolkit.recipe import load_recipe
+from toolkit.runtime import cpu_threads
+from toolkit.runtime.cpu_threads import choose_cpu_threads, set_openmp_wait_policy
+from toolkit.recipe.load import load_recipe
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from toolkit.checkpoint import (LATEST_FILE, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint,
+from toolkit.checkpoint.checkpointer import (LATEST_FILE, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint,
                                 verify_checkpoint)
 
 KILLS = 50

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from toolkit.engine import Engine
-from toolkit.recipe import load_recipe
-from toolkit.train import run
+from toolkit.runtime.engine import Engine
+from toolkit.recipe.load import load_recipe
+from toolkit.train.loop import run
 
 STEPS = 300
 

@@ -13,9 +13,9 @@ import urllib.request
 
 import pytest
 
-from toolkit.recipe import load_recipe
-from toolkit.tracking import WandbTracker
-from toolkit.train import run
+from toolkit.recipe.load import load_recipe
+from toolkit.observe.trackers import WandbTracker
+from toolkit.train.loop import run
 
 TINY = ["training.max_steps=6", "data.num_samples=256", "scheduler.type=constant", "training.log_interval=2",
         "logging.tensorboard=true", "logging.wandb.mode=offline"]
@@ -182,7 +182,7 @@ def test_wandb_offline_run_directory_holds_our_metrics(logged_run):
 
 
 def test_wandb_tracker_resumed_with_the_stored_run_id_continues_the_same_run(tmp_path):
-    # What a resume does with the run id a checkpoint stored (toolkit/checkpoint.py meta).
+    # What a resume does with the run id a checkpoint stored (toolkit/checkpoint/checkpointer.py meta).
     first = WandbTracker(tmp_path, "toolkit", "resume-test", "offline", None, {"lr": 1e-3})
     first.log({"step": 1, "loss": 2.5})
     first.close()
@@ -201,7 +201,7 @@ def test_wandb_tracker_resumed_with_the_stored_run_id_continues_the_same_run(tmp
 def test_console_progress_line_shows_mfu_only_when_known():
     import io
 
-    from toolkit.tracking import ConsoleTracker
+    from toolkit.observe.trackers import ConsoleTracker
 
     stream = io.StringIO()
     console = ConsoleTracker(total_steps=10, stream=stream)

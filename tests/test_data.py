@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tests.text_corpus import dataset_for, python_like_docs, text_recipe, write_corpus
-from toolkit.cli import main as cli_main
-from toolkit.data import BatchStream, Dataset, PackedSequences, TokenCorpus, eval_batches, in_validation
+from toolkit.cli.main import main as cli_main
+from toolkit.data.batches import BatchStream, Dataset, PackedSequences, TokenCorpus, eval_batches, in_validation
 from toolkit.errors import UserError
-from toolkit.recipe import recipe_from_dict
+from toolkit.recipe.load import recipe_from_dict
 from toolkit.specs import BatchSpec
-from toolkit.tokenizer import BYTE_VOCAB_SIZE, EOT, byte_tokenizer, load_tokenizer_folder, train_bpe
+from toolkit.data.tokenizer import BYTE_VOCAB_SIZE, EOT, byte_tokenizer, load_tokenizer_folder, train_bpe
 
 MULTIBYTE = "naïve café ☕ — 日本語のテキスト, emoji 🎉🐍, Ελληνικά, \t tabs and  spaces\n<|endoftext|> stays text\n"
 
@@ -188,12 +188,12 @@ def _dataset_rank(rank: int, spec, root: Path) -> None:
     """One of two gloo ranks building the same Dataset into one run dir; records what it did."""
     import torch.distributed as dist
 
-    import toolkit.tokenizer
+    import toolkit.data.tokenizer
 
     torch.set_num_threads(1)
     saves = []
-    save = toolkit.tokenizer.TextTokenizer.save
-    toolkit.tokenizer.TextTokenizer.save = lambda self, folder, **kw: saves.append(str(folder)) or save(self, folder,
+    save = toolkit.data.tokenizer.TextTokenizer.save
+    toolkit.data.tokenizer.TextTokenizer.save = lambda self, folder, **kw: saves.append(str(folder)) or save(self, folder,
                                                                                                          **kw)
     dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank, world_size=2)
     try:

@@ -14,12 +14,12 @@ import pytest
 
 from tests.conftest import REPO
 from tests.text_corpus import python_like_docs, text_recipe, write_corpus
-from toolkit.cli import main as cli_main
-from toolkit.corpus import PATH_VARIABLES, list_files
-from toolkit.data import Dataset
+from toolkit.cli.main import main as cli_main
+from toolkit.data.corpus import PATH_VARIABLES, list_files
+from toolkit.data.batches import Dataset
 from toolkit.errors import UserError
-from toolkit.recipe import RecipeError, load_recipe, load_schema, recipe_from_dict
-from toolkit.tokenizer import train_bpe
+from toolkit.recipe.load import RecipeError, load_recipe, load_schema, recipe_from_dict
+from toolkit.data.tokenizer import train_bpe
 
 
 # ---------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_jsonl_streams_lines_keeps_u2028_inside_strings_and_names_a_bad_byte(tmp
 
 
 def test_jsonl_lone_surrogate_escape_is_one_line_or_replaced(tmp_path):
-    from toolkit.corpus import read_documents
+    from toolkit.data.corpus import read_documents
 
     path = tmp_path / "s.jsonl"
     path.write_text('{"text": "ok \\ud83d half"}\n')

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import REPO
-from toolkit.engine import initialize
+from toolkit.runtime.engine import initialize
 from toolkit.errors import UserError
-from toolkit.recipe import recipe_from_dict
+from toolkit.recipe.load import recipe_from_dict
 
 VOCAB, SEQ, MICRO = 64, 16, 4
 BASE = {
@@ -146,7 +146,7 @@ def test_a_user_model_trains_in_bf16_on_the_cpu_under_stage_3_with_its_children_
 
 
 def test_stage3_finds_units_by_the_documented_rule():
-    from toolkit.zero.stage3 import find_units
+    from toolkit.runtime.zero.stage3 import find_units
 
     class Blocks(nn.Module):  # a transformer's shape: the largest ModuleList of one class
         def __init__(self):
@@ -200,7 +200,7 @@ def test_stage3_a_parameter_used_outside_its_unit_says_how_to_name_the_units():
 
 
 def test_the_memory_monitor_counts_a_user_models_states():
-    from toolkit.memory_monitor import MemoryMonitor
+    from toolkit.observe.memory_monitor import MemoryMonitor
 
     engine = engine_for("output")
     monitor = MemoryMonitor(engine)
@@ -250,7 +250,7 @@ def test_load_checkpoint_takes_the_tag_latest_names_and_a_given_tag(tmp_path):
 
 
 def test_load_checkpoint_reads_a_toolkit_run_directory(tmp_path):
-    from toolkit.train import run
+    from toolkit.train.loop import run
 
     recipe = recipe_from_dict(BASE, ["training.max_steps=2"])
     run(recipe, tmp_path / "run", quiet=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.cli import main
+from toolkit.cli.main import main
 from toolkit.errors import UserError
-from toolkit.memory import (GB, GiB, estimate_activation_bytes, estimate_memory, estimate_model_state_bytes,
+from toolkit.observe.estimate import (GB, GiB, estimate_activation_bytes, estimate_memory, estimate_model_state_bytes,
                             find_device, fits, format_estimate, parameter_count)
 from toolkit.specs import ModelSpec
 
@@ -187,7 +187,7 @@ def test_cli_estimate_unknown_device_is_one_line_exit_2(capsys):
 
 
 def test_cli_estimate_does_not_import_torch():
-    code = ("import sys; from toolkit.cli import main; "
+    code = ("import sys; from toolkit.cli.main import main; "
             "rc = main(['estimate', 'recipes/quickstart.json', '--device', 'h100']); "
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

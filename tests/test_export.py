@@ -1,4 +1,4 @@
-"""toolkit/export.py and `toolkit export`: a run's checkpoint -> a Hugging Face
+"""toolkit/checkpoint/export.py and `toolkit export`: a run's checkpoint -> a Hugging Face
 folder that transformers loads on its own and that computes the trained logits;
 for runs on text with the run's tokenizer, which AutoTokenizer loads and which
 encodes as the run did."""
@@ -13,16 +13,16 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from toolkit.checkpoint import latest_checkpoint, load_checkpoint
-from toolkit.cli import main
-from toolkit.engine import Engine
+from toolkit.checkpoint.checkpointer import latest_checkpoint, load_checkpoint
+from toolkit.cli.main import main
+from toolkit.runtime.engine import Engine
 from toolkit.errors import UserError
-from toolkit.export import export_hf
-from toolkit.generate import generate_text, load_generator
-from toolkit.models import build_config
-from toolkit.recipe import load_recipe, recipe_from_dict
-from toolkit.tokenizer import load_tokenizer_folder, run_tokenizer_dir
-from toolkit.train import run
+from toolkit.checkpoint.export import export_hf
+from toolkit.checkpoint.generate import generate_text, load_generator
+from toolkit.models.build import build_config
+from toolkit.recipe.load import load_recipe, recipe_from_dict
+from toolkit.data.tokenizer import load_tokenizer_folder, run_tokenizer_dir
+from toolkit.train.loop import run
 
 TINY = ["data.num_samples=64", "data.seq_len=32", "data.eval_samples=16", "batch.micro_batch_per_rank=8",
         "scheduler.warmup_num_steps=1", "training.max_steps=3", "training.eval_batches=0", "logging.console=false",

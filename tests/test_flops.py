@@ -6,12 +6,12 @@ import re
 import pytest
 import torch
 
-from toolkit.data import Dataset
-from toolkit.engine import Engine
-from toolkit.flops import (PEAK_TFLOPS, MfuBasis, device_key, flops_per_token, matmul_parameters, mfu,
+from toolkit.data.batches import Dataset
+from toolkit.runtime.engine import Engine
+from toolkit.observe.flops import (PEAK_TFLOPS, MfuBasis, device_key, flops_per_token, matmul_parameters, mfu,
                            mfu_basis, peak_flops)
-from toolkit.recipe import load_recipe
-from toolkit.train import startup_table
+from toolkit.recipe.load import load_recipe
+from toolkit.train.loop import startup_table
 
 
 def meta_model(cls, config):
@@ -99,13 +99,13 @@ def test_startup_table_prints_device_peak_and_flops_per_token():
 
 
 def test_a_cpu_run_prints_no_peak_warning_and_a_stated_peak_gives_mfu(tmp_path, capsys):
-    from toolkit.cli import main
+    from toolkit.cli.main import main
 
     args = ["run", "quickstart", "training.max_steps=2", "scheduler.warmup_num_steps=1", "data.num_samples=64",
             "training.eval_batches=0", "checkpoint.save_final=false"]
     assert main([*args, "--run-dir", str(tmp_path / "plain")]) == 0
     out, err = capsys.readouterr()
-    assert "peak FLOP/s" not in err  # it asked the user to edit toolkit/flops.py on every CPU run
+    assert "peak FLOP/s" not in err  # it asked the user to edit toolkit/observe/flops.py on every CPU run
     assert "MFU not reported (training.peak_tflops sets one)" in out
     assert "mfu" not in json.loads((tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()[-1])
     assert main([*args, "--run-dir", str(tmp_path / "stated"), "training.peak_tflops=0.5"]) == 0
@@ -117,7 +117,7 @@ def test_a_cpu_run_prints_no_peak_warning_and_a_stated_peak_gives_mfu(tmp_path, 
 
 
 def test_an_unknown_gpu_is_warned_about_once_with_the_recipe_key_to_set():
-    from toolkit.flops import unknown_peak_warning
+    from toolkit.observe.flops import unknown_peak_warning
 
     basis = MfuBasis("NVIDIA A10G", "bf16", 1, 1000, None, 1)
     first = unknown_peak_warning(basis)

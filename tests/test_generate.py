@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.cli import main as cli_main
-from toolkit.generate import generate_ids, generate_text, load_generator, sample_next
+from toolkit.cli.main import main as cli_main
+from toolkit.checkpoint.generate import generate_ids, generate_text, load_generator, sample_next
 
 DOCS = [f"def add_{i}(a, b):\n    return a + b + {i}\n\n\nclass Point{i}:\n    x = {i}\n" for i in range(40)]
 
@@ -112,7 +112,7 @@ def test_greedy_and_top_k_sampling():
 
 
 def test_generate_from_an_exported_folder_with_the_runs_tokenizer(text_run, tmp_path, capsys):
-    from toolkit.export import export_hf
+    from toolkit.checkpoint.export import export_hf
 
     export_hf(text_run, tmp_path / "hf")
     expected = generate_text(load_generator(text_run), "class ", 16, temperature=0)
@@ -137,7 +137,7 @@ def test_bad_sampling_arguments_are_one_line(text_run, capsys, args, message):
 def test_generate_without_a_checkpoint_or_tokenizer_is_one_line(text_run, tmp_path, capsys):
     assert cli_main(["generate", str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'}: no such file or directory"
-    from toolkit.export import export_hf
+    from toolkit.checkpoint.export import export_hf
 
     export_hf(text_run, tmp_path / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO, run_cli
-from toolkit import cuda_toolchain, fused_ops, ops
+from toolkit.ops import custom_ops, loader, toolchain
 from toolkit.errors import UserError
-from toolkit.fused_adamw import FusedAdamW, OnePassStep, adamw_step, global_grad_norm
-from toolkit.fused_modules import swap_fused_modules
-from toolkit.optim import param_groups
+from toolkit.ops.fused_adamw import FusedAdamW, OnePassStep, adamw_step, global_grad_norm
+from toolkit.ops.fused_modules import swap_fused_modules
+from toolkit.runtime.optim import param_groups
 from toolkit.specs import KernelsSpec
 
 ALL_AUTO = KernelsSpec(adamw="auto", layernorm="auto", rmsnorm="auto", bias_gelu="auto", cross_entropy="auto")
@@ -43,56 +43,56 @@ GPT2_NEEDS = ("layernorm", "bias_gelu", "cross_entropy", "adamw")
     ("", []),
 ])
 def test_arch_list_parses_what_users_set(text, expected):
-    archs, bad = cuda_toolchain.parse_arch_list(text)
+    archs, bad = toolchain.parse_arch_list(text)
     assert [str(a) for a in archs] == expected
     assert bad == []
 
 
 def test_arch_list_keeps_good_entries_and_names_bad_ones():
-    archs, bad = cuda_toolchain.parse_arch_list("9.0;banana;;8.x")
+    archs, bad = toolchain.parse_arch_list("9.0;banana;;8.x")
     assert [str(a) for a in archs] == ["9.0"]
     assert bad == ["banana", "8.x"]
 
 
 def test_gencode_builds_each_arch_and_ptx_of_the_highest_plain_one():
-    flags = cuda_toolchain.gencode_flags([cuda_toolchain.CudaArch(8, 0), cuda_toolchain.CudaArch(9, 0, "a")])
+    flags = toolchain.gencode_flags([toolchain.CudaArch(8, 0), toolchain.CudaArch(9, 0, "a")])
     assert flags == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
                      "-gencode=arch=compute_80,code=compute_80"]
-    assert cuda_toolchain.gencode_flags([cuda_toolchain.CudaArch(9, 0)])[-1] == "-gencode=arch=compute_90,code=compute_90"
+    assert toolchain.gencode_flags([toolchain.CudaArch(9, 0)])[-1] == "-gencode=arch=compute_90,code=compute_90"
 
 
 def test_targets_are_the_gpu_present_plus_the_env_list(monkeypatch):
-    monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [cuda_toolchain.CudaArch(9, 0)])
+    monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [toolchain.CudaArch(9, 0)])
     monkeypatch.setattr(cuda_toolchain, "_nvcc_supported_sms", lambda: frozenset({"80", "86", "90"}))
-    assert [str(a) for a in cuda_toolchain.target_archs("")[0]] == ["9.0"]
-    assert [str(a) for a in cuda_toolchain.target_archs("9.0a")[0]] == ["9.0a"]  # the 'a' variant replaces the plain one
-    archs, notes = cuda_toolchain.target_archs("8.0;7.0;oops")
+    assert [str(a) for a in toolchain.target_archs("")[0]] == ["9.0"]
+    assert [str(a) for a in toolchain.target_archs("9.0a")[0]] == ["9.0a"]  # the 'a' variant replaces the plain one
+    archs, notes = toolchain.target_archs("8.0;7.0;oops")
     assert [str(a) for a in archs] == ["8.0", "9.0"]
     assert any("oops" in n for n in notes) and any("7.0" in n for n in notes)
     monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [])
-    assert [str(a) for a in cuda_toolchain.target_archs("")[0]] == ["9.0"]  # nothing known: H100/H200
+    assert [str(a) for a in toolchain.target_archs("")[0]] == ["9.0"]  # nothing known: H100/H200
 
 
 def test_cache_key_follows_sources_flags_and_arch(monkeypatch, tmp_path):
     monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path))
     monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [])
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    hopper = ops.build_plan("adamw")
+    hopper = loader.build_plan("adamw")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
-    ampere = ops.build_plan("adamw")
+    ampere = loader.build_plan("adamw")
     assert hopper.key != ampere.key and hopper.directory != ampere.directory
     assert hopper.directory.parent == tmp_path and hopper.module_name.startswith("toolkit_adamw_")
-    assert ops.build_plan("norm").key != ampere.key
+    assert loader.build_plan("norm").key != ampere.key
 
 
 def test_every_header_the_kernels_include_is_in_the_cache_key():
-    """A header left out of ops.HEADERS would let an edit to it reuse a stale build."""
+    """A header left out of loader.HEADERS would let an edit to it reuse a stale build."""
     kernels = REPO / "kernels"
     included = set()
     for path in kernels.iterdir():
         if path.suffix in {".cu", ".cpp", ".cuh", ".h"}:
             included |= set(re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.M))
-    assert included and included <= set(ops.HEADERS), sorted(included - set(ops.HEADERS))
+    assert included and included <= set(loader.HEADERS), sorted(included - set(loader.HEADERS))
 
 
 # ---------------------------------------------------------------------------
@@ -101,17 +101,17 @@ def test_every_header_the_kernels_include_is_in_the_cache_key():
 def test_auto_on_the_cpu_falls_back_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        chosen = ops.resolve(ALL_AUTO, "cpu", GPT2_NEEDS)
+        chosen = loader.resolve(ALL_AUTO, "cpu", GPT2_NEEDS)
     assert not any(chosen.active(n) for n in GPT2_NEEDS)
     assert "CPU" in chosen.statuses["layernorm"].reason
 
 
 def test_auto_with_a_failed_build_warns_once_with_reason_and_fix(monkeypatch):
-    broken = lambda name, build=False: ops.KernelStatus(name, "unavailable", "build failed: nvcc exploded",  # noqa: E731
+    broken = lambda name, build=False: loader.KernelStatus(name, "unavailable", "build failed: nvcc exploded",  # noqa: E731
                                                         "run `toolkit build-kernels --verbose`")
     monkeypatch.setattr(ops, "kernel_status", broken)
-    with pytest.warns(ops.KernelFallbackWarning) as caught:
-        chosen = ops.resolve(ALL_AUTO, "cuda", GPT2_NEEDS)
+    with pytest.warns(loader.KernelFallbackWarning) as caught:
+        chosen = loader.resolve(ALL_AUTO, "cuda", GPT2_NEEDS)
     assert len(caught) == 1
     message = str(caught[0].message)
     assert "nvcc exploded" in message and "toolkit build-kernels" in message and "layernorm" in message
@@ -120,7 +120,7 @@ def test_auto_with_a_failed_build_warns_once_with_reason_and_fix(monkeypatch):
 
 def test_describe_names_kernels_that_share_a_reason_together():
     spec = KernelsSpec(adamw="off", layernorm="auto", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
-    text = ops.resolve(spec, "cpu", GPT2_NEEDS).describe()
+    text = loader.resolve(spec, "cpu", GPT2_NEEDS).describe()
     assert text.startswith("torch ") and text.count("CUDA-only") == 1 and text.count("(off)") == 1
     assert all(name in text for name in GPT2_NEEDS)
 
@@ -128,7 +128,7 @@ def test_describe_names_kernels_that_share_a_reason_together():
 def test_on_without_the_kernel_is_an_error_naming_the_recipe_key(monkeypatch):
     spec = KernelsSpec(adamw="auto", layernorm="on", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
     with pytest.raises(UserError) as err:
-        ops.resolve(spec, "cpu", GPT2_NEEDS)
+        loader.resolve(spec, "cpu", GPT2_NEEDS)
     assert len(err.value.lines) == 1 and err.value.lines[0].startswith("recipe.kernels.layernorm: 'on'")
 
 
@@ -138,7 +138,7 @@ def test_off_is_torch_and_never_builds(monkeypatch):
 
     monkeypatch.setattr(ops, "kernel_status", explode)
     spec = KernelsSpec(adamw="off", layernorm="off", rmsnorm="off", bias_gelu="off", cross_entropy="off")
-    chosen = ops.resolve(spec, "cuda", GPT2_NEEDS)
+    chosen = loader.resolve(spec, "cuda", GPT2_NEEDS)
     assert {s.state for s in chosen.statuses.values()} == {"off"}
 
 
@@ -152,12 +152,12 @@ def test_kernel_on_in_a_cpu_run_exits_2_with_one_line(tmp_path):
 
 
 def test_auto_run_on_the_cpu_trains_exactly_like_kernels_off():
-    from toolkit.engine import Engine
-    from toolkit.recipe import load_recipe
+    from toolkit.runtime.engine import Engine
+    from toolkit.recipe.load import load_recipe
 
     losses = {}
     for mode in ("auto", "off"):
-        overrides = ["training.max_steps=30", "training.device=cpu"] + [f"kernels.{k}={mode}" for k in ops.KERNELS]
+        overrides = ["training.max_steps=30", "training.device=cpu"] + [f"kernels.{k}={mode}" for k in loader.KERNELS]
         engine = Engine(load_recipe("quickstart", overrides))
         generator = torch.Generator().manual_seed(0)
         losses[mode] = [engine.train_batch([torch.randint(0, 256, (4, 33), generator=generator)]).loss
@@ -168,7 +168,7 @@ def test_auto_run_on_the_cpu_trains_exactly_like_kernels_off():
 def test_doctor_lists_every_kernel_state():
     result = run_cli("doctor")
     assert result.returncode == 0, result.stderr
-    for name in ops.KERNELS:
+    for name in loader.KERNELS:
         assert any(line.strip().startswith(name) for line in result.stdout.splitlines()), result.stdout
 
 
@@ -246,7 +246,7 @@ def test_compile_traces_the_fused_ops_without_graph_breaks():
 
     def loss_fn(ids):
         logits = model(input_ids=ids).logits
-        return fused_ops.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+        return custom_ops.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
 
     expected = loss_fn(ids)
     torch._dynamo.reset()
@@ -273,26 +273,26 @@ def test_custom_ops_are_well_formed(op, args):
 def test_custom_op_gradients_match_finite_differences():
     d = dict(dtype=torch.float64, requires_grad=True)
     x, w, b = torch.randn(3, 4, 9, **d), torch.randn(9, **d), torch.randn(9, **d)
-    assert torch.autograd.gradcheck(lambda x, w, b: fused_ops.layer_norm(x, w, b, 1e-5), (x, w, b))
-    assert torch.autograd.gradcheck(lambda x, w: fused_ops.rms_norm(x, w, 1e-6), (x, w))
+    assert torch.autograd.gradcheck(lambda x, w, b: custom_ops.layer_norm(x, w, b, 1e-5), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: custom_ops.rms_norm(x, w, 1e-6), (x, w))
     h, bias = torch.randn(5, 7, **d), torch.randn(7, **d)
-    assert torch.autograd.gradcheck(fused_ops.bias_gelu, (h, bias))
+    assert torch.autograd.gradcheck(custom_ops.bias_gelu, (h, bias))
     logits, targets = torch.randn(6, 13, **d), torch.tensor([0, 12, -100, 5, 5, 1])
-    assert torch.autograd.gradcheck(lambda z: fused_ops.cross_entropy(z, targets), (logits,))
+    assert torch.autograd.gradcheck(lambda z: custom_ops.cross_entropy(z, targets), (logits,))
     padded = torch.randn(6, 16, **d)  # 13 classes in 16 columns: a padded LM head's logits
-    assert torch.autograd.gradcheck(lambda z: fused_ops.cross_entropy(z, targets, classes=13), (padded,))
+    assert torch.autograd.gradcheck(lambda z: custom_ops.cross_entropy(z, targets, classes=13), (padded,))
 
 
 def test_cross_entropy_matches_torch_with_ignored_rows():
     logits, targets = torch.randn(37, 101), torch.randint(0, 101, (37,))
     targets[::5] = -100
-    torch.testing.assert_close(fused_ops.cross_entropy(logits, targets), F.cross_entropy(logits, targets))
+    torch.testing.assert_close(custom_ops.cross_entropy(logits, targets), F.cross_entropy(logits, targets))
 
 
 def test_cross_entropy_over_padded_columns_ignores_them():
     logits, targets = torch.randn(37, 128, requires_grad=True), torch.randint(0, 101, (37,))
     targets[::5] = -100
-    loss = fused_ops.cross_entropy(logits, targets, classes=101)
+    loss = custom_ops.cross_entropy(logits, targets, classes=101)
     loss.backward()
     sliced = logits.detach()[:, :101].requires_grad_()
     expected = F.cross_entropy(sliced, targets)
@@ -301,7 +301,7 @@ def test_cross_entropy_over_padded_columns_ignores_them():
     torch.testing.assert_close(logits.grad[:, :101], sliced.grad)
     assert torch.equal(logits.grad[:, 101:], torch.zeros(37, 27))
     with pytest.raises(ValueError, match=r"classes must be in \[1, 128\], got 129"):
-        fused_ops.cross_entropy(logits, targets, classes=129)
+        custom_ops.cross_entropy(logits, targets, classes=129)
 
 
 def test_ops_take_the_reference_path_for_cpu_tensors_even_when_loaded(monkeypatch):
@@ -309,9 +309,9 @@ def test_ops_take_the_reference_path_for_cpu_tensors_even_when_loaded(monkeypatc
         def __getattr__(self, name):
             raise AssertionError("a CUDA kernel was called with CPU tensors")
 
-    monkeypatch.setitem(ops._modules, "norm", Exploding())
+    monkeypatch.setitem(loader._modules, "norm", Exploding())
     x = torch.randn(4, 8)
-    torch.testing.assert_close(fused_ops.layer_norm(x, torch.ones(8), torch.zeros(8), 1e-5),
+    torch.testing.assert_close(custom_ops.layer_norm(x, torch.ones(8), torch.zeros(8), 1e-5),
                                F.layer_norm(x, (8,), eps=1e-5))
 
 
@@ -324,7 +324,7 @@ def two_group_model():
 
 
 class StageZero:
-    """The stage-0 strategy surface OnePassStep wraps (toolkit/zero/ddp.py)."""
+    """The stage-0 strategy surface OnePassStep wraps (toolkit/runtime/zero/ddp.py)."""
     stage = 0
 
     def __init__(self, optimizer):
@@ -408,7 +408,7 @@ def test_global_grad_norm_unscales_clips_and_flags():
 # ---------------------------------------------------------------------------
 # The CUDA sources compile (where nvcc exists)
 
-NVCC = cuda_toolchain.find_nvcc() or shutil.which("nvcc")
+NVCC = toolchain.find_nvcc() or shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc here")
@@ -417,8 +417,8 @@ NVCC = cuda_toolchain.find_nvcc() or shutil.which("nvcc")
 def test_cuda_source_compiles_for_sm90(source, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
-    command = [NVCC, "-c", str(REPO / "kernels" / source), "-o", str(tmp_path / "out.o"), *ops.NVCC_FLAGS,
-               *cuda_toolchain.gencode_flags([cuda_toolchain.CudaArch(9, 0)]), *COMMON_NVCC_FLAGS, f"-I{REPO / 'kernels'}"]
+    command = [NVCC, "-c", str(REPO / "kernels" / source), "-o", str(tmp_path / "out.o"), *loader.NVCC_FLAGS,
+               *toolchain.gencode_flags([toolchain.CudaArch(9, 0)]), *COMMON_NVCC_FLAGS, f"-I{REPO / 'kernels'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warning" not in result.stderr.lower(), result.stderr[-3000:]
@@ -428,34 +428,34 @@ class ReferenceExtension:
     """Stands in for the CUDA extensions with the torch references, same signatures as the bindings."""
 
     def norm_fwd(self, x, weight, bias, eps, rms, out_code):
-        return list(fused_ops._norm_fwd_reference(x, weight, bias, eps, rms,
-                                                  fused_ops._CODE_DTYPES.get(out_code, x.dtype)))
+        return list(custom_ops._norm_fwd_reference(x, weight, bias, eps, rms,
+                                                  custom_ops._CODE_DTYPES.get(out_code, x.dtype)))
 
     def norm_bwd(self, dy, x, weight, mean, rstd, rms):
-        return list(fused_ops._norm_bwd_reference(dy, x, weight, mean, rstd, rms))
+        return list(custom_ops._norm_bwd_reference(dy, x, weight, mean, rstd, rms))
 
     def bias_gelu_fwd(self, h, bias):
-        return fused_ops._bias_gelu_reference(h, bias)
+        return custom_ops._bias_gelu_reference(h, bias)
 
     def bias_gelu_bwd(self, dy, h, bias):
-        return list(fused_ops._bias_gelu_bwd_reference(dy, h, bias))
+        return list(custom_ops._bias_gelu_bwd_reference(dy, h, bias))
 
     def cross_entropy_fwd(self, logits, targets, ignore_index, classes):
-        return list(fused_ops._cross_entropy_fwd_reference(logits, targets, ignore_index, classes))
+        return list(custom_ops._cross_entropy_fwd_reference(logits, targets, ignore_index, classes))
 
     def cross_entropy_bwd(self, dloss, logits, targets, lse, ignore_index, classes):
-        return fused_ops._cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index, classes)
+        return custom_ops._cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index, classes)
 
 
 def test_eager_autograd_functions_match_the_custom_ops(monkeypatch):
     d = dict(dtype=torch.float64, requires_grad=True)
     cases = [
-        (lambda x, w, b: fused_ops.layer_norm(x, w, b, 1e-5), (torch.randn(3, 4, 9, **d), torch.randn(9, **d),
+        (lambda x, w, b: custom_ops.layer_norm(x, w, b, 1e-5), (torch.randn(3, 4, 9, **d), torch.randn(9, **d),
                                                                torch.randn(9, **d))),
-        (lambda x, w: fused_ops.rms_norm(x, w, 1e-6), (torch.randn(5, 9, **d), torch.randn(9, **d))),
-        (fused_ops.bias_gelu, (torch.randn(5, 7, **d), torch.randn(7, **d))),
-        (lambda z: fused_ops.cross_entropy(z, torch.tensor([0, 12, -100, 5])), (torch.randn(4, 13, **d),)),
-        (lambda z: fused_ops.cross_entropy(z, torch.tensor([0, 12, -100, 5]), classes=13), (torch.randn(4, 16, **d),)),
+        (lambda x, w: custom_ops.rms_norm(x, w, 1e-6), (torch.randn(5, 9, **d), torch.randn(9, **d))),
+        (custom_ops.bias_gelu, (torch.randn(5, 7, **d), torch.randn(7, **d))),
+        (lambda z: custom_ops.cross_entropy(z, torch.tensor([0, 12, -100, 5])), (torch.randn(4, 13, **d),)),
+        (lambda z: custom_ops.cross_entropy(z, torch.tensor([0, 12, -100, 5]), classes=13), (torch.randn(4, 16, **d),)),
     ]
     expected = []
     for fn, inputs in cases:

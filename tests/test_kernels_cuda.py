@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit import fused_ops, ops
-from toolkit.fused_adamw import FusedAdamW, adamw_step, global_grad_norm
+from toolkit.ops import custom_ops, loader
+from toolkit.ops.fused_adamw import FusedAdamW, adamw_step, global_grad_norm
 
 pytestmark = pytest.mark.cuda
 
@@ -21,7 +21,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 @functools.lru_cache(maxsize=None)
 def statuses() -> dict:
-    return {s.name: s for s in ops.build_all()}
+    return {s.name: s for s in loader.build_all()}
 
 
 def require(name: str) -> None:
@@ -77,17 +77,17 @@ def test_norm_forward_and_backward_match_float64(shape, dtype, rms):
     b = None if rms else torch.randn(cols, device="cuda").requires_grad_()
     dy = randn(shape, dtype)
     poison((shape, dtype), ((math.prod(shape) // cols,), torch.float32))
-    y = fused_ops.rms_norm(x, w, 1e-6) if rms else fused_ops.layer_norm(x, w, b, 1e-5)
+    y = custom_ops.rms_norm(x, w, 1e-6) if rms else custom_ops.layer_norm(x, w, b, 1e-5)
     y.backward(dy)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     b64 = None if rms else b.detach().double().requires_grad_()
-    y64 = fused_ops.rms_norm(x64, w64, 1e-6) if rms else fused_ops.layer_norm(x64, w64, b64, 1e-5)
+    y64 = custom_ops.rms_norm(x64, w64, 1e-6) if rms else custom_ops.layer_norm(x64, w64, b64, 1e-5)
     y64.backward(dy.double())
     tol = TOL[dtype]
     assert y.dtype == dtype and rel_err(y, y64) < tol
     # NOTE: dx = rstd * (dy*w - mean(dy*w) - xhat * mean(dy*w*xhat)) cancels to ~0 when a row has one
     # element (RMSNorm: xhat = +-1); judge it against the size of the terms that cancel.
-    _, _, rstd = fused_ops._norm_fwd_reference(x64.detach(), w64.detach(), None if rms else b64.detach(), 1e-6 if rms
+    _, _, rstd = custom_ops._norm_fwd_reference(x64.detach(), w64.detach(), None if rms else b64.detach(), 1e-6 if rms
                                                else 1e-5, rms, torch.float64)
     terms = float((rstd.unsqueeze(-1) * dy.double().reshape(-1, cols) * w64.detach()).norm())
     assert rel_err(x.grad, x64.grad, floor=terms) < tol
@@ -101,10 +101,10 @@ def test_norm_forward_and_backward_match_float64(shape, dtype, rms):
 def test_norm_writes_the_autocast_dtype_directly(out_dtype):
     require("layernorm")
     x, w, b = randn((300, 768), torch.float32), torch.randn(768, device="cuda"), torch.randn(768, device="cuda")
-    y = fused_ops.layer_norm(x, w, b, 1e-5, out_dtype=out_dtype)
+    y = custom_ops.layer_norm(x, w, b, 1e-5, out_dtype=out_dtype)
     assert y.dtype == out_dtype
     assert rel_err(y, F.layer_norm(x.double(), (768,), w.double(), b.double(), 1e-5)) < 1e-2
-    assert torch.equal(y, fused_ops.layer_norm(x, w, b, 1e-5).to(out_dtype))  # one rounding, as autocast's cast
+    assert torch.equal(y, custom_ops.layer_norm(x, w, b, 1e-5).to(out_dtype))  # one rounding, as autocast's cast
 
 
 # ---------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_bias_gelu_forward_and_backward_match_float64(shape, dtype):
     bias = torch.randn(cols, device="cuda").requires_grad_()
     dy = randn(shape, dtype)
     poison((shape, dtype))
-    y = fused_ops.bias_gelu(h, bias)
+    y = custom_ops.bias_gelu(h, bias)
     y.backward(dy)
     h64, b64 = h.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
     u = h64 + b64
@@ -150,7 +150,7 @@ def test_cross_entropy_forward_and_backward_match_float64(shape, dtype):
     if rows > 2:
         targets[1::3] = -100
     poison((shape, dtype), ((rows,), torch.float32))
-    loss = fused_ops.cross_entropy(logits, targets)
+    loss = custom_ops.cross_entropy(logits, targets)
     loss.backward()
     l64 = logits.detach().double().requires_grad_()
     ref = F.cross_entropy(l64, targets)
@@ -176,7 +176,7 @@ def test_cross_entropy_over_a_padded_head_skips_the_extra_columns(shape, dtype):
     targets = torch.randint(0, classes, (rows,), device="cuda")
     targets[1::3] = -100
     poison(((rows, width), dtype), ((rows,), torch.float32))
-    loss = fused_ops.cross_entropy(logits, targets, classes=classes)
+    loss = custom_ops.cross_entropy(logits, targets, classes=classes)
     loss.backward()
     l64 = logits.detach()[:, :classes].double().requires_grad_()
     ref = F.cross_entropy(l64, targets)
@@ -190,7 +190,7 @@ def test_cross_entropy_over_a_padded_head_skips_the_extra_columns(shape, dtype):
 def test_cross_entropy_all_rows_ignored_gives_zero_loss_and_gradient():
     require("cross_entropy")
     logits = randn((4, 33), torch.bfloat16).requires_grad_()
-    loss = fused_ops.cross_entropy(logits, torch.full((4,), -100, device="cuda"))
+    loss = custom_ops.cross_entropy(logits, torch.full((4,), -100, device="cuda"))
     loss.backward()
     assert loss.item() == 0.0 and torch.count_nonzero(logits.grad) == 0
 
@@ -290,7 +290,7 @@ def test_fused_adamw_tracks_torch_fused_adamw_on_gpt2():
     require("adamw")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from toolkit.optim import param_groups
+    from toolkit.runtime.optim import param_groups
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, bos_token_id=None,
@@ -320,8 +320,8 @@ def test_fused_adamw_tracks_torch_fused_adamw_on_gpt2():
 # The engine with fused kernels (and torch.compile)
 
 def run_engine(overrides, steps=12):
-    from toolkit.engine import Engine
-    from toolkit.recipe import load_recipe
+    from toolkit.runtime.engine import Engine
+    from toolkit.recipe.load import load_recipe
 
     engine = Engine(load_recipe("quickstart", ["training.max_steps=50", "training.device=cuda", *overrides]))
     # NOTE: one batch, seen every step: uniform random tokens start at their floor (ln 256), a memorised
@@ -337,7 +337,7 @@ def test_engine_with_fused_kernels_trains_like_torch(dtype):
     fused, fused_losses = run_engine([f"precision.dtype={dtype}"])
     assert all(fused.kernels.active(n) for n in ("adamw", "layernorm", "bias_gelu", "cross_entropy"))
     assert type(fused.optimizer).__name__ == "FusedAdamW"
-    _, torch_losses = run_engine([f"precision.dtype={dtype}"] + [f"kernels.{k}=off" for k in ops.KERNELS])
+    _, torch_losses = run_engine([f"precision.dtype={dtype}"] + [f"kernels.{k}=off" for k in loader.KERNELS])
     assert fused_losses[-1] < fused_losses[0]
     for a, b in zip(fused_losses, torch_losses):
         assert abs(a - b) < 0.02 * abs(b), (fused_losses, torch_losses)

@@ -7,9 +7,9 @@ import pytest
 
 from tests.conftest import run_cli
 from toolkit.errors import UserError
-from toolkit.memory import GiB
-from toolkit.memory_fit import allocation_failure, is_allocation_failure, size_terms
-from toolkit.recipe import load_recipe
+from toolkit.observe.estimate import GiB
+from toolkit.observe.memory_fit import allocation_failure, is_allocation_failure, size_terms
+from toolkit.recipe.load import load_recipe
 
 H200_FREE = 139 * GiB  # what torch.cuda.mem_get_info reports free on an idle H200 (about 139 GiB)
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from tests.conftest import run_cli
-from toolkit.data import BatchStream, Dataset
-from toolkit.engine import Engine
-from toolkit.memory import estimate_model_state_bytes, format_bytes, parameter_count
-from toolkit.memory_monitor import MemoryMonitor, StateBytes, count_model_state_bytes, model_state_bytes
-from toolkit.recipe import load_recipe
+from toolkit.data.batches import BatchStream, Dataset
+from toolkit.runtime.engine import Engine
+from toolkit.observe.estimate import estimate_model_state_bytes, format_bytes, parameter_count
+from toolkit.observe.memory_monitor import MemoryMonitor, StateBytes, count_model_state_bytes, model_state_bytes
+from toolkit.recipe.load import load_recipe
 
 TINY = ["training.max_steps=6", "data.num_samples=256", "scheduler.type=constant"]
 MEMORY_FIELDS = {"mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "mem_master_bytes", "mem_peak_bytes",
@@ -134,8 +134,8 @@ def test_summary_reports_the_largest_window():
 
 
 def test_offloaded_bytes_reach_the_summary_and_memory_png(tmp_path, monkeypatch):
-    from toolkit.memory_monitor import plot_timeline
-    from toolkit.zero import cpu_adam
+    from toolkit.observe.memory_monitor import plot_timeline
+    from toolkit.runtime.zero import cpu_adam
 
     monkeypatch.setenv(cpu_adam.DISABLE_ENV, "1")  # torch's CPU AdamW: the bytes are the same, no build
     monkeypatch.setattr(cpu_adam, "_status", None)
@@ -166,8 +166,8 @@ def test_offloaded_bytes_reach_the_summary_and_memory_png(tmp_path, monkeypatch)
 
 @pytest.mark.cuda
 def test_cuda_run_logs_allocator_peaks_and_mfu(tmp_path):
-    from toolkit.flops import device_key
-    from toolkit.train import run
+    from toolkit.observe.flops import device_key
+    from toolkit.train.loop import run
 
     result = run(load_recipe("quickstart", [*TINY, "training.device=cuda", "training.log_interval=2"]), tmp_path,
                  quiet=True)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.test_precision import DeepSpeedReference
-from toolkit.data import BatchStream, Dataset
-from toolkit.engine import Engine
-from toolkit.precision import make_loss_scaler
-from toolkit.recipe import load_recipe
+from toolkit.data.batches import BatchStream, Dataset
+from toolkit.runtime.engine import Engine
+from toolkit.runtime.precision import make_loss_scaler
+from toolkit.recipe.load import load_recipe
 from toolkit.specs import PrecisionSpec
 
 TINY = ["training.max_steps=6", "data.num_samples=256", "scheduler.type=constant"]
@@ -158,7 +158,7 @@ def test_engine_skips_overflowing_steps_like_deepspeed():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on a CUDA device")
 def test_fp16_on_a_cpu_is_refused_before_the_run_writes_anything(tmp_path, monkeypatch, capsys):
-    from toolkit.cli import main
+    from toolkit.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["run", "quickstart", "precision.dtype=fp16", "training.max_steps=2",
@@ -169,8 +169,8 @@ def test_fp16_on_a_cpu_is_refused_before_the_run_writes_anything(tmp_path, monke
 
 
 def test_validate_refuses_fp16_on_training_device_cpu_and_warns_on_auto_without_a_gpu(capsys):
-    from toolkit.cli import main
-    from toolkit.recipe_checks import fp16_device_warning
+    from toolkit.cli.main import main
+    from toolkit.recipe.checks import fp16_device_warning
 
     assert main(["validate", "quickstart", "precision.dtype=fp16", "training.device=cpu"]) == 2
     assert capsys.readouterr().err.strip() == ("error: recipe.precision.dtype: 'fp16' needs a CUDA device but "

@@ -1,4 +1,4 @@
-"""toolkit/optim.py: AdamW groups and implementation choice, DeepSpeed's lr schedules."""
+"""toolkit/runtime/optim.py: AdamW groups and implementation choice, DeepSpeed's lr schedules."""
 import json
 import math
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.optim import Schedule, build_optimizer, choose_adamw, lr_at, param_groups
+from toolkit.runtime.optim import Schedule, build_optimizer, choose_adamw, lr_at, param_groups
 from toolkit.specs import OptimizerSpec, SchedulerSpec
 
 WARMUP, TOTAL, BASE_LR = 10, 50, 1e-3
@@ -187,7 +187,7 @@ DEEPSPEED_DEFAULTS = [
 
 
 def scheduler_of(type_: str, **given):
-    from toolkit.recipe import recipe_from_dict
+    from toolkit.recipe.load import recipe_from_dict
 
     return recipe_from_dict({"model": {"size": "tiny"}, "data": {"num_samples": 64}, "batch": {"micro_batch_per_rank": 2},
                              "optimizer": {"lr": USER_LR}, "scheduler": {"type": type_, **given},
@@ -295,13 +295,13 @@ def test_choice_of_adamw_per_implementation_and_device():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("implementation", ["auto", "fused"])
 def test_cuda_builds_a_fused_adamw_that_steps(implementation):
-    from toolkit import ops
-    from toolkit.fused_adamw import FusedAdamW
+    from toolkit.ops import loader
+    from toolkit.ops.fused_adamw import FusedAdamW
 
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).cuda()
     opt = build_optimizer(model, opt_spec(implementation), "cuda")
     # NOTE: the toolkit's kernel where it is built and enabled, else torch's fused AdamW (choose_adamw).
-    if ops.kernel_enabled("adamw"):
+    if loader.kernel_enabled("adamw"):
         assert isinstance(opt, FusedAdamW)
     else:
         assert opt.defaults["fused"] is True

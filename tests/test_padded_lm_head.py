@@ -1,4 +1,4 @@
-"""The padded LM head (toolkit/fused_modules.py): logits widened to aligned GEMM shapes, whose
+"""The padded LM head (toolkit/ops/fused_modules.py): logits widened to aligned GEMM shapes, whose
 extra columns the loss skips, train exactly like the model's own head (CPU, torch references)."""
 import copy
 
@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_kernels import tiny_gpt2, tiny_llama
-from toolkit import fused_ops
-from toolkit.fused_modules import PaddedLMHead, pad_lm_head
+from toolkit.ops import custom_ops
+from toolkit.ops.fused_modules import PaddedLMHead, pad_lm_head
 
 
 def loss_and_grads(model, ids, classes=None):
     logits = model(input_ids=ids[:, :-1]).logits
-    loss = fused_ops.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), classes=classes)
+    loss = custom_ops.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), classes=classes)
     return loss, torch.autograd.grad(loss, list(model.parameters()))
 
 
@@ -56,7 +56,7 @@ def test_compile_traces_the_padded_head_without_graph_breaks():
             logits = model(input_ids=ids[:, :-1]).logits
         finally:
             head.padded = False
-        return fused_ops.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1), classes=97)
+        return custom_ops.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1), classes=97)
 
     expected = F.cross_entropy(model(input_ids=ids[:, :-1]).logits.reshape(-1, 97), ids[:, 1:].reshape(-1))
     torch._dynamo.reset()
@@ -66,8 +66,8 @@ def test_compile_traces_the_padded_head_without_graph_breaks():
 
 @pytest.mark.parametrize("cross_entropy", ["auto", "off"])
 def test_engine_loss_over_a_padded_head_matches_the_unpadded_one(cross_entropy):
-    from toolkit.engine import Engine
-    from toolkit.recipe import load_recipe
+    from toolkit.runtime.engine import Engine
+    from toolkit.recipe.load import load_recipe
 
     recipe = load_recipe("quickstart", ["training.device=cpu", f"kernels.cross_entropy={cross_entropy}"])
     plain, padded = Engine(recipe), Engine(recipe)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from toolkit.errors import UserError
-from toolkit.precision import (DynamicLossScaler, autocast_context, has_inf_or_nan, make_loss_scaler)
+from toolkit.runtime.precision import (DynamicLossScaler, autocast_context, has_inf_or_nan, make_loss_scaler)
 from toolkit.specs import LossScaleSpec, PrecisionSpec
 
 

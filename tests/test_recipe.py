@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.cli import main as cli_main
-from toolkit.recipe import RecipeError, load_recipe, load_schema, recipe_from_dict
+from toolkit.cli.main import main as cli_main
+from toolkit.recipe.load import RecipeError, load_recipe, load_schema, recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "recipes").glob("*.json"))
@@ -145,7 +145,7 @@ def _unknown_key_case(level: str):
 
 
 # (recipe.json content or {file: content}, extra CLI args, substrings stderr must contain).
-# Cases whose id ends in "-cli" run through a real subprocess; the rest through toolkit.cli.main.
+# Cases whose id ends in "-cli" run through a real subprocess; the rest through toolkit.cli.main.main.
 INVALID = [
     *[_unknown_key_case(level) for level in LEVELS],
     # Misspellings get a did-you-mean.

@@ -11,7 +11,7 @@ import pytest
 
 import toolkit
 from tests.conftest import REPO, run_cli
-from toolkit.recipe import load_recipe
+from toolkit.recipe.load import load_recipe
 
 
 def test_version_flag_prints_the_version_and_doctor_starts_with_it():
@@ -130,7 +130,7 @@ def test_pretrained_override_on_a_recipe_with_a_size_clears_the_size(tmp_path):
 
 
 def test_exclusive_keys_come_from_the_schema():
-    from toolkit.recipe_schema import exclusive_keys, load_schema
+    from toolkit.recipe.schema import exclusive_keys, load_schema
 
     sections = load_schema()["properties"]
     assert exclusive_keys(sections["training"]) == {"max_steps": ["epochs"], "epochs": ["max_steps"]}

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import run_cli
-from toolkit.recipe import RecipeError, recipe_from_dict
+from toolkit.recipe.load import RecipeError, recipe_from_dict
 
 BASE = {"model": {"size": "tiny"}, "data": {"num_samples": 64}, "batch": {"micro_batch_per_rank": 4},
         "training": {"max_steps": 5}}

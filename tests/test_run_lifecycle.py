@@ -60,9 +60,9 @@ def test_a_second_run_into_a_busy_run_dir_is_refused_in_one_line_and_the_first_g
 
 def test_a_lock_left_by_a_killed_process_does_not_block_the_next_run(tmp_path):
     from toolkit.errors import UserError
-    from toolkit.run_dir import RunDirLock
+    from toolkit.train.run_dir import RunDirLock
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from toolkit.run_dir import RunDirLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from toolkit.train.run_dir import RunDirLock; "
                                f"RunDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
@@ -110,7 +110,7 @@ def _file_size_limit(limit_bytes):
 
 
 def test_a_checkpoint_over_the_file_size_limit_is_one_line_and_the_earlier_one_stays_intact(tmp_path):
-    from toolkit.checkpoint import verify_checkpoint
+    from toolkit.checkpoint.checkpointer import verify_checkpoint
 
     run_dir = tmp_path / "run"
     done = run_cli("run", "quickstart", "--run-dir", str(run_dir), "training.max_steps=4", *FAST)
@@ -167,7 +167,7 @@ def test_no_room_for_one_checkpoint_is_refused_with_the_sizes(tmp_path, monkeypa
     import shutil
 
     from toolkit.errors import UserError
-    from toolkit.run_dir import check_room_for_checkpoint
+    from toolkit.train.run_dir import check_room_for_checkpoint
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 10**6, 10**6))
     with pytest.raises(UserError, match=r"checkpoints: 0.00 GB free, but a checkpoint of 1,000,000 parameters "
@@ -199,8 +199,8 @@ def test_resuming_past_max_steps_is_refused_and_at_max_steps_says_nothing_is_lef
 
 
 def test_resuming_a_two_rank_checkpoint_in_one_process_says_how_to_keep_the_global_batch():
-    from toolkit.checkpoint_resume import model_shape, resume_changes
-    from toolkit.recipe import load_recipe
+    from toolkit.checkpoint.resume import model_shape, resume_changes
+    from toolkit.recipe.load import load_recipe
 
     saved = load_recipe("quickstart", [], world_size=2)
     meta = {"model_shape": model_shape(saved.model), "recipe": saved.resolved, "global_batch": 32, "world_size": 2}
@@ -232,7 +232,7 @@ def test_a_run_file_that_cannot_be_written_is_one_line_naming_it(tmp_path, block
 
 
 def test_a_stop_during_start_up_passes_through_handlers_that_catch_every_error(tmp_path):
-    from toolkit.run_stop import RunStopped
+    from toolkit.train.stop import RunStopped
 
     # NOTE: a kernel build falls back on `except Exception`; a SIGTERM then must still stop the run.
     with pytest.raises(RunStopped):

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_cli
-from toolkit.data import BatchStream, Dataset
-from toolkit.checkpoint import Checkpointer
-from toolkit.engine import Engine
+from toolkit.data.batches import BatchStream, Dataset
+from toolkit.checkpoint.checkpointer import Checkpointer
+from toolkit.runtime.engine import Engine
 from toolkit.errors import UserError
-from toolkit.recipe import load_recipe
+from toolkit.recipe.load import load_recipe
 
 GOLDEN = REPO / "tests" / "golden" / "quickstart_losses.json"
 # NOTE: the same CPU kind gives bit-identical losses; another CPU (other SIMD width)

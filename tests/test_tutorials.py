@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.tutorials import (KERNELSPEC, TEMPLATES_DIR, TUTORIALS_DIR, build_all, notebook_name, render_notebook,
+from toolkit.cli.tutorials import (KERNELSPEC, TEMPLATES_DIR, TUTORIALS_DIR, build_all, notebook_name, render_notebook,
                                split_cells, template_paths)
 
 NOTEBOOKS = sorted(TUTORIALS_DIR.glob("*.ipynb"))
@@ -57,8 +57,8 @@ def test_split_cells_rejects_text_before_the_first_marker():
 
 
 def test_cli_check_exits_2_naming_the_stale_notebook(tmp_path, monkeypatch):
-    import toolkit.tutorials as tutorials
-    from toolkit.cli import main
+    import toolkit.cli.tutorials as tutorials
+    from toolkit.cli.main import main
 
     (tmp_path / "templates").mkdir()
     (tmp_path / "templates" / "01_demo.md.j2").write_text("%% markdown\n# {{ notebook }}\n%% code\nprint(1)\n")
@@ -73,7 +73,7 @@ def test_cli_check_exits_2_naming_the_stale_notebook(tmp_path, monkeypatch):
 
 
 def test_cli_check_stays_free_of_torch():
-    code = ("import sys; from toolkit.cli import main; rc = main(['tutorials', 'build', '--check']); "
+    code = ("import sys; from toolkit.cli.main import main; rc = main(['tutorials', 'build', '--check']); "
             "assert 'torch' not in sys.modules; sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code], cwd=TEMPLATES_DIR.parent.parent, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

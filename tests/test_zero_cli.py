@@ -67,8 +67,8 @@ def test_torchrun_resumes_the_run_under_another_stage(two_launches):
 def test_export_consolidates_zero_shards(two_launches, tmp_path):
     from safetensors.torch import load_file
 
-    from toolkit.checkpoint import find_checkpoint, load_checkpoint
-    from toolkit.zero.state import consolidated_model_state
+    from toolkit.checkpoint.checkpointer import find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.zero_shards import consolidated_model_state
 
     run_dir = two_launches[0]
     proc = run_cli("export", str(run_dir), str(tmp_path / "hf"))
@@ -91,7 +91,7 @@ def test_nproc_with_a_bad_recipe_is_one_line_before_any_launch(tmp_path):
 
 def test_world_size_mismatch_is_a_user_error(monkeypatch):
     from toolkit.errors import UserError
-    from toolkit.zero.comm import init_distributed
+    from toolkit.distributed import init_distributed
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(UserError, match="resolved for 2 rank"):

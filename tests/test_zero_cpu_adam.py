@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from toolkit.zero.cpu_adam import cpu_adam_status, load_cpu_adam
+from toolkit.ops.cpu_adam import cpu_adam_status, load_cpu_adam
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
@@ -76,7 +76,7 @@ def test_cpu_adam_zero_gradients_keep_zero_moments(kernel):
 
 def test_sharded_reference_step_is_bit_identical_to_torch_adamw():
     from toolkit.specs import OptimizerSpec
-    from toolkit.zero.adamw import ShardedAdamW
+    from toolkit.runtime.zero.adamw import ShardedAdamW
 
     spec = OptimizerSpec(type="adamw", lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, implementation="torch")
     gen = torch.Generator().manual_seed(0)
@@ -99,7 +99,7 @@ def test_sharded_reference_step_is_bit_identical_to_torch_adamw():
 def test_fallback_warns_once_with_the_reason():
     code = ("import torch\n"
             "from toolkit.specs import OptimizerSpec\n"
-            "from toolkit.zero.adamw import ShardedAdamW\n"
+            "from toolkit.runtime.zero.adamw import ShardedAdamW\n"
             "spec = OptimizerSpec('adamw', 1e-3, (0.9, 0.95), 1e-8, 0.1, 'auto')\n"
             "a = ShardedAdamW(spec, 8, torch.device('cpu'), offload=True)\n"
             "b = ShardedAdamW(spec, 8, torch.device('cpu'), offload=True)\n"
@@ -125,7 +125,7 @@ def test_a_cached_build_loads_in_a_fresh_process_from_another_install_without_co
         shutil.copytree(REPO / name, copy / name)  # new files: new mtimes
     shutil.copy(REPO / "pyproject.toml", copy)
     code = ("import time, torch\nstart = time.perf_counter()\nimport toolkit\n"
-            "from toolkit.zero.cpu_adam import cpu_adam_status, load_cpu_adam\n"
+            "from toolkit.ops.cpu_adam import cpu_adam_status, load_cpu_adam\n"
             "assert load_cpu_adam() is not None\nprint(toolkit.__file__)\nprint(cpu_adam_status().state)\n"
             "print(f'{time.perf_counter() - start:.2f}')\n")
     env = {**os.environ, "PYTHONPATH": str(copy)}
@@ -143,7 +143,7 @@ def test_a_first_build_says_what_it_builds_where_and_how_long_it_took(tmp_path, 
 
     import torch.utils.cpp_extension
 
-    from toolkit.zero import cpu_adam
+    from toolkit.runtime.zero import cpu_adam
 
     monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_adam, "_status", None)

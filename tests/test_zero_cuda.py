@@ -16,8 +16,8 @@ STEPS = 8
 
 
 def train(overrides):
-    from toolkit.engine import Engine
-    from toolkit.recipe import load_recipe
+    from toolkit.runtime.engine import Engine
+    from toolkit.recipe.load import load_recipe
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -57,7 +57,7 @@ def assert_matches(engine, losses, stage0):
 
 @pytest.mark.parametrize("overrides", CASES, ids=" ".join)
 def test_stage_on_cuda_matches_stage0(overrides, stage0, monkeypatch):
-    monkeypatch.setattr("toolkit.zero.offload.PIECE_NUMEL", 4096)  # many pieces through the pinned staging
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 4096)  # many pieces through the pinned staging
     engine, losses = train(overrides)
     assert engine.device.type == "cuda"
     assert_matches(engine, losses, stage0)

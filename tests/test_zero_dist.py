@@ -67,9 +67,9 @@ EXTRA = {
 
 
 def _engine(world, overrides):
-    from toolkit.data import BatchStream, Dataset
-    from toolkit.engine import Engine
-    from toolkit.recipe import recipe_from_dict
+    from toolkit.data.batches import BatchStream, Dataset
+    from toolkit.runtime.engine import Engine
+    from toolkit.recipe.load import recipe_from_dict
 
     recipe = recipe_from_dict(BASE, overrides, world_size=world)
     engine = Engine(recipe)
@@ -121,8 +121,8 @@ def _checks_for_stage2_micro_step(world):
 
 def _resharding(world, out_dir, results):
     """Save at step 5 during a 10-step run; load the other world size's checkpoint and continue."""
-    from toolkit.checkpoint import Checkpointer, find_checkpoint, load_checkpoint
-    from toolkit.zero.state import ShardFilesReader
+    from toolkit.checkpoint.checkpointer import Checkpointer, find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.zero_shards import ShardFilesReader
 
     overrides = {2: ["zero.stage=2", SMALL_BUCKETS], 4: ["zero.stage=3"]}
     own = f"world{world}"
@@ -309,7 +309,7 @@ def test_stage3_holds_no_gathered_unit_after_a_step(world4):
 
 
 def test_memory_per_rank_matches_the_zero_formulas_at_world_4(world4, one_process):
-    from toolkit.memory import estimate_model_state_bytes
+    from toolkit.observe.estimate import estimate_model_state_bytes
 
     p = sum(t.numel() for t in one_process["params"].values())
     for rank in world4:
@@ -326,7 +326,7 @@ def test_memory_per_rank_matches_the_zero_formulas_at_world_4(world4, one_proces
             assert live["mem_optim_bytes"] == live["mem_master_bytes"] == 0
             assert live["mem_params_bytes"] == pytest.approx(want.params, rel=0.05)
             # NOTE: offload keeps a separate fp32 master (4P/N) beside the moments (8P/N) in CPU memory;
-            # the gradients stay on the device (toolkit/zero/offload.py), as without offload.
+            # the gradients stay on the device (toolkit/runtime/zero/offload.py), as without offload.
             assert live["mem_offload_bytes"] == pytest.approx(want.cpu_optim, rel=0.05)
             assert want.cpu_optim == 12 * p // 4
             assert live["mem_grads_bytes"] == pytest.approx(want.grads, rel=0.05)
@@ -352,8 +352,8 @@ def test_resume_at_world_2_from_world_4_restores_states_and_continues(world4, wo
 
 
 def test_resume_in_one_process_from_world_2(ckpt_dir, world2):
-    from toolkit.checkpoint import Checkpointer, find_checkpoint, load_checkpoint
-    from toolkit.zero.state import ShardFilesReader
+    from toolkit.checkpoint.checkpointer import Checkpointer, find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.zero_shards import ShardFilesReader
 
     ckpt = load_checkpoint(find_checkpoint(ckpt_dir / "world2"))
     recipe, engine, stream = _engine(1, ["zero.stage=0"])

@@ -42,7 +42,7 @@ def _rank_main(rank, world, port, out_dir, device):
     torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from toolkit.checkpoint import Checkpointer
+    from toolkit.checkpoint.checkpointer import Checkpointer
 
     results = {}
     for name, overrides in {**FP32, **BF16}.items():
@@ -86,13 +86,13 @@ def test_bf16_stages_on_nccl_track_stage0(run, name):
 
 
 def test_checkpoint_from_n_gpus_resumes_on_one(run):
-    from toolkit.checkpoint import Checkpointer, find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.checkpointer import Checkpointer, find_checkpoint, load_checkpoint
 
     out, results = run
     ckpt = load_checkpoint(find_checkpoint(out / "run"))
     recipe, engine, stream = _engine(1, ["training.device=cuda", *FP32["stage2"]])
     Checkpointer(recipe, out / "scratch").restore(ckpt, engine, stream)
-    from toolkit.zero.state import ShardFilesReader
+    from toolkit.checkpoint.zero_shards import ShardFilesReader
 
     zero = ckpt.state["engine"]["zero"]
     reader = ShardFilesReader(ckpt.path, zero["files"], zero["step"])

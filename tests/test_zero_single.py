@@ -30,7 +30,7 @@ PART_OFFLOAD = ["zero.offload_optimizer=cpu", "zero.offload_ratio=0.5"]
 @pytest.mark.parametrize("overrides", [["zero.stage=2", SMALL_BUCKETS, *PART_OFFLOAD], ["zero.stage=3", *PART_OFFLOAD]],
                          ids=" ".join)
 def test_part_offloaded_optimizer_matches_stage0(overrides, stage0, monkeypatch):
-    monkeypatch.setattr("toolkit.zero.offload.PIECE_NUMEL", 1000)  # many pieces: the staging slots alternate
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 1000)  # many pieces: the staging slots alternate
     engine, _, losses, _ = train(1, overrides)
     assert len(engine.strategy.parts[1].offloaded_step.pieces) > 10
     kept, offloaded = engine.strategy.parts
@@ -46,7 +46,7 @@ def test_part_offloaded_optimizer_matches_stage0(overrides, stage0, monkeypatch)
 
 def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
     """Saved with half the optimizer offloaded, resumed with all of it offloaded: same states, same losses."""
-    from toolkit.checkpoint import Checkpointer, find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.checkpointer import Checkpointer, find_checkpoint, load_checkpoint
 
     def states(engine):
         return {(name, kind): view.clone() for name, _, _, views in engine.strategy.owned_pieces()
@@ -73,7 +73,7 @@ def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_memory_per_rank_matches_the_toolkit_estimate(stage):
-    from toolkit.memory import estimate_model_state_bytes
+    from toolkit.observe.estimate import estimate_model_state_bytes
 
     engine, _, _, _ = train(1, [f"zero.stage={stage}", "precision.dtype=bf16", SMALL_BUCKETS], steps=1)
     live = engine.strategy.memory_bytes()

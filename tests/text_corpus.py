@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.data import Dataset
-from toolkit.recipe import recipe_from_dict
+from toolkit.data.batches import Dataset
+from toolkit.recipe.load import recipe_from_dict
 
 
 def python_like_docs(n: int) -> list[str]:

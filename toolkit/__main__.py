@@ -1,6 +1,6 @@
 """`python -m toolkit` is the `toolkit` command."""
 import sys
 
-from toolkit.cli import main
+from toolkit.cli.main import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 """The typed, frozen specs a `Recipe` is made of: one per recipe section, each
-builder takes only its own. Built (and validated) by toolkit/recipe.py; the
+builder takes only its own. Built (and validated) by toolkit/recipe/load.py; the
 meaning and default of every field is in schemas/recipe.schema.json."""
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ class TrainingSpec:
     log_interval: int
     device: str
     compile: bool = False
-    peak_tflops: float | None = None  # per device, for MFU; None: the datasheet table (toolkit/flops.py)
+    peak_tflops: float | None = None  # per device, for MFU; None: the datasheet table (toolkit/observe/flops.py)
     steps_per_epoch: int | None = None  # set when the recipe gives training.epochs (the progress line shows them)
     memory_check: str = "refuse"
     cpu_threads: int | str = "auto"

@@ -1,0 +1,1 @@
+"""Benchmarks, tuners, profilers and device scripts (not shipped in the wheel). See README.md."""

@@ -1,0 +1,175 @@
+"""Checkpoints: atomic save, verified load, exact resume, and the rules for
+resuming under a changed recipe. The loop (toolkit/train/loop.py) drives a
+`Checkpointer`; the Hugging Face export (toolkit/checkpoint/export.py) reads what it wrote.
+
+Layout, one directory per saved optimizer step:
+
+    <run_dir>/<checkpoint.dir>/step-000200/state.safetensors  every tensor, keyed by its path in the state
+                                          /state.json         everything else; tensors appear as {"__tensor__": key}
+                                          /manifest.json      sha256 and size of the two files above
+    <run_dir>/<checkpoint.dir>/latest                         the name of the newest complete step directory
+
+The state is {"engine": Engine.state_dict(), "stream": BatchStream.state_dict(),
+"rng": python/numpy/torch/CUDA generator states}; state.json also carries the step,
+the resolved recipe and its hash, the model's transformers config and the W&B run id.
+Nothing is pickled: tensors go through safetensors, the rest through JSON.
+
+Atomic: files are written into a temp directory beside the final one (`.tmp-*`),
+fsynced, then the directory is renamed to step-NNNNNN (the commit point) and only
+then is `latest` replaced (temp file + rename). Readers ignore `.tmp-*` entries and
+trust complete step directories over the pointer: a crash between the rename and the
+pointer update leaves a complete, newer step directory, which wins.
+
+Several ranks (`save_distributed_checkpoint`): under ZeRO stages 1-3 each rank also
+writes zero-rank-RRRRR-of-WWWWW.safetensors into the same temp directory (per-parameter
+pieces, toolkit/checkpoint/zero_shards.py, readable at any world size) and rank 0 writes the rest,
+with a manifest covering every file, and renames; at stage 0 rank 0 alone writes.
+
+Where it lives: this module is the entry point (the loop's `Checkpointer`; every
+public name of the files below is re-exported here, so import from toolkit.checkpoint.checkpointer).
+checkpoint_state.py flattens the state and captures the RNGs; checkpoint_files.py
+holds the layout, atomic writes, verification, listing and pruning; checkpoint_io.py
+saves (one process or several ranks) and loads; checkpoint_resume.py has the resume
+rules and the meta they compare.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from toolkit.checkpoint.files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, STATE_FILE, STEP_DIR,
+                                      TEMP_PREFIX, TENSORS_FILE, _remove_dir, find_checkpoint, latest_checkpoint,
+                                      list_checkpoints, make_temp_dir, prune_checkpoints, sha256_file, step_dir_name,
+                                      verify_checkpoint)
+from toolkit.checkpoint.io import Checkpoint, load_checkpoint, save_checkpoint, save_distributed_checkpoint
+from toolkit.checkpoint.resume import (check_checkpoint_dir_kept, checkpoint_meta, load_training_checkpoint,
+                                       model_shape, resume_changes, truncate_metrics)
+from toolkit.checkpoint.state import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
+from toolkit.errors import UserError
+from toolkit.specs import Recipe
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "TEMP_PREFIX",
+    "TENSORS_FILE", "Checkpoint", "Checkpointer", "capture_rng_state", "checkpoint_meta", "find_checkpoint",
+    "flatten_state", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_training_checkpoint",
+    "make_temp_dir", "model_shape", "prune_checkpoints", "restore_rng_state", "resume_changes", "save_checkpoint",
+    "save_distributed_checkpoint", "sha256_file", "step_dir_name", "truncate_metrics", "unflatten_state",
+    "verify_checkpoint",
+]
+
+
+# ---------------------------------------------------------------------------
+# The loop's side: resume at start, save on cadence, prune
+
+class Checkpointer:
+    """A run's checkpoints: resolve `checkpoint.resume`, save every `interval` steps and at the end, keep the last N."""
+
+    def __init__(self, recipe: Recipe, run_dir: Path):
+        self.recipe = recipe
+        self.spec = recipe.checkpoint
+        self.run_dir = Path(run_dir)
+        self.dir = Path(run_dir) / self.spec.dir
+        self.last_saved_step: int | None = None
+        self.last_saved_path: Path | None = None  # the checkpoint a rerun resumes from (saved or restored)
+        self._stale: list[str] = []
+
+    def resume_point(self) -> Checkpoint | None:
+        """The checkpoint `checkpoint.resume` names, verified and checked against the recipe (None: start fresh)."""
+        resume = self.spec.resume
+        if resume == "never":
+            path = None
+        elif resume == "auto":
+            path = latest_checkpoint(self.dir)
+            if path is None:
+                check_checkpoint_dir_kept(self.run_dir, self.spec.dir)
+        else:
+            try:
+                path = find_checkpoint(Path(resume), self.spec.dir)
+            except UserError as exc:
+                raise UserError(f"recipe.checkpoint.resume: {exc.lines[0]}") from None
+        try:
+            ckpt = load_training_checkpoint(path) if path is not None else None
+        except UserError as exc:
+            raise UserError(f"{exc.lines[0]}; resume from another checkpoint with checkpoint.resume=PATH "
+                            "or start fresh with checkpoint.resume=never") from None
+        start = 0
+        if ckpt is not None:
+            refusals, warnings = resume_changes(ckpt.meta, self.recipe)
+            max_steps = self.recipe.training.max_steps
+            if ckpt.step > max_steps:  # before the warnings: a refused resume says one thing
+                refusals = [f"recipe.training.max_steps: {max_steps} is below the step the run resumes from: "
+                            f"the checkpoint {ckpt.path} is at step {ckpt.step}; raise training.max_steps to train "
+                            "further, or start fresh with checkpoint.resume=never (or another --run-dir)", *refusals]
+            if refusals:
+                raise UserError(*refusals)
+            for line in warnings:
+                print(f"warning: resume from {ckpt.path}: {line}", file=sys.stderr, flush=True)
+            start = ckpt.step
+        # Checkpoints past the starting step belong to another trajectory (a fresh start, or a
+        # resume from an earlier step): deleted once this run has saved its first checkpoint.
+        self._stale = [path.name for step, path in list_checkpoints(self.dir) if step > start]
+        if self._stale:
+            print(f"warning: {self.dir}: {len(self._stale)} checkpoint(s) past step {start} come from an earlier "
+                  f"run ({self._stale[-1]} newest); they are deleted when this run saves its first checkpoint",
+                  file=sys.stderr, flush=True)
+        return ckpt
+
+    def restore(self, ckpt: Checkpoint, engine, stream) -> None:
+        """Engine and data position as they were when `ckpt` was saved (the RNGs: `restore_rng_state`)."""
+        try:
+            engine.load_state_dict(ckpt.state["engine"], checkpoint_dir=ckpt.path)
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:  # a foreign or edited state
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"{ckpt.path}: the checkpoint does not fit this model: {first}") from None
+        stream.load_state_dict(ckpt.state["stream"])
+        self.last_saved_step, self.last_saved_path = ckpt.step, ckpt.path
+
+    def after_step(self, engine, stream, wandb_run_id: str | None) -> Path | None:
+        """Save when the step is a multiple of checkpoint.interval."""
+        step = engine.global_step
+        if self.spec.interval and step % self.spec.interval == 0:
+            return self.save(engine, stream, wandb_run_id)
+        return None
+
+    def finish(self, engine, stream, wandb_run_id: str | None) -> Path | None:
+        """The final save (checkpoint.save_final), unless this step is already saved."""
+        if self.spec.save_final and self.last_saved_step != engine.global_step:
+            return self.save(engine, stream, wandb_run_id)
+        return None
+
+    def save_for_resume(self, engine, stream, wandb_run_id: str | None) -> Path | None:
+        """On a stop signal: save this step unless it is saved already, nothing is trained, or saving is off."""
+        step = engine.global_step
+        if step == 0 or self.last_saved_step == step or not (self.spec.interval or self.spec.save_final):
+            return self.last_saved_path if self.last_saved_step == step else None
+        return self.save(engine, stream, wandb_run_id)
+
+    def save(self, engine, stream, wandb_run_id: str | None) -> Path:
+        """Save now, then delete stale and surplus checkpoints (only after the new one is complete).
+        A diverged run (non-finite loss) raises its error instead of saving."""
+        engine.check_finite()
+        state = {"engine": engine.state_dict(), "stream": stream.state_dict(), "rng": capture_rng_state()}
+        meta = checkpoint_meta(self.recipe, engine, wandb_run_id)
+        info = getattr(engine, "dist", None)
+        try:
+            if info is not None and info.active:  # several ranks: ZeRO shards from each, the rest from rank 0
+                shards = engine.write_shard if engine.sharded_checkpoint else None
+                path = save_distributed_checkpoint(self.dir, engine.global_step, state, meta, info, shards)
+            else:
+                shard = engine.write_shard if getattr(engine, "sharded_checkpoint", False) else None
+                path = save_checkpoint(self.dir, engine.global_step, state, meta, shard)
+        except UserError as exc:  # a write failed; the temp dir is gone, the earlier checkpoints are untouched
+            kept = f"{self.last_saved_path} is intact" if self.last_saved_path is not None else "none saved before"
+            raise UserError(*(f"checkpoint step {engine.global_step}: {line}; earlier checkpoint: {kept}; free "
+                              "space or fix the permissions, then rerun the same command to resume"
+                              for line in exc.lines)) from None
+        self.last_saved_step, self.last_saved_path = engine.global_step, path
+        if info is not None and info.active and info.rank != 0:  # rank 0 alone deletes stale and surplus ones
+            self._stale = []
+            return path
+        for name in self._stale:
+            if name != path.name and (self.dir / name).is_dir():
+                _remove_dir(self.dir / name)
+        self._stale = []
+        prune_checkpoints(self.dir, self.spec.keep_last)
+        return path

@@ -1,0 +1,10 @@
+"""observe: what a run measures and predicts.
+
+estimate.py predicts memory per rank from a recipe (`toolkit estimate`);
+memory_fit.py holds that estimate against the machine before training;
+memory_monitor.py measures it while training; flops.py counts FLOPs for
+MFU; trackers.py writes metrics to the console, JSONL, TensorBoard and W&B.
+The engine reports into these (its state bytes), so they sit below runtime.
+
+May import: the ground floor, toolkit.recipe.
+"""

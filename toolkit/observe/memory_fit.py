@@ -1,0 +1,177 @@
+"""Does a recipe fit this machine? The pre-flight check a run makes before it builds
+the model or the data: the estimator's bytes per rank (toolkit/observe/estimate.py: model
+states + activations, plus the synthetic token buffers) against what the device has
+now (CUDA: free memory from the driver; the host: MemAvailable, or a cgroup limit
+when lower), refused in one line that names the keys that drive the size and the
+ways out. `training.memory_check` turns it into a warning, or off.
+
+Also the last resort: `allocation_failure` turns an allocator's out-of-memory error
+that still happens (the estimate is a lower bound) into the same kind of line.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from toolkit.errors import UserError
+from toolkit.observe.estimate import estimate_memory, format_bytes
+from toolkit.recipe.checks import gpu_driver_visible
+from toolkit.specs import Recipe
+
+TOKEN_BYTES = 8  # synthetic samples are int64 tensors of seq_len + 1 tokens (toolkit/data/batches.py)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One part of a rank's memory and the recipe keys (with their values) that size it."""
+
+    what: str
+    nbytes: int
+    keys: str
+
+
+def host_available_bytes() -> tuple[int, str]:
+    """Bytes the host can still give (MemAvailable; a lower cgroup v2 limit wins) and where that came from."""
+    available, source = None, "MemAvailable"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:  # not Linux: free physical pages
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        source = "free physical memory"
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max" and int(limit) - used < available:
+            available, source = int(limit) - used, "the cgroup's memory.max"
+    except (OSError, ValueError):
+        pass
+    return max(available, 0), source
+
+
+def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]]:
+    """(device terms, host terms) of one rank: what the estimator says each side holds."""
+    m, d, b, z = recipe.model, recipe.data, recipe.batch, recipe.zero
+    est = estimate_memory(m, micro_batch=b.micro_batch_per_rank, seq_len=d.seq_len, dtype=recipe.precision.dtype,
+                          world_size=b.world_size, stage=z.stage, offload=z.offload_optimizer,
+                          offload_ratio=z.offload_ratio)
+    shape = "model.pretrained" if m.pretrained else (f"model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
+                                                     f"vocabulary {m.vocab_size}")
+    states = Term("model states", est.states.gpu, f"{shape}, zero.stage {z.stage}, world size {b.world_size}")
+    activations = est.activations.checkpointed if m.activation_checkpointing else est.activations.full
+    acts = Term("activations", activations, f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len "
+                                            f"{d.seq_len}, model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
+                                            f"logits over vocabulary {m.vocab_size}")
+    # NOTE: real-text token files are only known after tokenizing, and are read a window at a time;
+    # the synthetic chain is one in-memory tensor per split.
+    samples = d.num_samples + d.eval_samples
+    data = Term("data", samples * (d.seq_len + 1) * TOKEN_BYTES,
+                f"data.num_samples + data.eval_samples {samples} x data.seq_len {d.seq_len}")
+    offloaded = Term("offloaded optimizer", est.states.cpu_optim, f"zero.offload_optimizer {z.offload_optimizer}")
+    device = [states, acts]
+    host = [data, offloaded] if on_cuda else [states, acts, data, offloaded]
+    return device, [t for t in host if t.nbytes]
+
+
+def ways_out(recipe: Recipe, biggest: Term, on_cuda: bool) -> str:
+    """The recipe changes that shrink the biggest term, then the key that proceeds anyway."""
+    m, z, b = recipe.model, recipe.zero, recipe.batch
+    ways = []
+    if biggest.what == "activations":
+        ways.append("a smaller batch.micro_batch_per_rank (raise batch.grad_accum_steps to keep the global batch)")
+        if not m.activation_checkpointing:
+            ways.append("model.activation_checkpointing=true")
+        ways.append("a shorter data.seq_len")
+    elif biggest.what in ("model states", "offloaded optimizer"):
+        if z.stage < 3:
+            ways.append(f"a higher zero.stage (now {z.stage}) over more ranks (--nproc)")
+        elif b.world_size == 1:
+            ways.append("more ranks (--nproc) to shard the states over")
+        if on_cuda and z.offload_optimizer == "none":
+            ways.append("zero.offload_optimizer=cpu (zero.stage >= 1)")
+        ways.append("a smaller model (model.size, model.n_embd, model.n_layer)")
+    else:
+        ways.append("fewer data.num_samples / data.eval_samples or a shorter data.seq_len")
+    if recipe.training.memory_check == "refuse":
+        ways.append("or training.memory_check=warn to try anyway")
+    return "; ".join(ways)
+
+
+def _verdict(recipe: Recipe, terms: list[Term], limit: int, where: str, on_cuda: bool, ranks: int) -> str | None:
+    """None when `ranks` ranks' terms fit under `limit`, else the one-line refusal."""
+    need = ranks * sum(t.nbytes for t in terms)
+    if need <= limit:
+        return None
+    biggest = max(terms, key=lambda t: t.nbytes)
+    parts = ", ".join(f"{t.what} {format_bytes(t.nbytes)} ({t.keys})"
+                      for t in sorted(terms, key=lambda t: -t.nbytes) if t.nbytes >= need / ranks / 100)
+    per = f" for {ranks} ranks" if ranks > 1 else ""
+    return (f"recipe: too big for this machine: needs about {format_bytes(need)}{per} on {where} "
+            f"but {format_bytes(limit)} is available: "
+            f"{parts}; ways out: {ways_out(recipe, biggest, on_cuda)}")
+
+
+def certainly_cpu(recipe: Recipe) -> bool:
+    """True when the run will train on the CPU, known without importing torch (no GPU driver here)."""
+    if recipe.training.device == "cpu":
+        return True
+    if not sys.platform.startswith("linux"):
+        return sys.platform == "darwin"  # no CUDA on macOS; elsewhere ask torch
+    return not gpu_driver_visible()
+
+
+def check_memory_fit(recipe: Recipe, device, *, warn: bool = True) -> None:
+    """Refuse (UserError) or warn when the estimate per rank exceeds what `device` (a torch.device,
+    or "cpu") and the host have now; `warn=False` only refuses (an early check before torch is imported)."""
+    mode = recipe.training.memory_check
+    if mode == "off":
+        return
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # ranks on this host share its memory
+    on_cuda = getattr(device, "type", device) == "cuda"
+    try:
+        device_terms, host_terms = size_terms(recipe, on_cuda=on_cuda)
+    except UserError as exc:  # a pretrained folder the estimator cannot size: no check, said once
+        if warn and os.environ.get("RANK", "0") == "0":
+            print(f"note: no memory check: {exc.lines[0]}", file=sys.stderr, flush=True)
+        return
+    problems = []
+    if on_cuda:
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        problems.append(_verdict(recipe, device_terms, free, f"{device} ({torch.cuda.get_device_name(device)})",
+                                 on_cuda, 1))
+    if host_terms:
+        available, source = host_available_bytes()
+        problems.append(_verdict(recipe, host_terms, available, f"the host ({source})", on_cuda, ranks))
+    problems = [p for p in problems if p]
+    if problems and mode == "refuse":
+        raise UserError(*problems)
+    for problem in problems if warn else ():
+        print(f"warning: {problem}; trying anyway (training.memory_check=warn)", file=sys.stderr, flush=True)
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    """Whether an exception is an allocator's out-of-memory (CUDA or the CPU's DefaultCPUAllocator)."""
+    text = str(exc)
+    return (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"  # torch.OutOfMemoryError
+            or (isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)))
+
+
+def allocation_failure(recipe: Recipe, exc: BaseException) -> UserError:
+    """The one line for an out-of-memory error the pre-flight check did not foresee."""
+    m, d, b = recipe.model, recipe.data, recipe.batch
+    tried = re.search(r"[Tt]ried to allocate (\d+) bytes|[Tt]ried to allocate ([\d.]+ \w+)", str(exc))
+    amount = "" if tried is None else f" allocating {tried[2] or format_bytes(int(tried[1]))}"
+    return UserError(f"recipe: ran out of memory{amount} ({type(exc).__name__}); the size comes from "
+                     f"batch.micro_batch_per_rank {b.micro_batch_per_rank}, data.seq_len {d.seq_len}, model.n_embd "
+                     f"{m.n_embd}, model.n_layer {m.n_layer}, vocabulary {m.vocab_size}, zero.stage {recipe.zero.stage}; "
+                     f"lower one of them, or turn on model.activation_checkpointing or zero.offload_optimizer")

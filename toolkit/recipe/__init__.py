@@ -1,0 +1,12 @@
+"""recipe: a recipe file becomes a typed, frozen `toolkit.specs.Recipe`.
+
+Owns reading the JSON (files.py: `extends`, size and nesting caps), CLI
+`key=value` overrides (overrides.py), the JSON Schema and its defaults
+(schema.py), the semantic checks the schema cannot express (checks.py) and
+the assembly into specs (load.py: `load_recipe`, `recipe_from_dict`).
+Torch-free: `toolkit validate` runs on it alone.
+
+May import: toolkit.errors, toolkit.resources, toolkit.specs, toolkit.data
+(the corpus files and tokenizer a recipe names are checked here), toolkit.models
+(the size presets).
+"""

@@ -1,0 +1,211 @@
+"""Reading recipe files: a shipped recipe's name or a path, JSON with line:col errors,
+duplicate keys, oversized files and pathological nesting refused (`parse_json`, also used
+for override values), and `extends` (a base recipe, merged under the child).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
+from toolkit.recipe.schema import RecipeError, _json_path, _json_type, clipped
+from toolkit.resources import shipped_dir
+
+
+def find_recipe_file(name_or_path: str | os.PathLike) -> Path:
+    """A recipe path, or the name of a shipped recipe (`quickstart`, `recipes/quickstart.json`)."""
+    path = Path(name_or_path)
+    if _is_regular_file(path):
+        return path
+    stem = path.name[:-5] if path.name.endswith(".json") else path.name
+    shipped = shipped_dir("recipes") / f"{stem}.json"
+    if path.parent in (Path("."), Path("recipes")) and _is_regular_file(shipped):
+        return shipped
+    reason = _not_a_regular_file(path, "recipe")
+    if reason is not None and not reason.endswith("not found"):
+        raise RecipeError(f"{clipped(str(path))}: {reason}")
+    raise RecipeError(f"{clipped(str(path))}: recipe file not found (shipped recipes: `toolkit recipes`)")
+
+
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def _not_a_regular_file(path: Path, what: str) -> str | None:
+    """Why `path` cannot be read as a recipe file (missing, a directory, a FIFO or device), or None."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "file not found"
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte
+        return f"cannot read: {clipped(getattr(exc, 'strerror', None) or str(exc))}"
+    if stat.S_ISDIR(mode):
+        return f"is a directory, expected a {what} JSON file"
+    if not stat.S_ISREG(mode):
+        return f"is not a regular file (a FIFO, socket or device), expected a {what} JSON file"
+    return None
+
+
+def _check_regular_file(path: Path, what: str) -> None:
+    """Raise a one-line RecipeError unless `path` is a regular file."""
+    reason = _not_a_regular_file(path, what)
+    if reason is not None:
+        raise RecipeError(f"{clipped(str(path))}: {reason}")
+
+
+# NOTE: a recipe is a few KB and four levels deep; these caps keep a wrong file (a 50 MB dump, a
+# pathological nesting) from taking minutes or Python's recursion limit, and are far above any recipe.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_NESTING = 100
+
+
+def _nesting_depth(text: str) -> int:
+    """How deeply arrays and objects nest in JSON text (strings skipped), without recursing."""
+    depth = deepest = 0
+    for bracket in re.findall(r"[\[\]{}]", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def nesting_depth(value) -> int:
+    """How deeply lists and dicts nest in a Python value, without recursing."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def check_nesting(value, parts=()) -> None:
+    """Raise a one-line RecipeError when a Python value nests deeper than MAX_NESTING."""
+    depth = nesting_depth(value)
+    if depth > MAX_NESTING:
+        raise RecipeError(f"{_json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
+                          f"(at most {MAX_NESTING} are read)")
+
+
+def parse_json(text: str, parts=()):
+    """JSON text as plain values, the way every recipe text is read (files and override values).
+
+    Refused in one line each, naming the JSON path under `parts`: nesting deeper than MAX_NESTING
+    (checked before parsing: json.loads and every walker recurse), numbers Python will not read
+    (more than 4300 digits) and duplicate keys. A malformed text raises json.JSONDecodeError.
+    """
+    depth = _nesting_depth(text)
+    if depth > MAX_NESTING:
+        raise RecipeError(f"{_json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
+                          f"(at most {MAX_NESTING} are read)")
+    try:
+        data = json.loads(text, object_pairs_hook=_object_keeping_duplicates)
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise RecipeError(f"{_json_path(parts)}: a number too long to read ({clipped(str(exc))})") from None
+    duplicates = _duplicate_key_errors(data, tuple(parts))
+    if duplicates:
+        raise RecipeError(*duplicates)
+    return _plain(data)
+
+
+class _JsonObject(dict):
+    """A parsed JSON object that remembers the keys it saw more than once."""
+    duplicates: list
+
+
+def _object_keeping_duplicates(pairs) -> _JsonObject:
+    obj = _JsonObject(pairs)
+    seen: set = set()
+    obj.duplicates = [k for k, _ in pairs if k in seen or seen.add(k)]
+    return obj
+
+
+def _duplicate_key_errors(node, parts=()) -> list[str]:
+    """Each key given twice in one object; json.loads would silently keep the last."""
+    errors = []
+    if isinstance(node, _JsonObject):
+        errors += [f"{_json_path([*parts, k])}: duplicate key (the last one would win)" for k in node.duplicates]
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        errors += _duplicate_key_errors(value, (*parts, key))
+    return errors
+
+
+def _plain(node):
+    if isinstance(node, dict):
+        return {k: _plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _read_json_object(path: Path) -> dict:
+    _check_regular_file(path, "recipe")
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_RECIPE_BYTES + 1)
+        if len(data) > MAX_RECIPE_BYTES:  # before decoding: the cut may split a character
+            raise RecipeError(f"{path}: larger than {MAX_RECIPE_BYTES >> 20} MiB, not a recipe (a recipe is a few KB)")
+        # NOTE: utf-8-sig also reads files that an editor saved with a byte-order mark.
+        text = data.decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read: {clipped(str(exc))}") from None
+    if not text.strip():
+        raise RecipeError(f"{path}: empty file, expected a JSON object")
+    try:
+        data = parse_json(text)
+    except json.JSONDecodeError as exc:
+        raise RecipeError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+    except RecipeError as exc:
+        raise RecipeError(*(f"{path}: {line}" for line in exc.lines)) from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: expected a JSON object at the top level, got {_json_type(data)}")
+    return data
+
+
+def deep_merge(base: dict, child: dict) -> dict:
+    """Child over base: objects merge key by key, everything else (lists too) replaces."""
+    merged = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _load_with_extends(path: Path) -> dict:
+    """The recipe at `path` merged over its `extends` chain, base first; a loop, so a chain may be any length."""
+    chain: list[Path] = []
+    layers: list[dict] = []
+    path = path.resolve()
+    while True:
+        if path in chain:
+            cycle = " -> ".join(p.name for p in (*chain, path))
+            raise RecipeError(f"{chain[-1]}: recipe.extends: cycle {cycle}")
+        data = _read_json_object(path)
+        data.pop("$schema", None)
+        chain.append(path)
+        layers.append(data)
+        base_ref = data.pop("extends", None)
+        if base_ref is None:
+            break
+        if not isinstance(base_ref, str):
+            raise RecipeError(f"{path}: recipe.extends: {clipped(json.dumps(base_ref))} is not a path string")
+        base_path = path.parent / base_ref
+        reason = _not_a_regular_file(base_path, "base recipe")
+        if reason is not None:
+            where = f" (looked at {clipped(str(base_path))})" if reason.endswith("not found") else ""
+            raise RecipeError(f"{path}: recipe.extends: {clipped(base_ref)}: {reason}{where}")
+        path = base_path.resolve()
+    merged = layers.pop()
+    while layers:
+        merged = deep_merge(merged, layers.pop())
+    return merged

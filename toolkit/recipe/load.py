@@ -1,0 +1,141 @@
+"""Recipe loading: JSON file -> `extends` -> CLI overrides -> schema validation ->
+defaults -> semantic checks -> a frozen, typed `Recipe` with one spec per section.
+
+Every problem is reported as one line naming its JSON path (`recipe.zero.stage:
+4 is not one of [0, 1, 2, 3]`), and all problems are collected before raising.
+No torch here: `toolkit validate` must answer in well under a second.
+
+Where it lives: this module builds the `Recipe` (`build_recipe`, `load_recipe`,
+`recipe_from_dict`) and re-exports the public names of the others, so import from
+toolkit.recipe.load. recipe_files.py reads files and `extends`; recipe_overrides.py
+applies `key.path=value`; recipe_schema.py validates and fills defaults;
+recipe_checks.py holds the semantic checks and section specs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from toolkit.recipe.checks import (_check_cross_section, _data_spec, _model_spec, _training_steps, _world_size,
+                                   recipe_warnings, resolve_batch, steps_per_epoch)
+from toolkit.recipe.files import _load_with_extends, check_nesting, deep_merge, find_recipe_file
+from toolkit.recipe.overrides import apply_overrides
+from toolkit.recipe.schema import RecipeError, _coerce_integers, fill_defaults, load_schema, schema_errors
+from toolkit.specs import (CheckpointSpec, KernelsSpec, LoggingSpec, LossScaleSpec, OptimizerSpec, PrecisionSpec,
+                           Recipe, SchedulerSpec, TrainingSpec, WandbSpec, ZeroSpec)
+
+__all__ = ["RecipeError", "apply_overrides", "build_recipe", "deep_merge", "fill_defaults", "find_recipe_file",
+           "load_recipe", "load_schema", "recipe_from_dict", "resolve_batch", "schema_errors"]
+
+
+# Recipe keys whose relative paths are taken from the recipe's folder (the schema's descriptions say so).
+_PATHS_FROM_RECIPE_DIR = (("data", "paths"), ("data", "cache_dir"), ("data", "tokenizer_path"), ("model", "pretrained"))
+# Keys that name or describe a recipe without changing what it trains: outside the hash.
+_NOT_HASHED = ("name", "description")
+
+
+def _anchored(value: str, recipe_dir: Path) -> str:
+    """A path as the recipe wrote it, made independent of the recipe's folder (other ${variables} stay)."""
+    if value.startswith("${recipe_dir}"):
+        return str(recipe_dir) + value[len("${recipe_dir}"):]
+    if value.startswith(("${", "~")) or os.path.isabs(value):
+        return value
+    return os.path.normpath(os.path.join(recipe_dir, value))
+
+
+def _anchor_paths(r: dict, recipe_dir: Path | None) -> None:
+    """Relative paths taken from the recipe's folder, so the resolved recipe (a run's recipe.json) reruns anywhere."""
+    recipe_dir = (recipe_dir or Path.cwd()).absolute()
+    for section, key in _PATHS_FROM_RECIPE_DIR:
+        value = r[section].get(key)
+        if isinstance(value, list):
+            r[section][key] = [_anchored(v, recipe_dir) for v in value]
+        elif isinstance(value, str):
+            r[section][key] = _anchored(value, recipe_dir)
+
+
+def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | None = None,
+                 default_name: str = "recipe") -> Recipe:
+    """Validate a merged recipe dict and build the typed `Recipe`; raises RecipeError with every problem."""
+    check_nesting(raw)  # the Python API's dicts too: every walker below recurses
+    world_size, errors = _world_size(world_size)
+    errors += schema_errors(raw)
+    if errors:
+        raise RecipeError(*errors)
+    raw = _coerce_integers(load_schema(), {k: v for k, v in raw.items() if k != "recipe_hash"})
+    r = fill_defaults(load_schema(), raw)
+    r["_given_precision"] = raw.get("precision", {})
+    recipe_dir = source.parent if source is not None else None
+    _anchor_paths(r, recipe_dir)
+    data, errors = _data_spec(r["data"], raw["data"], recipe_dir)
+    model, model_errors = _model_spec(r["model"], raw["model"], r["data"], data.vocab_size if data else 2, recipe_dir)
+    batch, batch_errors = resolve_batch(r["batch"], world_size)
+    errors += model_errors + batch_errors
+    max_steps, warnings = 0, []
+    if batch is not None:
+        max_steps, step_errors = _training_steps(r["training"], r["data"], batch)
+        errors += step_errors + _check_cross_section(r, batch, max_steps)
+        warnings = recipe_warnings(r, raw, max_steps)
+    del r["_given_precision"]
+    if errors:
+        raise RecipeError(*errors)
+    if model.pretrained is not None:  # the folder's config.json says what the model is, not these defaults
+        for key in ("family", "size"):
+            if key not in raw["model"]:
+                del r["model"][key]
+
+    r["name"] = name = r.get("name") or default_name
+    canonical = json.dumps({k: v for k, v in r.items() if k not in _NOT_HASHED}, sort_keys=True, separators=(",", ":"))
+    p, s, t, lg = r["precision"], r["scheduler"], r["training"], r["logging"]
+    return Recipe(
+        name=name,
+        description=r.get("description", ""),
+        source=source,
+        resolved=r,
+        hash=hashlib.sha256(canonical.encode()).hexdigest()[:12],
+        model=model,
+        data=data,
+        batch=batch,
+        precision=PrecisionSpec(dtype=p["dtype"], fp16=LossScaleSpec(**p["fp16"])),
+        zero=ZeroSpec(**r["zero"]),
+        optimizer=OptimizerSpec(**{**r["optimizer"], "betas": tuple(r["optimizer"]["betas"])}),
+        # NOTE: absent from the resolved recipe, these two follow optimizer.lr and the run's length (schema).
+        scheduler=SchedulerSpec(**{**s, "total_num_steps": s.get("total_num_steps", max_steps),
+                                   "warmup_max_lr": s.get("warmup_max_lr", r["optimizer"]["lr"])}),
+        training=TrainingSpec(max_steps=max_steps, **{k: v for k, v in t.items() if k not in ("max_steps", "epochs")},
+                              steps_per_epoch=steps_per_epoch(r["data"], batch) if "epochs" in t else None),
+        logging=LoggingSpec(console=lg["console"], tensorboard=lg["tensorboard"],
+                            wandb=WandbSpec(run_name=lg["wandb"].get("run_name"),
+                                            **{k: v for k, v in lg["wandb"].items() if k != "run_name"})),
+        checkpoint=CheckpointSpec(**r["checkpoint"]),
+        kernels=KernelsSpec(**r["kernels"]),
+        warnings=tuple(warnings),
+    )
+
+
+def load_recipe(path_or_name: str | os.PathLike, overrides: list[str] | tuple = (), *,
+                world_size: int | None = None) -> Recipe:
+    """Load, extend, override, validate and type a recipe file (or a shipped recipe's name)."""
+    path = find_recipe_file(path_or_name)
+    written = _load_with_extends(path)
+    default_name = path.name[:-5] if path.name.endswith(".json") else path.name
+    recipe = build_recipe(apply_overrides(written, list(overrides)), source=path, world_size=world_size,
+                          default_name=default_name)
+    written_hash = written.get("recipe_hash")
+    if written_hash is not None and not overrides and written_hash != recipe.hash:
+        return dataclasses.replace(recipe, warnings=(
+            *recipe.warnings, f"recipe.recipe_hash: {written_hash} is not this recipe's hash {recipe.hash} (the file "
+                              "was edited since its run wrote it, or written by another toolkit version)"))
+    return recipe
+
+
+def recipe_from_dict(raw: dict, overrides: list[str] | tuple = (), *, world_size: int | None = None,
+                     name: str = "recipe") -> Recipe:
+    """Build a Recipe from a dict (the Python API and tests); same checks as a file."""
+    raw = {k: v for k, v in raw.items() if k != "$schema"}
+    if "extends" in raw:
+        raise RecipeError("recipe.extends: only recipe files can extend (paths are relative to the file)")
+    return build_recipe(apply_overrides(raw, list(overrides)), world_size=world_size, default_name=name)

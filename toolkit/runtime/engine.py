@@ -1,0 +1,385 @@
+"""The training engine, DeepSpeed-shaped: `engine = initialize(recipe)`, then per
+micro batch `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`
+(the optimizer update happens at accumulation boundaries), or
+`engine.train_batch(micro_batches)` for one whole optimizer step;
+`engine.save_checkpoint(dir)` / `engine.load_checkpoint(dir)` (toolkit/checkpoint/engine_state.py).
+`initialize(recipe, model=m)` trains any nn.Module: what a batch is and what the model's
+forward may return (a loss, an output with .loss, or logits) is toolkit/models/forward.py.
+
+The engine owns the model, the ZeRO strategy (toolkit/zero/: how gradients,
+optimizer states and parameters are split across ranks, and the AdamW that
+steps them), the schedule and the loss scaler; it joins the process group
+torchrun describes (one process needs none). The loop (toolkit/train/loop.py) owns
+data, logging and checkpoint cadence.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolkit.ops import custom_ops, loader
+from toolkit.errors import UserError
+from toolkit.ops.fused_adamw import FusedAdamW, OnePassStep
+from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
+from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
+from toolkit.models.build import build_model, count_parameters
+from toolkit.runtime.optim import Schedule
+from toolkit.runtime.precision import autocast_context, make_loss_scaler
+from toolkit.specs import Recipe
+from toolkit.runtime.zero import build_strategy
+from toolkit.distributed import init_distributed, select_cuda_device
+from toolkit.checkpoint.zero_shards import (FullStateReader, ShardFilesReader, ordered_param_names, parameter_aliases,
+                                shard_file_name, write_shard)
+
+
+def pick_device(choice: str) -> torch.device:
+    """training.device: auto -> CUDA when present, else the CPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("recipe.training.device: 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_device(recipe: Recipe) -> torch.device:
+    """The device a recipe trains on, refusing what it cannot run there; `toolkit run` calls it before writing."""
+    device = pick_device(recipe.training.device)
+    # NOTE: training.device 'cpu' with fp16 never gets here: the recipe's checks refuse it.
+    if recipe.precision.dtype == "fp16" and device.type == "cpu":
+        raise UserError("recipe.precision.dtype: 'fp16' needs a CUDA device and torch sees none ('auto' chose "
+                        "the CPU); CPUs lack fast fp16: use 'bf16'")
+    return device
+
+
+class StepResult:
+    """What one optimizer step did.
+
+    The loss and the gradient norm stay where they were computed until read: reading `loss` or
+    `grad_norm` waits for the step (and reading `loss` checks the run has not diverged, see
+    Engine.check_finite), so a loop that logs every N steps lets the GPU run ahead in between.
+    """
+
+    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, lr: float, loss_scale: float,
+                 skipped: bool, check_finite=None):
+        self.loss_tensor = loss  # 0-dim fp32, on the device (no sync)
+        self._grad_norm = grad_norm
+        self.lr, self.loss_scale, self.skipped = lr, loss_scale, skipped
+        self._check_finite = check_finite
+
+    @property
+    def loss(self) -> float:
+        """Mean loss of the step's micro batches over all ranks (syncs)."""
+        if self._check_finite is not None:
+            self._check_finite()
+        return float(self.loss_tensor)
+
+    @property
+    def grad_norm(self) -> float:
+        """Global L2 norm of the unscaled gradients before clipping; NaN for a skipped step (syncs)."""
+        return float(self._grad_norm)
+
+
+class Engine:
+    """Model + ZeRO strategy (AdamW inside) + schedule + mixed precision for this rank."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module | None = None, zero3_units=None):
+        self.recipe = recipe
+        select_cuda_device(recipe.training.device)  # cuda:LOCAL_RANK under torchrun
+        self.device = check_device(recipe)
+        self.dist = init_distributed(recipe.batch.world_size, self.device)
+        torch.manual_seed(recipe.training.seed)
+        if model is None:
+            model = build_model(recipe.model, recipe.training.seed, self.device)
+        self.model = model.to(self.device)
+        self._model_name = type(model).__name__
+        self.model.train()
+        self.num_parameters = count_parameters(self.model)
+        # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)
+        self.kernels = loader.resolve(recipe.kernels, self.device.type,
+                                   loader.needed_kernels(recipe.model.family, recipe.optimizer.implementation))
+        swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
+                                        if self.kernels.active(name)})
+        # The loss below reads logits padded to aligned GEMM shapes on the GPU (on the CPU the extra
+        # columns would only be extra work).
+        self._padded_head = pad_lm_head(self.model) if self.device.type == "cuda" else None
+        if zero3_units is not None and recipe.zero.stage != 3:
+            print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
+                  "parameters by unit)", file=sys.stderr, flush=True)
+        self.strategy = build_strategy(self.model, recipe, self.device, self.dist, zero3_units)
+        self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
+        # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
+        self._step_strategy = (OnePassStep(self.strategy) if self.strategy.stage == 0
+                               and isinstance(self.optimizer, FusedAdamW) else self.strategy)
+        if recipe.training.compile:
+            self.model.compile()  # in place: parameter names (checkpoints) unchanged
+        self.scheduler = Schedule(self.optimizer, recipe.scheduler, recipe.optimizer.lr)
+        self.loss_scaler = make_loss_scaler(recipe.precision)
+        self.grad_accum_steps = recipe.batch.grad_accum_steps
+        self.micro_step = 0        # micro batches since the last optimizer update
+        self.global_step = 0       # optimizer steps taken (skipped fp16 steps included)
+        self.skipped_steps = 0
+        self._loss_sum = 0.0
+        # The first step whose loss was not finite (0: none yet), kept on the device so that a step
+        # does not wait for the GPU; check_finite() reads it. fp16 runs skip such steps instead.
+        self._first_nonfinite_step = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    # -- DeepSpeed-style API -------------------------------------------------
+
+    def __call__(self, batch) -> torch.Tensor:
+        """Forward one micro batch; returns the loss (fp32, 0-dim). What a batch is and what the model may
+        return (a loss, an output with .loss, or logits the engine scores): toolkit/models/forward.py."""
+        # Token ids: logits padded past the vocabulary (the loss below skips those columns). Not for a dict
+        # batch: a Hugging Face model given labels computes its own loss over all the columns it gets.
+        head = self._padded_head if isinstance(batch, torch.Tensor) else None
+        if head is not None:
+            head.padded = True
+        try:
+            with autocast_context(self.recipe.precision.dtype, self.device.type):
+                output, labels = call_model(self.model, batch, self.device)
+                kind, value = read_output(output, self._model_name)
+        except RuntimeError as exc:
+            error = self._released_parameter_error(exc)
+            if error is None:
+                raise
+            raise error from None
+        finally:
+            if head is not None:
+                head.padded = False
+        if kind == "loss":
+            return value.float()
+        labels = check_labels(value, labels, self._model_name)
+        logits, targets = value.reshape(-1, value.size(-1)), labels.reshape(-1)
+        classes = head.out_features if head is not None else logits.size(1)
+        if self.kernels.active("cross_entropy"):  # the logits stay in their dtype: no fp32 copy
+            return custom_ops.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, classes=classes)
+        return F.cross_entropy(logits[:, :classes].float(), targets, ignore_index=IGNORE_INDEX)
+
+    def _released_parameter_error(self, exc: RuntimeError) -> UserError | None:
+        """ZeRO stage 3: a parameter read outside its unit's forward (storage released) -> what to do."""
+        if self.strategy.stage != 3 or "storage of size 0" not in str(exc):
+            return None
+        return UserError(f"zero stage 3: {self._model_name}.forward read a parameter outside the forward of the "
+                         "unit holding it (units: toolkit/runtime/zero/stage3.py find_units); name the units with "
+                         "initialize(..., zero3_units=[module names]) so that each unit's parameters are used only "
+                         "inside its own forward")
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of loss / grad_accum_steps (times the loss scale in fp16)."""
+        if not loss.requires_grad:
+            raise UserError(f"engine.backward: the loss does not depend on the model's parameters (no grad_fn); "
+                            f"compute it from {self._model_name}'s output, outside torch.no_grad()")
+        self._loss_sum += loss.detach().float()
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self.strategy.begin_micro_step(boundary=self.micro_step + 1 >= self.grad_accum_steps)
+        (loss * (scale / self.grad_accum_steps)).backward()
+        self.strategy.end_micro_step()  # gradients reduced (at the boundary, or every micro-step from stage 2)
+        self.micro_step += 1
+
+    def is_accumulation_boundary(self) -> bool:
+        """True when the next step() call updates the weights."""
+        return self.micro_step >= self.grad_accum_steps
+
+    def step(self) -> StepResult | None:
+        """Update the weights at an accumulation boundary (else do nothing and return None)."""
+        if not self.is_accumulation_boundary():
+            return None
+        strategy = self._step_strategy
+        lr = self.current_lr  # the rate this update uses (the schedule then moves on)
+        skipped = False
+        scale = 1.0
+        if self.loss_scaler is not None:
+            scale = self.loss_scaler.scale
+            skipped = self.loss_scaler.update(strategy.grads_overflow())  # the same verdict on every rank
+            if not skipped:
+                strategy.scale_grads(1.0 / scale)
+        grad_norm: torch.Tensor | float = float("nan")
+        if not skipped:
+            grad_norm = strategy.clip_grad_norm(self.recipe.training.grad_clip)  # global norm over all ranks
+            strategy.optimizer_step()
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+        strategy.zero_grad()
+        loss = self._mean_loss_over_ranks(self._loss_sum / self.micro_step)
+        self._loss_sum, self.micro_step = 0.0, 0
+        self.global_step += 1
+        if self.loss_scaler is None:
+            first = self._first_nonfinite_step
+            first.masked_fill_(~torch.isfinite(loss) & (first == 0), self.global_step)
+        return StepResult(loss, grad_norm, lr, scale, skipped, check_finite=self.check_finite)
+
+    def check_finite(self) -> None:
+        """Raise the divergence error if any step's loss so far was inf/NaN (bf16 and fp32; waits for the GPU).
+        Reading a StepResult's loss and saving a checkpoint call it."""
+        first = int(self._first_nonfinite_step)
+        if first:
+            raise UserError(f"training diverged at step {first}: the loss is not finite; "
+                            "lower recipe.optimizer.lr or add warmup (recipe.scheduler)")
+
+    def train_batch(self, micro_batches) -> StepResult:
+        """One optimizer step over this rank's micro batches (grad_accum_steps of them)."""
+        if len(micro_batches) != self.grad_accum_steps:
+            raise ValueError(f"expected {self.grad_accum_steps} micro batches, got {len(micro_batches)}")
+        for micro_batch in micro_batches:
+            self.backward(self(micro_batch))
+        return self.step()
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        """Mean loss over held-out micro batches (dropout off)."""
+        self.model.eval()
+        try:
+            losses = [self(batch) for batch in batches]
+        finally:
+            self.model.train()
+        mean = torch.stack(losses).mean() if losses else torch.tensor(float("nan"), device=self.device)
+        return float(self._mean_loss_over_ranks(mean))
+
+    def _mean_loss_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over all ranks of this rank's loss (0-dim, fp32), without waiting for it."""
+        if not self.dist.active:
+            return loss.detach().float()
+        total = loss.detach().double().reshape(1)
+        torch.distributed.all_reduce(total)
+        return (total[0] / self.dist.world_size).float()
+
+    def offload_metrics(self) -> dict:
+        """mem_offload_bytes (CPU memory ZeRO-Offload holds on this rank) when offload is on, else nothing."""
+        if not self.strategy.offload:
+            return {}
+        return {"mem_offload_bytes": self.strategy.memory_bytes()["mem_offload_bytes"]}
+
+    def model_state_bytes(self):
+        """This rank's model-state bytes from live tensors (toolkit.observe.memory_monitor's protocol)."""
+        from toolkit.observe.memory_monitor import StateBytes
+
+        m = self.strategy.memory_bytes()
+        return StateBytes(params=m["mem_params_bytes"], grads=m["mem_grads_bytes"], optim=m["mem_optim_bytes"],
+                          master=m["mem_master_bytes"])
+
+    @property
+    def current_lr(self) -> float:
+        """Learning rate of the first parameter group."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- checkpoints, DeepSpeed's names (toolkit/checkpoint/engine_state.py) -------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None) -> Path:
+        """Save model, optimizer, schedule and `client_state` to <save_dir>/<tag> (default step-NNNNNN)
+        atomically and point <save_dir>/latest at it; every rank calls it. Returns the directory."""
+        from toolkit.checkpoint.engine_state import save_engine_checkpoint
+
+        return save_engine_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag=None):
+        """Restore from <load_dir>/<tag> (default: the newest), saved at any world size and ZeRO stage;
+        returns (path, client_state), or (None, None) when load_dir holds no checkpoint."""
+        from toolkit.checkpoint.engine_state import load_engine_checkpoint
+
+        return load_engine_checkpoint(self, load_dir, tag)
+
+    # -- state for checkpoints -------------------------------------------------
+
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """True when each rank saves its own shard (ZeRO stages 1-3); stage 0 saves one replicated state."""
+        return self.strategy.stage > 0
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly (model, optimizer, schedule, scaler, counters).
+
+        Stage 0: the model and torch optimizer state dicts. Stages 1-3: where the shards are
+        (`write_shard` writes this rank's), the model's buffers and tied-weight aliases.
+        """
+        counters = {
+            "scheduler": self.scheduler.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+        }
+        if not self.sharded_checkpoint:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **counters}
+        world = self.dist.world_size
+        zero = {"stage": self.strategy.stage, "world_size": world, "step": self.strategy.optimizer_steps(),
+                "files": [shard_file_name(r, world) for r in range(world)], "aliases": parameter_aliases(self.model)}
+        return {"zero": zero, "buffers": persistent_buffers(self.model), **counters}
+
+    def write_shard(self, directory) -> str:
+        """Write this rank's ZeRO shard file into `directory`; returns its name."""
+        name = shard_file_name(self.dist.rank, self.dist.world_size)
+        write_shard(Path(directory) / name, self.strategy.owned_pieces(), self.strategy.param_shapes())
+        return name
+
+    def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
+        """Restore what state_dict() saved, from any stage and world size (sharded checkpoints read their
+        shard files in `checkpoint_dir`); settings (betas, eps, weight decay, implementation) stay the recipe's."""
+        if "zero" in state or self.sharded_checkpoint:
+            self._load_model_states(state, checkpoint_dir)
+        else:
+            self._load_replicated(state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.global_step = int(state["global_step"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+    def _load_model_states(self, state: dict, checkpoint_dir) -> None:
+        """Weights and AdamW moments through a reader of per-parameter ranges (any stage, any world size)."""
+        if "zero" in state:
+            if checkpoint_dir is None:
+                raise ValueError("a ZeRO checkpoint needs checkpoint_dir (where its shard files are)")
+            reader = ShardFilesReader(checkpoint_dir, state["zero"]["files"], state["zero"]["step"])
+            buffers = state.get("buffers") or {}
+        else:
+            reader = FullStateReader(state["model"], state.get("optimizer"), ordered_param_names(self.model))
+            params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+            buffers = {k: v for k, v in state["model"].items() if k not in params}
+        try:
+            self.strategy.load_pieces(reader)
+        finally:
+            reader.close()
+        own = persistent_buffers(self.model)
+        with torch.no_grad():
+            for name, value in buffers.items():
+                if name in own:
+                    own[name].copy_(value)
+
+    def _load_replicated(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        # NOTE: torch's Optimizer.load_state_dict replaces each param group's settings with
+        # the saved ones (fused/foreach flags included); keep the recipe's and take only the
+        # per-parameter state (moments, step). The schedule writes lr just below.
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers that its state_dict carries (non-persistent ones excluded)."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = buf
+    return out
+
+
+def initialize(recipe, model: nn.Module | None = None, zero3_units=None) -> Engine:
+    """DeepSpeed-style entry point: a Recipe, a recipe path or a dict (+ your own model) -> Engine.
+
+    Without `model` the recipe's model section builds one. With it, any nn.Module trains (the recipe's
+    model section is then unused): what a batch is and what its forward may return is in
+    toolkit/models/forward.py. `zero3_units` names stage 3's units (module names; toolkit/runtime/zero/stage3.py).
+    """
+    from toolkit.recipe.load import load_recipe, recipe_from_dict
+
+    if isinstance(recipe, dict):
+        recipe = recipe_from_dict(recipe)
+    elif not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    return Engine(recipe, model=model, zero3_units=zero3_units)

@@ -1,0 +1,169 @@
+"""AdamW and the learning-rate schedule, built from `OptimizerSpec` and `SchedulerSpec`.
+
+What lives here: the decay / no-decay parameter groups, the choice of AdamW
+implementation (`choose_adamw`: the toolkit's fused CUDA kernel, toolkit/ops/fused_adamw.py,
+when the run's kernels include it; torch's fused or foreach AdamW otherwise), and
+DeepSpeed's schedules (constant, WarmupLR, WarmupDecayLR, WarmupCosineLR) with
+DeepSpeed's formulas, as a pure function `lr_at` and a small stateful `Schedule`. What does not: gradient clipping, loss
+scaling and ZeRO partitioning of the optimizer state (precision.py, zero/).
+
+How the schedule lines up with optimizer steps (DeepSpeed's behaviour as run, from
+deepspeed/runtime/lr_schedules.py and engine.py `_take_model_step`): the scheduler
+starts at last_batch_iteration = -1 and writes that iteration's lr into the optimizer
+at construction; the engine calls `lr_scheduler.step()` after every optimizer step
+that was not skipped for fp16 overflow. So optimizer step k (0-based, counting only
+applied steps) runs with `lr_at(spec, base_lr, k - 1)`: step 0 uses the "before the
+start" value (warmup_min_lr for WarmupLR/WarmupDecayLR, 0 for WarmupCosineLR).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from toolkit.errors import UserError
+from toolkit.specs import OptimizerSpec, SchedulerSpec
+
+
+# ---------------------------------------------------------------------------
+# Parameter groups
+
+def _is_norm(module: nn.Module) -> bool:
+    # NOTE: by class name too, so transformers' own norms (LlamaRMSNorm, T5LayerNorm,
+    # Qwen2RMSNorm, ...) count without importing transformers here.
+    name = type(module).__name__
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or name.endswith(("LayerNorm", "RMSNorm"))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: matrices decayed; biases, norm weights and any parameter with ndim < 2 not."""
+    norm_params = {id(p) for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)}
+    decay, no_decay = [], []
+    # named_parameters() yields a tied parameter (GPT-2's wte / lm_head) once.
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or name.endswith("bias") or id(p) in norm_params:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ---------------------------------------------------------------------------
+# AdamW
+
+def choose_adamw(implementation: str, device_type: str) -> str:
+    """The AdamW for recipe.optimizer.implementation on this device: 'toolkit-fused', 'torch-fused' or 'torch'."""
+    # NOTE: 'toolkit-fused' is kernels/fused_adamw.cu when the run's kernel choice
+    # (toolkit.ops.loader.resolve, from recipe.kernels.adamw) loaded it; else torch's fused AdamW.
+    from toolkit.ops import loader
+
+    if implementation == "torch":
+        return "torch"
+    if device_type == "cuda":
+        return "toolkit-fused" if loader.kernel_enabled("adamw") else "torch-fused"
+    if implementation == "fused":
+        raise UserError("recipe.optimizer.implementation: 'fused' needs a CUDA device; use 'auto' or 'torch'")
+    return "torch"
+
+
+def build_optimizer(model: nn.Module, spec: OptimizerSpec, device_type: str) -> torch.optim.Optimizer:
+    """AdamW over `param_groups(model, spec.weight_decay)`: the toolkit's fused kernel or torch's fused AdamW on
+    CUDA, torch's default elsewhere or when implementation is 'torch'."""
+    kind = choose_adamw(spec.implementation, device_type)
+    groups = param_groups(model, spec.weight_decay)
+    if kind == "toolkit-fused":
+        from toolkit.ops.fused_adamw import FusedAdamW
+
+        return FusedAdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
+    fused = {"fused": True} if kind == "torch-fused" else {}  # 'torch': torch's default (foreach where it can)
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+                             weight_decay=spec.weight_decay, **fused)
+
+
+# ---------------------------------------------------------------------------
+# Learning-rate schedules (DeepSpeed's formulas, deepspeed/runtime/lr_schedules.py)
+
+def _warmup_fraction(spec: SchedulerSpec, iteration: int, warmup: int) -> float:
+    # DeepSpeed's _get_gamma during warmup: log climbs fast early, linear evenly.
+    if spec.warmup_type == "log":
+        return math.log(iteration + 1) / math.log(warmup)  # inverse_log_warm_up * log(it + 1)
+    return iteration / warmup
+
+
+def lr_at(spec: SchedulerSpec, base_lr: float, iteration: int) -> float:
+    """The learning rate after DeepSpeed's scheduler reached last_batch_iteration = `iteration` (-1: at start)."""
+    if spec.type == "constant":
+        return base_lr
+    warmup = max(2, spec.warmup_num_steps)  # DeepSpeed: 1 / log(warmup) needs warmup >= 2
+    if spec.type in ("WarmupLR", "WarmupDecayLR"):
+        # NOTE: these two go from warmup_min_lr to warmup_max_lr; base_lr is not read here (for WarmupLR
+        # the recipe fills an absent warmup_max_lr with optimizer.lr, as DeepSpeed 0.19 does).
+        if iteration < 0:
+            return spec.warmup_min_lr
+        if iteration < warmup:
+            gamma = _warmup_fraction(spec, iteration, warmup)
+        elif spec.type == "WarmupLR":
+            gamma = 1.0
+        else:  # linear decay to 0 at total_num_steps, never below
+            gamma = max(0.0, (spec.total_num_steps - iteration) / max(1.0, spec.total_num_steps - warmup))
+        return spec.warmup_min_lr + (spec.warmup_max_lr - spec.warmup_min_lr) * gamma
+    if spec.type == "WarmupCosineLR":
+        if iteration < 0:
+            return 0.0
+        if iteration < warmup:  # 1) warm up from warmup_min_ratio to 1
+            ratio = spec.warmup_min_ratio + (1.0 - spec.warmup_min_ratio) * _warmup_fraction(spec, iteration, warmup)
+            return base_lr * ratio
+        # 2) cosine from 1 down to cos_min_ratio; progress counts from 1 at iteration == warmup
+        progress = min(1.0, (iteration - warmup + 1) / max(1, spec.total_num_steps - warmup))
+        cosine = (1.0 + math.cos(math.pi * progress)) / 2
+        # 3) held at cos_min_ratio past total_num_steps (progress clamped, as DeepSpeed master)
+        return base_lr * max(0.0, spec.cos_min_ratio + (1.0 - spec.cos_min_ratio) * cosine)
+    raise ValueError(f"unknown scheduler type {spec.type!r}")  # recipe.py validated it: a toolkit bug
+
+
+class Schedule:
+    """DeepSpeed-style scheduler: writes `lr_at(spec, base_lr, last_batch_iteration)` into every param group.
+
+    Construct it after the optimizer (it starts at iteration -1 and sets the lr the first
+    optimizer step uses); call `step()` after each applied optimizer step, not after one
+    skipped for fp16 overflow. `current_lr` is the lr the next optimizer step will use.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, spec: SchedulerSpec, base_lr: float):
+        self.optimizer = optimizer
+        self.spec = spec
+        self.base_lr = base_lr  # optimizer.lr: DeepSpeed's org_lr, the peak for WarmupCosineLR
+        self.last_batch_iteration = -1
+        self._write_lr()
+
+    @property
+    def current_lr(self) -> float:
+        """The learning rate now in the optimizer's param groups."""
+        return lr_at(self.spec, self.base_lr, self.last_batch_iteration)
+
+    def step(self) -> None:
+        """Advance one applied optimizer step and write the new lr into every param group."""
+        self.last_batch_iteration += 1
+        self._write_lr()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to resume the schedule (plain ints)."""
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved iteration and write its lr into the optimizer."""
+        self.last_batch_iteration = int(state["last_batch_iteration"])
+        self._write_lr()
+
+    def _write_lr(self) -> None:
+        lr = self.current_lr
+        for group in self.optimizer.param_groups:
+            # NOTE: a tensor lr (capturable / fused setups) is updated in place, as DeepSpeed's update_lr keeps its type.
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr

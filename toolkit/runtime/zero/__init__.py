@@ -1,0 +1,67 @@
+"""ZeRO on torch.distributed: how the model states are split across data-parallel ranks.
+
+One strategy per recipe.zero.stage, all with the same small interface the engine
+(toolkit/runtime/engine.py) drives, so the engine's step reads the same for every stage:
+
+    begin_micro_step(boundary)  before backward (is this the last micro-step of the step?)
+    end_micro_step()            after backward: flush gradient buckets, wait for collectives
+    grads_overflow() -> bool    any inf/NaN on any rank (every rank gets the same answer)
+    scale_grads(factor)         unscale after fp16 loss scaling
+    clip_grad_norm(max) -> norm global L2 norm over all ranks' gradients, clipped to max (0: measure);
+                                a float, or a 0-dim tensor left on the device (no sync)
+    optimizer_step()            AdamW, then every rank has the new weights
+    zero_grad()
+    optimizer                   has param_groups with "lr" (toolkit.runtime.optim.Schedule writes it)
+    memory_bytes() -> dict      mem_params_bytes, mem_grads_bytes, mem_optim_bytes,
+                                mem_master_bytes, mem_offload_bytes of this rank, from live tensors
+
+Files: comm.py (process group), flat.py (flat sharded layout), adamw.py and
+cpu_adam.py (the shard's AdamW, the CPU kernel), ddp.py (stage 0), partition.py
+(stages 1-2), stage3.py (stage 3), sharded.py (what 1-3 share), state.py
+(world-size independent checkpoints), bench.py (stage benchmark).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from toolkit.distributed import DistInfo
+
+
+def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
+    """Every rank starts from rank 0's weights (a user's model may be initialised unseeded)."""
+    if not info.active:
+        return
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInfo, zero3_units=None):
+    """The strategy for recipe.zero (stage 0-3, offload) over the process group in `info`; `zero3_units`
+    names stage 3's units (toolkit/runtime/zero/stage3.py find_units)."""
+    stage = recipe.zero.stage
+    if stage == 3 and recipe.training.compile:
+        from toolkit.errors import UserError
+
+        raise UserError("recipe.training.compile: not with zero.stage 3 yet (its hooks gather and release "
+                        "parameters around each block, which torch.compile would trace through); use zero.stage 2 "
+                        "or training.compile false")
+    broadcast_parameters(model, info)
+    if stage >= 1 and recipe.precision.dtype in ("bf16", "fp16"):
+        # NOTE: ZeRO's mixed precision: 16-bit weights and gradients on the device, the fp32 master
+        # copy in the optimizer's shard (autocast still keeps softmax, norms and the loss in fp32).
+        model.to(torch.bfloat16 if recipe.precision.dtype == "bf16" else torch.float16)
+    if stage == 0:
+        from toolkit.runtime.zero.ddp import DataParallel
+
+        return DataParallel(model, recipe, device, info)
+    if stage in (1, 2):
+        from toolkit.runtime.zero.partition import PartitionedStrategy
+
+        return PartitionedStrategy(model, recipe, device, info, stage)
+    from toolkit.runtime.zero.stage3 import Stage3Strategy
+
+    return Stage3Strategy(model, recipe, device, info, zero3_units)

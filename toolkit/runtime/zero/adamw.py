@@ -1,0 +1,109 @@
+"""AdamW over a rank's shard: fp32 master weights, moments and gradients held as
+contiguous segments (see flat.py), stepped with the same maths as
+torch.optim.AdamW, decoupled weight decay per group (decayed matrices; biases,
+norms and 1-D parameters not, as toolkit.runtime.optim.param_groups decides).
+
+Three ways to run the step, one result:
+  reference  torch's own per-tensor ops in torch's order (CPU, no offload): bit-identical
+             to torch.optim.AdamW's single-tensor path, so ZeRO stages match stage 0 exactly
+  fused      torch._fused_adamw_ on CUDA (what stage 0 uses there)
+  cpu_adam   the toolkit's kernel (kernels/cpu_adam.cpp) for ZeRO-Offload, falling back
+             to torch's fused CPU AdamW when the kernel cannot be built
+
+`param_groups` carries `lr` so toolkit.runtime.optim.Schedule drives it like a torch optimizer.
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.specs import OptimizerSpec
+
+
+class ShardedAdamW:
+    """AdamW state for one rank's shard: exp_avg and exp_avg_sq as contiguous fp32 buffers."""
+
+    def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, *, offload: bool):
+        self.spec = spec
+        self.betas = tuple(spec.betas)
+        self.eps = spec.eps
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.step_count = 0  # applied steps (skipped fp16 steps excluded), as torch's per-parameter `step`
+        self.param_groups = [{"lr": spec.lr, "weight_decay": spec.weight_decay, "decay": True},
+                             {"lr": spec.lr, "weight_decay": 0.0, "decay": False}]
+        self.kernel = None
+        if offload:
+            from toolkit.ops.cpu_adam import load_cpu_adam
+
+            self.kernel = load_cpu_adam()
+        self.mode = "cpu_adam" if self.kernel is not None else (
+            "fused" if device.type == "cuda" or offload else "reference")
+
+    def begin_step(self) -> None:
+        """Count one applied step (the bias corrections use it); then `update` each piece of the shard."""
+        self.step_count += 1
+
+    def step(self, params: dict[bool, list[torch.Tensor]], grads: dict[bool, list[torch.Tensor]],
+             moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """One AdamW step on the device's shard (offload steps piece by piece instead: toolkit/runtime/zero/offload.py);
+        each dict maps decay (True/False) to matching lists of fp32 segment views."""
+        self.begin_step()
+        for group in self.param_groups:
+            decay = group["decay"]
+            ps, gs = params[decay], grads[decay]
+            ms, vs = moments[decay]
+            if not ps:
+                continue
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
+            if self.mode == "reference":
+                self._reference(ps, gs, ms, vs, lr, wd)
+            else:
+                self._fused(ps, gs, ms, vs, lr, wd)
+
+    def update(self, decay: bool, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """This step's AdamW on one contiguous piece (after `begin_step`); `out` gets the new weights in its dtype."""
+        group = self.param_groups[0 if decay else 1]
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        bf16_out = out.dtype == torch.bfloat16
+        if self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
+            self.kernel.adamw_step(p, g, m, v, self.step_count, lr, self.betas[0], self.betas[1], self.eps, wd,
+                                   out if bf16_out else None, False)
+        else:
+            self._fused([p], [g], [m], [v], lr, wd)
+        if not (bf16_out and self.mode == "cpu_adam"):
+            out.copy_(p)
+
+    def _fused(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
+        steps = [torch.tensor(float(self.step_count), device=p.device) for p in ps]
+        torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                            weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
+
+    def _reference(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
+        # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay,
+        # no amsgrad): the same ops in the same order, so every element rounds the same way.
+        beta1, beta2 = self.betas
+        step = float(self.step_count)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2 ** 0.5
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            p.addcdiv_(m, denom, value=-step_size)
+
+    def state_dict(self) -> dict:
+        """Step count and the settings in force (moments travel with the shard, see state.py)."""
+        return {"step": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the step count; the moments are loaded into exp_avg / exp_avg_sq by the caller."""
+        self.step_count = int(state["step"])
+
+    def memory_bytes(self) -> int:
+        """Bytes of the two moment buffers."""
+        return (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4

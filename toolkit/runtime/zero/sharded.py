@@ -1,0 +1,288 @@
+"""What ZeRO stages 1-3 share: a rank's shard of fp32 master weights, gradients
+and AdamW moments laid out by `ShardLayout`, and the optimizer-step half of the
+strategy interface (overflow check, unscale, global-norm clipping, AdamW,
+publishing the new weights), plus memory accounting and the shard's state.
+
+Subclasses (partition.py for stages 1-2, stage3.py) own the parameters' flat
+buffers, the backward hooks and collectives, and fill in:
+  `param_chunks[g]`  this rank's chunk of group g's parameters (model dtype)
+  `grad_chunks[g]`   this rank's reduced fp32 gradient chunk of group g (on the training
+                     device, offload too)
+and `after_step()` (stages 1-2 all-gather the new weights; stage 3 need not).
+
+Master weights are the parameter chunks themselves for fp32 training; they are
+a separate fp32 buffer for bf16/fp16 models and always for offload, where they
+live in CPU memory with the moments and the step runs on the CPU piece by piece
+(offload.py, kernels/cpu_adam.cpp). The shard's groups form one or two `ShardPart`s:
+with zero.offload_ratio below 1 the first groups keep their master and moments on
+the device (stepped there, asynchronously) and the rest are offloaded.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from toolkit.runtime.precision import has_inf_or_nan
+from toolkit.runtime.zero.adamw import ShardedAdamW
+from toolkit.distributed import DistInfo, any_true, sum_floats
+from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
+from toolkit.runtime.zero.offload import OffloadedStep
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the storage behind each distinct tensor (a resized-away buffer counts 0)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+class ShardPart:
+    """A run of consecutive groups whose master weights and AdamW moments live on one device."""
+
+    def __init__(self, recipe, groups: range, all_groups: list[FlatGroup], rank: int, param_chunks, grad_chunks,
+                 device: torch.device, offloaded: bool):
+        self.groups = groups
+        self.layout = ShardLayout([all_groups[g] for g in groups], rank)
+        self.param_chunks, self.grad_chunks = [param_chunks[g] for g in groups], [grad_chunks[g] for g in groups]
+        self.offloaded = offloaded
+        opt_device = torch.device("cpu") if offloaded else device
+        self.optimizer = ShardedAdamW(recipe.optimizer, self.layout.numel, opt_device, offload=offloaded)
+        dtype = param_chunks[0].dtype
+        self.master: torch.Tensor | None = None
+        self.master_chunks = self.param_chunks  # fp32 weights are their own master, unless offloaded
+        if offloaded or dtype != torch.float32:
+            self.master = torch.empty(self.layout.numel, dtype=torch.float32, device=opt_device)
+            self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
+            for master, chunk in zip(self.master_chunks, self.param_chunks):
+                master.copy_(chunk)
+        self.moment_chunks = [(self.layout.chunk_of(self.optimizer.exp_avg, g),
+                               self.layout.chunk_of(self.optimizer.exp_avg_sq, g)) for g in range(len(groups))]
+        self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
+                                             self.param_chunks, device) if offloaded else None)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this part (the device's runs asynchronously; the CPU's returns when done)."""
+        if self.offloaded_step is not None:
+            self.offloaded_step.step()
+            return
+        views = {decay: (self.layout.segment_views(self.master_chunks, decay),
+                         self.layout.segment_views(self.grad_chunks, decay),
+                         self.layout.segment_views([m for m, _ in self.moment_chunks], decay),
+                         self.layout.segment_views([v for _, v in self.moment_chunks], decay))
+                 for decay in (True, False)}
+        self.optimizer.step({d: views[d][0] for d in views}, {d: views[d][1] for d in views},
+                            {d: views[d][2:] for d in views})
+        self.publish()
+
+    def publish(self) -> None:
+        """Copy a separate master into the parameter chunks (after a device step, or a load)."""
+        if self.master is not None:
+            for chunk, master in zip(self.param_chunks, self.master_chunks):
+                chunk.copy_(master)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Moments and the separate master, if any."""
+        return [self.optimizer.exp_avg, self.optimizer.exp_avg_sq] + ([self.master] if self.master is not None else [])
+
+
+def split_groups(groups: list[FlatGroup], offload: bool, ratio: float) -> tuple[range, range]:
+    """(groups kept on the device, groups offloaded): the last groups, about `ratio` of the shard's elements.
+
+    Every rank's chunk of a group has the same size, so every rank splits at the same group.
+    """
+    n = len(groups)
+    if not offload:
+        return range(n), range(n, n)
+    want = ratio * sum(g.chunk for g in groups)
+    best, best_gap, host = n - 1, float("inf"), 0
+    for first in range(n - 1, -1, -1):  # offload groups[first:], at least one
+        host += groups[first].chunk
+        if abs(host - want) < best_gap:
+            best, best_gap = first, abs(host - want)
+    return range(best), range(best, n)
+
+
+class ShardedStrategy:
+    """Base of stages 1-3: the shard's optimizer step and bookkeeping."""
+
+    stage = 1
+
+    def __init__(self, recipe, device: torch.device, info: DistInfo, groups: list[FlatGroup],
+                 param_dtype: torch.dtype):
+        self.recipe, self.device, self.info = recipe, device, info
+        self.groups = groups
+        self.layout = ShardLayout(groups, info.rank)
+        self.param_dtype = param_dtype
+        self.offload = recipe.zero.offload_optimizer == "cpu"
+        self.separate_master = self.offload or param_dtype != torch.float32
+        self.param_chunks: list[torch.Tensor] = []
+        self.grad_chunks: list[torch.Tensor] = []
+        self.parts: list[ShardPart] = []
+
+    def describe(self) -> str:
+        """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
+        what = {1: "optimizer states", 2: "optimizer states + gradients", 3: "optimizer states + gradients + "
+                "parameters"}[self.stage]
+        master = "fp32 master separate" if self.separate_master else "fp32 weights are the master"
+        adams = []
+        for part in self.parts:
+            if part.offloaded:
+                from toolkit.ops.cpu_adam import cpu_adam_status
+
+                status = cpu_adam_status()
+                where = f"on the CPU: {status.name} {status.state}" + ("" if status.active else f" ({status.detail})")
+            else:
+                where = part.optimizer.mode
+            share = f" for {part.layout.numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
+            adams.append(where + share)
+        offloaded = sum(p.layout.numel for p in self.parts if p.offloaded) / max(1, self.layout.numel)
+        return (f"stage {self.stage}: {what} sharded over {self.info.world_size} rank(s) "
+                f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
+                f"AdamW {' + '.join(adams)}"
+                + (f"; offload: master, moments and step of {offloaded:.0%} in CPU memory" if self.offload else ""))
+
+    group_kind = "buckets"
+
+    # -- set-up the subclasses call once their buffers exist ---------------------
+
+    def _init_master(self) -> None:
+        """The shard's parts (master copies, moments, AdamW), once param_chunks and grad_chunks exist."""
+        kept, offloaded = split_groups(self.groups, self.offload, self.recipe.zero.offload_ratio)
+        self.parts = [ShardPart(self.recipe, groups, self.groups, self.info.rank, self.param_chunks,
+                                self.grad_chunks, self.device, offloaded=on_cpu)
+                      for groups, on_cpu in ((kept, False), (offloaded, True)) if len(groups)]
+        self.optimizer = self.parts[0].optimizer
+        for part in self.parts[1:]:  # NOTE: one set of param_groups, so the schedule's lr reaches every part
+            part.optimizer.param_groups = self.optimizer.param_groups
+
+    # -- reduced gradients: accepted in launch order, as soon as each completes ---------
+
+    def _queue_reduced(self, g: int, work, out: torch.Tensor) -> None:
+        """A reduce-scatter in flight (work None: one process, `out` is the whole bucket); take what is done."""
+        self._pending.append((g, work, out))
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        # NOTE: taking finished buckets during backward streams them into the shard (device to host
+        # under offload) while later buckets still compute, and frees their staging buffers early.
+        while self._pending:
+            g, work, out = self._pending[0]
+            if work is not None:
+                if not block and not work.is_completed():
+                    return
+                work.wait()
+            else:
+                out = out[:self.groups[g].chunk]
+            self._pending.pop(0)
+            self._accept_reduced(g, out)
+
+    def _accept_reduced(self, g: int, out: torch.Tensor) -> None:
+        """Add a reduced chunk into this rank's fp32 gradient shard (stage 1 overrides: it copies)."""
+        self.grad_chunks[g].add_(out.to(self.grad_chunks[g].device, torch.float32))
+
+    # -- the step ----------------------------------------------------------------
+
+    def grads_overflow(self) -> bool:
+        """True on every rank when any rank's gradient shard holds an inf or NaN."""
+        return any_true(has_inf_or_nan(self.grad_chunks), self.info, self.device)
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the gradient shard by `factor` (unscaling after fp16 loss scaling)."""
+        torch._foreach_mul_(self.grad_chunks, factor)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm over every rank's shard; scale the shard down to max_norm (torch's formula)."""
+        # NOTE: one fused norm per chunk, summed on the shard's device: a single host sync per step.
+        norms = torch._foreach_norm([c for c in self.grad_chunks if c.numel()], 2.0)
+        local = float(torch.stack(norms).double().square().sum()) if norms else 0.0
+        total = math.sqrt(sum_floats([local], self.info, self.device)[0])
+        if max_norm > 0 and math.isfinite(max_norm):
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1
+            coef = min(max_norm / (total + 1e-6), 1.0)
+            torch._foreach_mul_(self.grad_chunks, coef)
+        return total
+
+    def optimizer_step(self) -> None:
+        """AdamW on this rank's shard, then every rank gets the new weights."""
+        for part in self.parts:  # the device's part first: it runs while the CPU steps the offloaded one
+            part.step()
+        self.after_step()
+
+    def after_step(self) -> None:
+        """Stages 1-2: all-gather the updated chunks (stage 3 gathers lazily)."""
+
+    def zero_grad(self) -> None:
+        """Clear the accumulated gradients for the next optimizer step."""
+        for chunk in self.grad_chunks:
+            chunk.zero_()
+
+    # -- checkpoint state (toolkit/checkpoint/zero_shards.py) --------------------------------------
+
+    def owned_pieces(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
+        """(name, start, stop, {param, exp_avg, exp_avg_sq: view}) for each parameter piece this rank owns."""
+        pieces = []
+        for part in self.parts:
+            for local, g in enumerate(part.groups):
+                group, master, (m, v) = self.groups[g], part.master_chunks[local], part.moment_chunks[local]
+                lo, hi = group.chunk_range(self.info.rank)
+                for slot in group.slots:
+                    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                    if a < b:
+                        sl = slice(a - lo, b - lo)
+                        pieces.append((slot.name, a - slot.offset, b - slot.offset,
+                                       {"param": master[sl], "exp_avg": m[sl], "exp_avg_sq": v[sl]}))
+        return pieces
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's shape by name."""
+        return {slot.name: slot.shape for group in self.groups for slot in group.slots}
+
+    def optimizer_steps(self) -> int:
+        """AdamW steps applied so far."""
+        return self.optimizer.step_count
+
+    @torch.no_grad()
+    def load_pieces(self, reader) -> None:
+        """Fill this rank's master weights and moments from any checkpoint reader, then publish the weights."""
+        for name, start, stop, views in self.owned_pieces():
+            for kind, view in views.items():
+                view.copy_(reader.read(kind, name, start, stop))
+        for part in self.parts:
+            part.optimizer.step_count = reader.step
+            part.publish()
+        self.after_step()
+
+    # -- accounting -------------------------------------------------------------------
+
+    def master_chunks(self) -> list[torch.Tensor]:
+        """fp32 master weights per group (this rank's chunk)."""
+        return [chunk for part in self.parts for chunk in part.master_chunks]
+
+    def memory_bytes(self) -> dict:
+        """Model-state bytes this rank holds now, counted from live tensors.
+
+        mem_*: on the training device (master: the fp32 copy, when separate from the parameters);
+        mem_offload_bytes: what offload keeps in CPU memory (master, moments), counted apart even when
+        the training device is the CPU itself. Like stage 2's reduce buckets, the step's staging (two
+        pieces, at most 2 x 16M x 6 bytes pinned) is a working buffer, not a model state, and not counted.
+        """
+        kept = [part for part in self.parts if not part.offloaded]
+        return {"mem_params_bytes": tensor_bytes(self.param_tensors()),
+                "mem_grads_bytes": tensor_bytes(self.grad_tensors()),
+                "mem_optim_bytes": tensor_bytes(t for p in kept for t in (p.optimizer.exp_avg, p.optimizer.exp_avg_sq)),
+                "mem_master_bytes": tensor_bytes(p.master for p in kept if p.master is not None),
+                "mem_offload_bytes": tensor_bytes(t for p in self.parts if p.offloaded for t in p.state_tensors())}
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Live parameter buffers (subclasses)."""
+        raise NotImplementedError
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Live gradient buffers on the training device (subclasses)."""
+        raise NotImplementedError

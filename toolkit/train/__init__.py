@@ -1,0 +1,9 @@
+"""train: a whole run of a recipe.
+
+loop.py is `toolkit.run`: data, engine, evaluation, logging and checkpoint
+cadence; run_dir.py claims and checks the run directory; stop.py turns
+SIGTERM/SIGINT into a checkpoint and a resume line; launch.py starts the
+ranks of `toolkit run --nproc N`.
+
+May import: every layer below (toolkit.runtime and what it stands on).
+"""

@@ -1,0 +1,259 @@
+"""The training loop behind `toolkit run` and `toolkit.run(recipe)`: run
+directory, start-up table, accumulation through the engine, evaluation and
+logging cadence, summary. The engine (toolkit/runtime/engine.py) does the maths.
+
+Run directory contract: recipe.json (resolved recipe + hash), metrics.jsonl
+(one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s,
+elapsed_s, mfu where the device's peak is known, the memory fields of
+toolkit/observe/memory_monitor.py, ...; evaluation lines carry eval_loss), memory.png
+(the memory timeline), tensorboard/, checkpoints/, and .toolkit-run.lock (one run at a time:
+toolkit/train/run_dir.py).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.checkpoint.checkpointer import Checkpointer, restore_rng_state, truncate_metrics
+from toolkit.runtime.cpu_threads import apply_cpu_threads, choose_cpu_threads
+from toolkit.data.batches import BatchStream, Dataset, eval_batches
+from toolkit.runtime.engine import Engine, check_device, pick_device
+from toolkit.errors import UserError, write_failure
+from toolkit.observe.flops import MfuBasis, mfu_basis, unknown_peak_warning
+from toolkit.observe.memory_fit import check_memory_fit
+from toolkit.observe.memory_monitor import MemoryMonitor
+from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
+from toolkit.train.stop import RunStopped, StopSignals, under_elastic_launcher
+from toolkit.specs import Recipe
+from toolkit.observe.trackers import Trackers, build_trackers
+from toolkit.distributed import barrier, broadcast_object, shutdown, start_process_group
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced."""
+    run_dir: Path
+    metrics: list[dict] = field(default_factory=list)
+
+    @property
+    def train_metrics(self) -> list[dict]:
+        return [m for m in self.metrics if "loss" in m]
+
+    @property
+    def eval_metrics(self) -> list[dict]:
+        return [m for m in self.metrics if "eval_loss" in m]
+
+    @property
+    def first_loss(self) -> float:
+        return self.train_metrics[0]["loss"]
+
+    @property
+    def final_loss(self) -> float:
+        return self.train_metrics[-1]["loss"]
+
+
+def model_shape_text(spec, model) -> str:
+    """"4 layers, width 128, 4 heads": the recipe's shape, or a pretrained folder's (its loaded config's)."""
+    config = getattr(model, "config", None) if spec.pretrained is not None else None
+    shape = (getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None),
+             getattr(config, "num_attention_heads", None))
+    layers, width, heads = shape if None not in shape else (spec.n_layer, spec.n_embd, spec.n_head)
+    return f"{layers} layers, width {width}, {heads} heads"
+
+
+def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasis | None = None) -> str:
+    """Everything that matters about the run, computed once and printed at start."""
+    b, m, d = recipe.batch, recipe.model, recipe.data
+    tokens_per_step = b.global_batch * d.seq_len
+    device = engine.device
+    mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size,
+                           recipe.training.peak_tflops)
+    weights = "fp32 weights" if recipe.zero.stage == 0 else "16-bit weights, fp32 master in the ZeRO shard"
+    precision = {"fp32": "fp32", "bf16": f"bf16 autocast, {weights}",
+                 "fp16": f"fp16 autocast, {weights}, "
+                         + ("dynamic loss scale" if recipe.precision.fp16.loss_scale == 0 else "static loss scale")}
+    rows = [
+        ("recipe", f"{recipe.name} (hash {recipe.hash})"),
+        ("model", f"{m.label}: {engine.num_parameters / 1e6:.2f}M parameters, " + model_shape_text(m, engine.model)
+                  + (", activation checkpointing" if m.activation_checkpointing else "")),
+        ("data", dataset.describe()),
+        ("batch", f"global {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
+                  f"x world {b.world_size}; {tokens_per_step:,} tokens per step"),
+        ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
+        ("precision", precision[recipe.precision.dtype]),
+        ("zero", engine.strategy.describe()),
+        ("kernels", engine.kernels.describe()),
+        ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
+                      f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
+        ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),
+        ("threads", choose_cpu_threads(recipe).describe()),
+        ("flops", mfu.describe_flops()),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
+
+
+def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = False) -> RunResult:
+    """Train a recipe to the end; returns the run directory and the logged metrics.
+
+    Under torchrun every rank calls this; rank 0 alone prints, logs and writes the run directory's
+    files (checkpoints: every rank writes its ZeRO shard), each rank trains on its slots of the data.
+    SIGTERM/SIGINT stop it at a step boundary with a checkpoint: `RunStopped` (toolkit/train/stop.py).
+    """
+    check_device(recipe)  # a recipe this machine cannot run leaves no run dir behind
+    info = start_process_group(recipe.batch.world_size, recipe.training.device)
+    check_memory_fit(recipe, pick_device(recipe.training.device))  # before anything large is allocated
+    apply_cpu_threads(recipe)
+    run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
+    lock = _agree(lambda: claim_run_dir(run_dir), info)  # rank 0 holds it (or the --nproc launcher does)
+    stop = StopSignals(under_elastic_launcher()).install(run_dir, recipe.training.max_steps)
+    try:
+        return _train(recipe, run_dir, info, stop, quiet=quiet or not info.is_main)
+    except OSError as exc:  # recipe.json, metrics, events, the memory plot: one line naming the file
+        raise (write_failure(exc, run_dir) or exc) from None
+    finally:
+        stop.restore()
+        if lock is not None:
+            lock.release()
+
+
+def _agree(claim, info):
+    """Rank 0 runs `claim()`; its UserError stops every rank (the others silently: rank 0 says it)."""
+    problem = None
+    result = None
+    if info.is_main:
+        try:
+            result = claim()
+        except UserError as exc:
+            problem = exc
+    if broadcast_object(problem.lines if problem is not None else None, info) is not None:
+        raise problem if problem is not None else UserError()
+    return result
+
+
+def _check_steps_left(recipe: Recipe, resumed, *, warn: bool) -> None:
+    """A checkpoint at training.max_steps leaves nothing to train (a warning; past it, resume_point refuses)."""
+    if resumed is None or resumed.step != recipe.training.max_steps:
+        return
+    where = f"the checkpoint {resumed.path} is at step {resumed.step}"
+    if warn:
+        print(f"warning: recipe.training.max_steps: nothing to train: {where}, which is training.max_steps; "
+              "raise training.max_steps to train further", file=sys.stderr, flush=True)
+
+
+def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: bool) -> RunResult:
+    """The run behind `run`, in a run directory this process (or its launcher) holds."""
+    checkpointer = Checkpointer(recipe, run_dir)
+    saves = recipe.checkpoint.interval > 0 or recipe.checkpoint.save_final
+    _agree(lambda: check_writable(run_dir, checkpointer.dir if saves else None), info)
+    resumed = checkpointer.resume_point()  # before the run dir changes: a refused resume leaves it as it was
+    start_step = resumed.step if resumed is not None else 0
+    _check_steps_left(recipe, resumed, warn=info.is_main)
+    engine = Engine(recipe)
+    if saves:
+        _agree(lambda: check_room_for_checkpoint(checkpointer.dir, engine.num_parameters), info)
+    barrier(info)  # every rank has read the checkpoint before rank 0 touches the run dir
+    if info.is_main:
+        (run_dir / "recipe.json").write_text(recipe.to_json())
+
+    monitor = MemoryMonitor(engine)
+    mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size,
+                    recipe.training.peak_tflops)
+    peak_warning = unknown_peak_warning(mfu)  # None on a CPU: the start-up table says how to set a peak
+    if peak_warning and info.is_main:
+        print(peak_warning, file=sys.stderr, flush=True)
+    dataset = Dataset(recipe.data, run_dir=run_dir, log=None if quiet else print)
+    stream = BatchStream(dataset.train, recipe.batch, rank=info.rank, seed=recipe.training.seed)
+    held_out = eval_batches(dataset.eval, recipe.batch, rank=info.rank, count=recipe.training.eval_batches)
+    training = recipe.training
+    if resumed is not None:
+        checkpointer.restore(resumed, engine, stream)
+        if info.is_main:
+            truncate_metrics(run_dir / "metrics.jsonl", resumed.step)  # steps past the checkpoint are logged again
+    trackers = Trackers([])  # ranks other than 0 log nothing
+    if info.is_main:
+        trackers = build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet,
+                                  append=resumed is not None, config=recipe.resolved,
+                                  wandb_run_id=resumed.wandb_run_id if resumed is not None else None,
+                                  steps_per_epoch=training.steps_per_epoch)
+    if not quiet:
+        print(startup_table(recipe, engine, dataset, mfu), flush=True)
+        print(f"run dir | {run_dir}", flush=True)
+        if resumed is not None:
+            print(f"resume  | {resumed.path} (step {resumed.step} of {training.max_steps})", flush=True)
+    if resumed is not None:
+        restore_rng_state(resumed.state["rng"])  # last before the loop, so nothing draws from them in between
+
+    result = RunResult(run_dir)
+    tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
+
+    def log(metrics: dict) -> None:
+        result.metrics.append(metrics)
+        trackers.log(metrics)
+
+    def evaluate(step: int) -> None:
+        if held_out:
+            log({"step": step, "eval_loss": engine.evaluate(held_out)})
+
+    start = window_start = time.perf_counter()
+    window_steps = stopped_by = 0
+    stop.deferring = True  # from here a signal stops the run at the next step boundary, with a checkpoint
+    try:
+        while engine.global_step < training.max_steps:
+            # NOTE: several ranks agree on the stop flag through a collective, which waits for the GPU: so only
+            # at logging steps, where the loop waits anyway to read the loss (one process: every step).
+            if not info.active or engine.global_step % training.log_interval == 0:
+                stopped_by = stop.agreed(info, engine.device)
+            if stopped_by:
+                break
+            step_result = engine.train_batch(stream.next_step())
+            step, window_steps = engine.global_step, window_steps + 1
+            if step % training.log_interval == 0 or step == training.max_steps:
+                now = time.perf_counter()
+                tokens_per_s = window_steps * tokens_per_step / (now - window_start)
+                log({
+                    "step": step,
+                    "loss": step_result.loss,
+                    "lr": step_result.lr,
+                    "grad_norm": step_result.grad_norm,
+                    "loss_scale": step_result.loss_scale,
+                    "skipped_steps": engine.skipped_steps,
+                    "tokens_per_s": tokens_per_s,
+                    "elapsed_s": now - start,
+                    **({"mfu": mfu.mfu(tokens_per_s)} if mfu.peak_flops is not None else {}),
+                    **monitor.window_metrics(step),  # with the engine's offload_metrics()
+                })
+                window_start, window_steps = now, 0
+            if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
+                evaluate(step)
+            checkpointer.after_step(engine, stream, trackers.wandb_run_id)
+        if stopped_by:
+            checkpointer.save_for_resume(engine, stream, trackers.wandb_run_id)
+        else:
+            if engine.global_step > start_step:  # a checkpoint already at max_steps has nothing left to do
+                evaluate(engine.global_step)
+            checkpointer.finish(engine, stream, trackers.wandb_run_id)
+    finally:
+        trackers.close()
+        monitor.close()
+    memory_note = monitor.write_timeline(run_dir / "memory.png") if info.is_main else ""
+    shutdown(info)
+    if stopped_by:
+        raise RunStopped(stopped_by, run_dir, engine.global_step, training.max_steps, checkpointer.last_saved_path,
+                         why="no step was trained" if engine.global_step == 0 else
+                         "checkpoint.interval is 0 and checkpoint.save_final is false")
+    if not quiet:
+        wall = time.perf_counter() - start
+        train = result.train_metrics
+        summary = f"done: {engine.global_step} steps in {wall:.1f}s"
+        if train:
+            summary += f", loss {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}"
+        if result.eval_metrics:
+            summary += f", eval loss {result.eval_metrics[-1]['eval_loss']:.4f}"
+        print(summary + f" ({dataset.loss_reference()})", flush=True)
+        if checkpointer.last_saved_path is not None:
+            print(f"checkpoint | {checkpointer.last_saved_path}", flush=True)
+        print(monitor.summary() + "\n" + memory_note, flush=True)
+    return result
