@@ -1,0 +1,91 @@
+"""The package's folders are its layers: each imports only the layers below it, and no modules import
+each other in a loop. Read from the source (every import statement, lazy ones inside functions too)."""
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "toolkit"
+# Bottom to top. A module may import its own layer's package (its siblings) and any lower layer; layers that
+# share a rank are peers and may not import each other.
+LAYERS = {
+    "ground": 0,      # toolkit.errors, .resources, .specs, .optional_packages, .distributed
+    "data": 1, "models": 1, "ops": 1,
+    "recipe": 2,
+    "observe": 3, "checkpoint": 3,
+    "runtime": 4,
+    "train": 5,
+    "cli": 6,
+}
+FACE = {"toolkit", "toolkit.__main__"}  # the public face: imports what it hands on; only the CLI reads it (version)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else "ground"
+
+
+def toolkit_imports(path: Path) -> set[str]:
+    """Every toolkit module `path` imports (a `from pkg import name` counts `pkg.name` when that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "toolkit")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "toolkit":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in MODULES else node.module)
+    return found
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def test_every_package_is_a_known_layer():
+    packages = {module_name(p) for p in PACKAGE.rglob("__init__.py")} - {"toolkit"}
+    top = {name.split(".")[1] for name in packages}
+    assert top <= set(LAYERS), f"a package with no layer: {sorted(top - set(LAYERS))}"
+
+
+def test_no_import_runs_back_up_a_layer():
+    back = []
+    for name, path in MODULES.items():
+        if name in FACE:
+            continue
+        mine = layer_of(name)
+        for target in toolkit_imports(path):
+            theirs = layer_of(target)
+            if (target in FACE and mine != "cli") or (theirs != mine and LAYERS[theirs] >= LAYERS[mine]):
+                back.append(f"{name} ({mine}) imports {target} ({theirs})")
+    assert not back, "\n".join(back)
+
+
+def test_no_import_cycles():
+    graph = {name: {t for t in toolkit_imports(path) if t in MODULES} for name, path in MODULES.items()}
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_module_imports_a_benchmark():
+    offenders = [name for name, path in MODULES.items()
+                 if any(line.lstrip().startswith(("import benchmarks", "from benchmarks"))
+                        for line in path.read_text(encoding="utf-8").splitlines())]
+    assert not offenders
