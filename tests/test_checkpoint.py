@@ -10,8 +10,9 @@ import torch
 
 from tests.conftest import run_cli
 from toolkit.checkpoint import io
-from toolkit.checkpoint.checkpointer import (capture_rng_state, flatten_state, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, restore_rng_state, save_checkpoint, unflatten_state)
+from toolkit.checkpoint.files import latest_checkpoint, list_checkpoints
+from toolkit.checkpoint.io import load_checkpoint, save_checkpoint
+from toolkit.checkpoint.state import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
 from toolkit.cli.main import main
 from toolkit.runtime.engine import Engine
 from toolkit.errors import UserError

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from toolkit.checkpoint.checkpointer import (LATEST_FILE, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint,
-                                verify_checkpoint)
+from toolkit.checkpoint.files import LATEST_FILE, latest_checkpoint, prune_checkpoints, verify_checkpoint
+from toolkit.checkpoint.io import load_checkpoint, save_checkpoint
 
 KILLS = 50
 

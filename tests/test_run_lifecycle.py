@@ -110,7 +110,7 @@ def _file_size_limit(limit_bytes):
 
 
 def test_a_checkpoint_over_the_file_size_limit_is_one_line_and_the_earlier_one_stays_intact(tmp_path):
-    from toolkit.checkpoint.checkpointer import verify_checkpoint
+    from toolkit.checkpoint.files import verify_checkpoint
 
     run_dir = tmp_path / "run"
     done = run_cli("run", "quickstart", "--run-dir", str(run_dir), "training.max_steps=4", *FAST)

@@ -86,7 +86,9 @@ def test_bf16_stages_on_nccl_track_stage0(run, name):
 
 
 def test_checkpoint_from_n_gpus_resumes_on_one(run):
-    from toolkit.checkpoint.checkpointer import Checkpointer, find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.files import find_checkpoint
+    from toolkit.checkpoint.io import load_checkpoint
 
     out, results = run
     ckpt = load_checkpoint(find_checkpoint(out / "run"))

@@ -25,37 +25,22 @@ writes zero-rank-RRRRR-of-WWWWW.safetensors into the same temp directory (per-pa
 pieces, toolkit/checkpoint/zero_shards.py, readable at any world size) and rank 0 writes the rest,
 with a manifest covering every file, and renames; at stage 0 rank 0 alone writes.
 
-Where it lives: this module is the entry point (the loop's `Checkpointer`; every
-public name of the files below is re-exported here, so import from toolkit.checkpoint.checkpointer).
-checkpoint_state.py flattens the state and captures the RNGs; checkpoint_files.py
-holds the layout, atomic writes, verification, listing and pruning; checkpoint_io.py
-saves (one process or several ranks) and loads; checkpoint_resume.py has the resume
-rules and the meta they compare.
+Here: the loop's side (`Checkpointer`: resume at start, save on cadence, prune). The
+other files of this package hold the layout, the state format and the resume rules.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from toolkit.checkpoint.files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, STATE_FILE, STEP_DIR,
-                                      TEMP_PREFIX, TENSORS_FILE, _remove_dir, find_checkpoint, latest_checkpoint,
-                                      list_checkpoints, make_temp_dir, prune_checkpoints, sha256_file, step_dir_name,
-                                      verify_checkpoint)
-from toolkit.checkpoint.io import Checkpoint, load_checkpoint, save_checkpoint, save_distributed_checkpoint
+from toolkit.checkpoint.engine_state import write_engine_checkpoint
+from toolkit.checkpoint.files import _remove_dir, find_checkpoint, latest_checkpoint, list_checkpoints, prune_checkpoints
+from toolkit.checkpoint.io import Checkpoint
 from toolkit.checkpoint.resume import (check_checkpoint_dir_kept, checkpoint_meta, load_training_checkpoint,
-                                       model_shape, resume_changes, truncate_metrics)
-from toolkit.checkpoint.state import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
+                                       resume_changes)
+from toolkit.checkpoint.state import capture_rng_state
 from toolkit.errors import UserError
 from toolkit.specs import Recipe
-
-__all__ = [
-    "FORMAT", "FORMAT_VERSION", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "TEMP_PREFIX",
-    "TENSORS_FILE", "Checkpoint", "Checkpointer", "capture_rng_state", "checkpoint_meta", "find_checkpoint",
-    "flatten_state", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_training_checkpoint",
-    "make_temp_dir", "model_shape", "prune_checkpoints", "restore_rng_state", "resume_changes", "save_checkpoint",
-    "save_distributed_checkpoint", "sha256_file", "step_dir_name", "truncate_metrics", "unflatten_state",
-    "verify_checkpoint",
-]
 
 
 # ---------------------------------------------------------------------------
@@ -152,12 +137,7 @@ class Checkpointer:
         meta = checkpoint_meta(self.recipe, engine, wandb_run_id)
         info = getattr(engine, "dist", None)
         try:
-            if info is not None and info.active:  # several ranks: ZeRO shards from each, the rest from rank 0
-                shards = engine.write_shard if engine.sharded_checkpoint else None
-                path = save_distributed_checkpoint(self.dir, engine.global_step, state, meta, info, shards)
-            else:
-                shard = engine.write_shard if getattr(engine, "sharded_checkpoint", False) else None
-                path = save_checkpoint(self.dir, engine.global_step, state, meta, shard)
+            path = write_engine_checkpoint(self.dir, engine, state, meta)
         except UserError as exc:  # a write failed; the temp dir is gone, the earlier checkpoints are untouched
             kept = f"{self.last_saved_path} is intact" if self.last_saved_path is not None else "none saved before"
             raise UserError(*(f"checkpoint step {engine.global_step}: {line}; earlier checkpoint: {kept}; free "

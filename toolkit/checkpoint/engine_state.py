@@ -1,7 +1,15 @@
-"""`engine.save_checkpoint(save_dir, tag=None, client_state={})` and
-`engine.load_checkpoint(load_dir, tag=None) -> (path, client_state)`: DeepSpeed's
-names and shapes over the toolkit's checkpoints (toolkit/checkpoint/checkpointer.py: atomic,
-verified, ZeRO-sharded, readable at any world size and stage).
+"""An engine's checkpoint state, and DeepSpeed's `engine.save_checkpoint(save_dir,
+tag=None, client_state={})` / `engine.load_checkpoint(load_dir, tag=None) ->
+(path, client_state)` over the toolkit's checkpoints (atomic, verified,
+ZeRO-sharded, readable at any world size and stage: files.py, io.py).
+
+What an engine's state holds (`engine_state`): at stage 0 the model and torch
+optimizer state dicts; at stages 1-3 where the shards are (each rank writes its
+own, zero_shards.py), the model's buffers and tied-weight aliases; at every stage
+the schedule, loss scaler and step counters. `load_engine_state` reads either
+kind into any stage at any world size. The engine is used through its
+attributes (model, strategy, scheduler, loss_scaler, optimizer, dist, counters),
+so this layer sits below toolkit.runtime, which calls it.
 
 A save writes <save_dir>/<tag> (default tag: step-NNNNNN, the engine's optimizer
 step, the layout `toolkit run` writes, so `toolkit export` and `generate` read it)
@@ -17,10 +25,121 @@ import json
 import sys
 from pathlib import Path
 
-from toolkit.checkpoint.checkpointer import (LATEST_FILE, MANIFEST_FILE, TEMP_PREFIX, checkpoint_meta, find_checkpoint,
-                                flatten_state, latest_checkpoint, load_checkpoint, save_checkpoint,
-                                save_distributed_checkpoint)
+import torch
+from torch import nn
+
+from toolkit.checkpoint.files import LATEST_FILE, MANIFEST_FILE, TEMP_PREFIX, find_checkpoint, latest_checkpoint
+from toolkit.checkpoint.io import load_checkpoint, save_checkpoint, save_distributed_checkpoint
+from toolkit.checkpoint.resume import checkpoint_meta
+from toolkit.checkpoint.state import flatten_state
+from toolkit.checkpoint.zero_shards import (FullStateReader, ShardFilesReader, parameter_aliases, shard_file_name,
+                                             write_shard)
 from toolkit.errors import UserError
+
+
+def is_sharded(engine) -> bool:
+    """True when each rank saves its own shard (ZeRO stages 1-3); stage 0 saves one replicated state."""
+    return engine.strategy.stage > 0
+
+
+def engine_state(engine) -> dict:
+    """Everything needed to continue exactly (model, optimizer, schedule, scaler, counters).
+
+    Stage 0: the model and torch optimizer state dicts. Stages 1-3: where the shards are
+    (`shard_writer` writes this rank's), the model's buffers and tied-weight aliases.
+    """
+    counters = {
+        "scheduler": engine.scheduler.state_dict(),
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "global_step": engine.global_step,
+        "skipped_steps": engine.skipped_steps,
+    }
+    if not is_sharded(engine):
+        return {"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict(), **counters}
+    world = engine.dist.world_size
+    zero = {"stage": engine.strategy.stage, "world_size": world, "step": engine.strategy.optimizer_steps(),
+            "files": [shard_file_name(r, world) for r in range(world)], "aliases": parameter_aliases(engine.model)}
+    return {"zero": zero, "buffers": persistent_buffers(engine.model), **counters}
+
+
+def shard_writer(engine):
+    """A function that writes this rank's ZeRO shard file into a directory (returning its name), or None at
+    stage 0 (nothing per rank)."""
+    if not is_sharded(engine):
+        return None
+
+    def write(directory) -> str:
+        name = shard_file_name(engine.dist.rank, engine.dist.world_size)
+        write_shard(Path(directory) / name, engine.strategy.owned_pieces(), engine.strategy.param_shapes())
+        return name
+    return write
+
+
+def write_engine_checkpoint(directory: Path, engine, state: dict, meta: dict, name: str | None = None) -> Path:
+    """Save `state` (the engine's and the caller's) atomically as the engine's step: one process, or every
+    rank (ZeRO shards from each, the rest from rank 0)."""
+    info = getattr(engine, "dist", None)
+    if info is not None and info.active:
+        return save_distributed_checkpoint(directory, engine.global_step, state, meta, info, shard_writer(engine),
+                                           name=name)
+    return save_checkpoint(directory, engine.global_step, state, meta, shard_writer(engine), name=name)
+
+
+def load_engine_state(engine, state: dict, checkpoint_dir, param_names: list[str]) -> None:
+    """Restore what engine_state() saved, from any stage and world size (sharded checkpoints read their shard
+    files in `checkpoint_dir`; `param_names` is the torch AdamW index order a stage 0 state is keyed by)."""
+    if "zero" in state or is_sharded(engine):
+        _load_model_states(engine, state, checkpoint_dir, param_names)
+    else:
+        _load_replicated(engine, state)
+    engine.scheduler.load_state_dict(state["scheduler"])
+    if engine.loss_scaler is not None and state.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    engine.global_step = int(state["global_step"])
+    engine.skipped_steps = int(state["skipped_steps"])
+
+
+def _load_model_states(engine, state: dict, checkpoint_dir, param_names: list[str]) -> None:
+    """Weights and AdamW moments through a reader of per-parameter ranges (any stage, any world size)."""
+    if "zero" in state:
+        if checkpoint_dir is None:
+            raise ValueError("a ZeRO checkpoint needs checkpoint_dir (where its shard files are)")
+        reader = ShardFilesReader(checkpoint_dir, state["zero"]["files"], state["zero"]["step"])
+        buffers = state.get("buffers") or {}
+    else:
+        reader = FullStateReader(state["model"], state.get("optimizer"), param_names)
+        params = {n for n, _ in engine.model.named_parameters(remove_duplicate=False)}
+        buffers = {k: v for k, v in state["model"].items() if k not in params}
+    try:
+        engine.strategy.load_pieces(reader)
+    finally:
+        reader.close()
+    own = persistent_buffers(engine.model)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            if name in own:
+                own[name].copy_(value)
+
+
+def _load_replicated(engine, state: dict) -> None:
+    engine.model.load_state_dict(state["model"])
+    # NOTE: torch's Optimizer.load_state_dict replaces each param group's settings with
+    # the saved ones (fused/foreach flags included); keep the recipe's and take only the
+    # per-parameter state (moments, step). The schedule writes lr just below.
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+    engine.optimizer.load_state_dict(state["optimizer"])
+    for group, own in zip(engine.optimizer.param_groups, settings):
+        group.update(own)
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers that its state_dict carries (non-persistent ones excluded)."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = buf
+    return out
 
 
 def _check_tag(tag) -> str | None:
@@ -46,11 +165,7 @@ def save_engine_checkpoint(engine, save_dir, tag=None, client_state=None) -> Pat
         print(f"warning: save_checkpoint: {engine.micro_step} micro batch(es) since the last step(); their "
               "accumulated gradients are not saved", file=sys.stderr, flush=True)
     state = {"engine": engine.state_dict(), "client_state": client_state}
-    meta = checkpoint_meta(engine.recipe, engine, None)
-    shard = engine.write_shard if engine.sharded_checkpoint else None
-    if engine.dist.active:
-        return save_distributed_checkpoint(save_dir, engine.global_step, state, meta, engine.dist, shard, name=tag)
-    return save_checkpoint(save_dir, engine.global_step, state, meta, shard, name=tag)
+    return write_engine_checkpoint(save_dir, engine, state, checkpoint_meta(engine.recipe, engine, None), name=tag)
 
 
 def _manifest_step(step_dir: Path) -> int:

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint.checkpointer import Checkpoint, find_checkpoint, load_training_checkpoint, make_temp_dir
+from toolkit.checkpoint.files import find_checkpoint, make_temp_dir
+from toolkit.checkpoint.io import Checkpoint
+from toolkit.checkpoint.resume import load_training_checkpoint
 from toolkit.errors import UserError
 from toolkit.data.tokenizer import (TOKENIZER_FILE, TextTokenizer, byte_tokenizer, load_tokenizer_folder, run_tokenizer_dir,
                                synthetic_tokenizer)

@@ -69,7 +69,8 @@ def load_generator(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | N
                 hf_logging.enable_progress_bar()
         source = str(path)
     else:
-        from toolkit.checkpoint.checkpointer import find_checkpoint, load_training_checkpoint
+        from toolkit.checkpoint.files import find_checkpoint
+        from toolkit.checkpoint.resume import load_training_checkpoint
         from toolkit.checkpoint.export import build_hf_model, run_tokenizer_folder
 
         step_dir = find_checkpoint(path)

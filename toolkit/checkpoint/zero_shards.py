@@ -159,14 +159,6 @@ class FullStateReader:
         """Nothing to close."""
 
 
-def ordered_param_names(model: torch.nn.Module) -> list[str]:
-    """Parameter names in torch AdamW's index order (toolkit.runtime.optim.param_groups: decayed, then not)."""
-    from toolkit.runtime.optim import param_groups
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for group in param_groups(model, 1.0) for p in group["params"]]
-
-
 def parameter_aliases(model: torch.nn.Module) -> dict[str, str]:
     """state_dict names that are another parameter (tied weights: lm_head.weight -> transformer.wte.weight)."""
     first: dict[int, str] = {}

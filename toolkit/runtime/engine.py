@@ -22,18 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from toolkit.ops import custom_ops, loader
+from toolkit.checkpoint.engine_state import engine_state, load_engine_state
 from toolkit.errors import UserError
 from toolkit.ops.fused_adamw import FusedAdamW, OnePassStep
 from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models.build import build_model, count_parameters
-from toolkit.runtime.optim import Schedule
+from toolkit.runtime.optim import Schedule, adamw_param_names
 from toolkit.runtime.precision import autocast_context, make_loss_scaler
 from toolkit.specs import Recipe
 from toolkit.runtime.zero import build_strategy
 from toolkit.distributed import init_distributed, select_cuda_device
-from toolkit.checkpoint.zero_shards import (FullStateReader, ShardFilesReader, ordered_param_names, parameter_aliases,
-                                shard_file_name, write_shard)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -282,91 +281,16 @@ class Engine:
 
         return load_engine_checkpoint(self, load_dir, tag)
 
-    # -- state for checkpoints -------------------------------------------------
-
-    @property
-    def sharded_checkpoint(self) -> bool:
-        """True when each rank saves its own shard (ZeRO stages 1-3); stage 0 saves one replicated state."""
-        return self.strategy.stage > 0
+    # -- state for checkpoints (toolkit/checkpoint/engine_state.py owns what it holds) -------------
 
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly (model, optimizer, schedule, scaler, counters).
-
-        Stage 0: the model and torch optimizer state dicts. Stages 1-3: where the shards are
-        (`write_shard` writes this rank's), the model's buffers and tied-weight aliases.
-        """
-        counters = {
-            "scheduler": self.scheduler.state_dict(),
-            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            "global_step": self.global_step,
-            "skipped_steps": self.skipped_steps,
-        }
-        if not self.sharded_checkpoint:
-            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **counters}
-        world = self.dist.world_size
-        zero = {"stage": self.strategy.stage, "world_size": world, "step": self.strategy.optimizer_steps(),
-                "files": [shard_file_name(r, world) for r in range(world)], "aliases": parameter_aliases(self.model)}
-        return {"zero": zero, "buffers": persistent_buffers(self.model), **counters}
-
-    def write_shard(self, directory) -> str:
-        """Write this rank's ZeRO shard file into `directory`; returns its name."""
-        name = shard_file_name(self.dist.rank, self.dist.world_size)
-        write_shard(Path(directory) / name, self.strategy.owned_pieces(), self.strategy.param_shapes())
-        return name
+        """Everything needed to continue exactly (model, optimizer, schedule, scaler, counters)."""
+        return engine_state(self)
 
     def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
         """Restore what state_dict() saved, from any stage and world size (sharded checkpoints read their
         shard files in `checkpoint_dir`); settings (betas, eps, weight decay, implementation) stay the recipe's."""
-        if "zero" in state or self.sharded_checkpoint:
-            self._load_model_states(state, checkpoint_dir)
-        else:
-            self._load_replicated(state)
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.global_step = int(state["global_step"])
-        self.skipped_steps = int(state["skipped_steps"])
-
-    def _load_model_states(self, state: dict, checkpoint_dir) -> None:
-        """Weights and AdamW moments through a reader of per-parameter ranges (any stage, any world size)."""
-        if "zero" in state:
-            if checkpoint_dir is None:
-                raise ValueError("a ZeRO checkpoint needs checkpoint_dir (where its shard files are)")
-            reader = ShardFilesReader(checkpoint_dir, state["zero"]["files"], state["zero"]["step"])
-            buffers = state.get("buffers") or {}
-        else:
-            reader = FullStateReader(state["model"], state.get("optimizer"), ordered_param_names(self.model))
-            params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-            buffers = {k: v for k, v in state["model"].items() if k not in params}
-        try:
-            self.strategy.load_pieces(reader)
-        finally:
-            reader.close()
-        own = persistent_buffers(self.model)
-        with torch.no_grad():
-            for name, value in buffers.items():
-                if name in own:
-                    own[name].copy_(value)
-
-    def _load_replicated(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        # NOTE: torch's Optimizer.load_state_dict replaces each param group's settings with
-        # the saved ones (fused/foreach flags included); keep the recipe's and take only the
-        # per-parameter state (moments, step). The schedule writes lr just below.
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group, own in zip(self.optimizer.param_groups, settings):
-            group.update(own)
-
-
-def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's buffers that its state_dict carries (non-persistent ones excluded)."""
-    out = {}
-    for module_name, module in model.named_modules():
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                out[f"{module_name}.{name}" if module_name else name] = buf
-    return out
+        load_engine_state(self, state, checkpoint_dir, adamw_param_names(self.model))
 
 
 def initialize(recipe, model: nn.Module | None = None, zero3_units=None) -> Engine:

@@ -52,6 +52,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+
+def adamw_param_names(model: nn.Module) -> list[str]:
+    """Parameter names in torch AdamW's index order (param_groups: decayed, then not): how a stage 0
+    checkpoint's optimizer state is keyed."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in param_groups(model, 1.0) for p in group["params"]]
+
+
 # ---------------------------------------------------------------------------
 # AdamW
 

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.checkpoint.checkpointer import Checkpointer, restore_rng_state, truncate_metrics
+from toolkit.checkpoint.checkpointer import Checkpointer
+from toolkit.checkpoint.resume import truncate_metrics
+from toolkit.checkpoint.state import restore_rng_state
 from toolkit.runtime.cpu_threads import apply_cpu_threads, choose_cpu_threads
 from toolkit.data.batches import BatchStream, Dataset, eval_batches
 from toolkit.runtime.engine import Engine, check_device, pick_device
