@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from toolkit.checkpoint.checkpointer import latest_checkpoint, load_checkpoint
+from toolkit.checkpoint.files import latest_checkpoint
+from toolkit.checkpoint.io import load_checkpoint
 from toolkit.cli.main import main
 from toolkit.runtime.engine import Engine
 from toolkit.errors import UserError

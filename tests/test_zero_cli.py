@@ -67,7 +67,8 @@ def test_torchrun_resumes_the_run_under_another_stage(two_launches):
 def test_export_consolidates_zero_shards(two_launches, tmp_path):
     from safetensors.torch import load_file
 
-    from toolkit.checkpoint.checkpointer import find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.files import find_checkpoint
+    from toolkit.checkpoint.io import load_checkpoint
     from toolkit.checkpoint.zero_shards import consolidated_model_state
 
     run_dir = two_launches[0]

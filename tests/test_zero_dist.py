@@ -121,7 +121,9 @@ def _checks_for_stage2_micro_step(world):
 
 def _resharding(world, out_dir, results):
     """Save at step 5 during a 10-step run; load the other world size's checkpoint and continue."""
-    from toolkit.checkpoint.checkpointer import Checkpointer, find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.files import find_checkpoint
+    from toolkit.checkpoint.io import load_checkpoint
     from toolkit.checkpoint.zero_shards import ShardFilesReader
 
     overrides = {2: ["zero.stage=2", SMALL_BUCKETS], 4: ["zero.stage=3"]}
@@ -352,7 +354,9 @@ def test_resume_at_world_2_from_world_4_restores_states_and_continues(world4, wo
 
 
 def test_resume_in_one_process_from_world_2(ckpt_dir, world2):
-    from toolkit.checkpoint.checkpointer import Checkpointer, find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.files import find_checkpoint
+    from toolkit.checkpoint.io import load_checkpoint
     from toolkit.checkpoint.zero_shards import ShardFilesReader
 
     ckpt = load_checkpoint(find_checkpoint(ckpt_dir / "world2"))

@@ -46,7 +46,9 @@ def test_part_offloaded_optimizer_matches_stage0(overrides, stage0, monkeypatch)
 
 def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
     """Saved with half the optimizer offloaded, resumed with all of it offloaded: same states, same losses."""
-    from toolkit.checkpoint.checkpointer import Checkpointer, find_checkpoint, load_checkpoint
+    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.files import find_checkpoint
+    from toolkit.checkpoint.io import load_checkpoint
 
     def states(engine):
         return {(name, kind): view.clone() for name, _, _, views in engine.strategy.owned_pieces()

@@ -29,7 +29,7 @@ from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models.build import build_model, count_parameters
 from toolkit.runtime.optim import Schedule, adamw_param_names
-from toolkit.runtime.precision import autocast_context, make_loss_scaler
+from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.specs import Recipe
 from toolkit.runtime.zero import build_strategy
 from toolkit.distributed import init_distributed, select_cuda_device
@@ -47,10 +47,8 @@ def pick_device(choice: str) -> torch.device:
 def check_device(recipe: Recipe) -> torch.device:
     """The device a recipe trains on, refusing what it cannot run there; `toolkit run` calls it before writing."""
     device = pick_device(recipe.training.device)
-    # NOTE: training.device 'cpu' with fp16 never gets here: the recipe's checks refuse it.
-    if recipe.precision.dtype == "fp16" and device.type == "cpu":
-        raise UserError("recipe.precision.dtype: 'fp16' needs a CUDA device and torch sees none ('auto' chose "
-                        "the CPU); CPUs lack fast fp16: use 'bf16'")
+    # NOTE: training.device 'cpu' with fp16 never gets here: the recipe's checks refuse it; 'auto' may.
+    check_precision_device(recipe.precision.dtype, device)
     return device
 
 

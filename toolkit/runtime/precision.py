@@ -28,6 +28,22 @@ def autocast_context(dtype: str, device_type: str):
     return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPES[dtype])
 
 
+def check_precision_device(dtype: str, device: torch.device) -> None:
+    """Refuse a precision the device cannot run: fp16 on the CPU (CPUs lack fast fp16 and torch's CPU autocast
+    has no loss-scaled fp16 path)."""
+    if dtype == "fp16" and device.type == "cpu":
+        raise UserError("recipe.precision.dtype: 'fp16' needs a CUDA device and torch sees none ('auto' chose "
+                        "the CPU); CPUs lack fast fp16: use 'bf16'")
+
+
+def sixteen_bit_weights(dtype: str, zero_stage: int) -> torch.dtype | None:
+    """The 16-bit dtype the device's weights and gradients take under ZeRO stages 1-3 with bf16/fp16; None where
+    they stay as built (fp32 precision; stage 0 keeps fp32 weights under autocast, as torch AMP and DDP do)."""
+    # NOTE: ZeRO's mixed precision: 16-bit weights and gradients on the device, the fp32 master
+    # copy in the optimizer's shard (autocast still keeps softmax, norms and the loss in fp32).
+    return AUTOCAST_DTYPES.get(dtype) if zero_stage >= 1 else None
+
+
 def has_inf_or_nan(grads: Iterable[torch.Tensor | None]) -> bool:
     """True when any gradient holds an inf or NaN; one fused reduction and one host sync per device."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}

@@ -15,10 +15,12 @@ One strategy per recipe.zero.stage, all with the same small interface the engine
     memory_bytes() -> dict      mem_params_bytes, mem_grads_bytes, mem_optim_bytes,
                                 mem_master_bytes, mem_offload_bytes of this rank, from live tensors
 
-Files: comm.py (process group), flat.py (flat sharded layout), adamw.py and
-cpu_adam.py (the shard's AdamW, the CPU kernel), ddp.py (stage 0), partition.py
-(stages 1-2), stage3.py (stage 3), sharded.py (what 1-3 share), state.py
-(world-size independent checkpoints), bench.py (stage benchmark).
+Files: flat.py (flat sharded layout), adamw.py (the shard's AdamW; the CPU kernel
+is toolkit/ops/cpu_adam.py), offload.py (the CPU side of ZeRO-Offload), ddp.py
+(stage 0), partition.py (stages 1-2), stage3.py (stage 3), sharded.py (what 1-3
+share). The process group is toolkit/distributed.py; the shard checkpoint format
+toolkit/checkpoint/zero_shards.py; the benchmarks benchmarks/zero_cpu.py and
+benchmarks/zero_gpu.py.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from toolkit.distributed import DistInfo
+from toolkit.runtime.precision import sixteen_bit_weights
 
 
 def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
@@ -50,10 +53,9 @@ def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInf
                         "parameters around each block, which torch.compile would trace through); use zero.stage 2 "
                         "or training.compile false")
     broadcast_parameters(model, info)
-    if stage >= 1 and recipe.precision.dtype in ("bf16", "fp16"):
-        # NOTE: ZeRO's mixed precision: 16-bit weights and gradients on the device, the fp32 master
-        # copy in the optimizer's shard (autocast still keeps softmax, norms and the loss in fp32).
-        model.to(torch.bfloat16 if recipe.precision.dtype == "bf16" else torch.float16)
+    weights = sixteen_bit_weights(recipe.precision.dtype, stage)
+    if weights is not None:
+        model.to(weights)
     if stage == 0:
         from toolkit.runtime.zero.ddp import DataParallel
 
