@@ -1,10 +1,12 @@
 """The process group: set up from torchrun's environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT), gloo on the CPU and NCCL on CUDA; one process
 needs no launcher and no group at all. Plus the few small collectives the
-engine needs whatever the ZeRO stage (a flag, a sum of floats).
+engine needs whatever the ZeRO stage (a flag, a sum of floats). On the ground
+floor because every layer above may ask where it runs (data deals batches by
+rank, ops builds a kernel once per node, the engine joins the group).
 
 What does not live here: bucketed gradient and parameter collectives (the
-strategies in toolkit/zero/), launching processes (toolkit/cli/main.py).
+strategies in toolkit/runtime/zero/), launching processes (toolkit/train/launch.py).
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     """Per-rank parameter, gradient and optimizer-state bytes.
 
     layout "paper": the ZeRO paper's accounting (sections 3 and 5); "toolkit": what the toolkit's
-    engine holds (toolkit/zero/), which differs only in mixed precision: stage 0 keeps fp32
+    engine holds (toolkit/runtime/zero/), which differs only in mixed precision: stage 0 keeps fp32
     weights under autocast (4P + 4P + 8P, the same 16P in total), and stages 1-3 reduce gradients
     into an fp32 shard (4P/N) rather than a 16-bit one. With offload, `offload_ratio` of the
     optimizer shard sits in CPU memory (the toolkit rounds it to whole groups).

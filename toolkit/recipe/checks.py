@@ -53,7 +53,7 @@ def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[
 
 
 def _read_pretrained_config(config_path: Path) -> dict:
-    """A pretrained folder's config.json; {} when unreadable (models.py reports that when loading)."""
+    """A pretrained folder's config.json; {} when unreadable (toolkit/models/build.py reports that when loading)."""
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

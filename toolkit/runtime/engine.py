@@ -6,7 +6,7 @@ micro batch `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`
 `initialize(recipe, model=m)` trains any nn.Module: what a batch is and what the model's
 forward may return (a loss, an output with .loss, or logits) is toolkit/models/forward.py.
 
-The engine owns the model, the ZeRO strategy (toolkit/zero/: how gradients,
+The engine owns the model, the ZeRO strategy (toolkit/runtime/zero/: how gradients,
 optimizer states and parameters are split across ranks, and the AdamW that
 steps them), the schedule and the loss scaler; it joins the process group
 torchrun describes (one process needs none). The loop (toolkit/train/loop.py) owns

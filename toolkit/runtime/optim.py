@@ -130,7 +130,7 @@ def lr_at(spec: SchedulerSpec, base_lr: float, iteration: int) -> float:
         cosine = (1.0 + math.cos(math.pi * progress)) / 2
         # 3) held at cos_min_ratio past total_num_steps (progress clamped, as DeepSpeed master)
         return base_lr * max(0.0, spec.cos_min_ratio + (1.0 - spec.cos_min_ratio) * cosine)
-    raise ValueError(f"unknown scheduler type {spec.type!r}")  # recipe.py validated it: a toolkit bug
+    raise ValueError(f"unknown scheduler type {spec.type!r}")  # the recipe schema validated it: a toolkit bug
 
 
 class Schedule:

@@ -97,7 +97,7 @@ class ShardedAdamW:
             p.addcdiv_(m, denom, value=-step_size)
 
     def state_dict(self) -> dict:
-        """Step count and the settings in force (moments travel with the shard, see state.py)."""
+        """Step count and the settings in force (moments travel with the shard: toolkit/checkpoint/zero_shards.py)."""
         return {"step": self.step_count}
 
     def load_state_dict(self, state: dict) -> None:
