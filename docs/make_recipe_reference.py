@@ -29,6 +29,10 @@ KEY_KEYWORDS = {"type", "description", "default", "enum", "minimum", "maximum", 
 TOP_KEYWORDS = KEY_KEYWORDS | {"$schema", "$id", "title"}
 BRANCH_KEYWORDS = {"properties", "required", "errorMessage"}  # what a `then` may say
 BRANCH_KEY_KEYWORDS = {"default", "enum"}                     # what a `then` may say about one key
+# NOTE: in these sections a key that an if/then branch names is read only when one of its branches
+# applies, and refused elsewhere (toolkit/recipe/checks.py, _data_spec); their tables get a "read when"
+# column. Elsewhere a branch only narrows a key (model.size per family) or changes a default.
+READ_ONLY_IN_BRANCH = {"data"}
 
 
 def _unknown(node: dict, known: set, where: str) -> None:
@@ -164,7 +168,13 @@ def _section(path: str, node: dict, level: int, title: str = "") -> list[str]:
     lines = [f"{'#' * level} {title or f'`{path}`'}", ""]
     if node.get("description"):
         lines += [node["description"], ""]
-    lines += ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
+    read_when = {}
+    if path in READ_ONLY_IN_BRANCH:
+        for condition, then in branches:
+            for key in (*then.get("properties", {}), *then.get("required", [])):
+                read_when.setdefault(key, []).append(condition)
+    columns = ["key", "type", "default", "allowed", *(["read when"] if read_when else []), "description"]
+    lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     nested = []
     required = node.get("required", [])
     for key, child in node["properties"].items():
@@ -177,11 +187,14 @@ def _section(path: str, node: dict, level: int, title: str = "") -> list[str]:
         if "properties" in child:
             nested.append((f"{path}.{key}", child))
             description += f" Keys: see `{path}.{key}` below."
+        when = ["; or ".join(dict.fromkeys(read_when.get(key, ["always"])))] if read_when else []
         lines.append("| " + " | ".join(_cell(c) for c in (
-            name, _type(child), "; ".join(defaults), _allowed(child), description.strip())) + " |")
+            name, _type(child), "; ".join(defaults), _allowed(child), *when, description.strip())) + " |")
     rules = _choice_line(node, path) + [_branch_line(condition, then) for condition, then in branches]
     if rules:
         lines += ["", "Rules between keys:", "", *rules]
+    if read_when:
+        lines += ["", f"A `{path}` key given where its \"read when\" does not hold is an error naming when it is read."]
     lines.append("")
     for child_path, child in nested:
         lines += _section(child_path, child, level + 1)

@@ -66,12 +66,15 @@ def test_a_changed_description_makes_the_check_fail(tmp_path):
     assert "A new description of zero.stage." in _generator().render_reference(schema)
 
 
-def test_data_kind_branches_are_spelled_out_per_kind():
+def test_data_keys_say_under_which_kind_they_are_read():
     text = _generator().render_reference(_schema())
     assert ("When `kind` is `\"text\"`, `\"jsonl\"` or `\"parquet\"` and `tokenizer` is `\"bpe\"`: "
             "`vocab_size` is required.") in text
     assert "| `256` when `kind` is `\"synthetic\"` (or not given) |" in text
     assert "`field` defaults to `\"text\"`" in text.split("When `kind` is `\"jsonl\"`:")[1].split("\n")[0]
+    row = next(line for line in text.splitlines() if line.startswith("| `tokenizer_path`"))
+    assert "| `kind` is `\"text\"`, `\"jsonl\"` or `\"parquet\"` and `tokenizer` is `\"pretrained\"` |" in row
+    assert "| always |" in next(line for line in text.splitlines() if line.startswith("| `seq_len`"))
 
 
 def test_a_schema_keyword_the_page_cannot_show_stops_the_generator(tmp_path):
