@@ -10,7 +10,7 @@ import re
 import stat
 from pathlib import Path
 
-from toolkit.recipe.schema import RecipeError, _json_path, _json_type, clipped
+from toolkit.recipe.schema import RecipeError, clipped, json_path, json_type
 from toolkit.resources import shipped_dir
 
 
@@ -88,7 +88,7 @@ def check_nesting(value, parts=()) -> None:
     """Raise a one-line RecipeError when a Python value nests deeper than MAX_NESTING."""
     depth = nesting_depth(value)
     if depth > MAX_NESTING:
-        raise RecipeError(f"{_json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
+        raise RecipeError(f"{json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
                           f"(at most {MAX_NESTING} are read)")
 
 
@@ -101,14 +101,14 @@ def parse_json(text: str, parts=()):
     """
     depth = _nesting_depth(text)
     if depth > MAX_NESTING:
-        raise RecipeError(f"{_json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
+        raise RecipeError(f"{json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
                           f"(at most {MAX_NESTING} are read)")
     try:
         data = json.loads(text, object_pairs_hook=_object_keeping_duplicates)
     except json.JSONDecodeError:
         raise
     except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
-        raise RecipeError(f"{_json_path(parts)}: a number too long to read ({clipped(str(exc))})") from None
+        raise RecipeError(f"{json_path(parts)}: a number too long to read ({clipped(str(exc))})") from None
     duplicates = _duplicate_key_errors(data, tuple(parts))
     if duplicates:
         raise RecipeError(*duplicates)
@@ -131,7 +131,7 @@ def _duplicate_key_errors(node, parts=()) -> list[str]:
     """Each key given twice in one object; json.loads would silently keep the last."""
     errors = []
     if isinstance(node, _JsonObject):
-        errors += [f"{_json_path([*parts, k])}: duplicate key (the last one would win)" for k in node.duplicates]
+        errors += [f"{json_path([*parts, k])}: duplicate key (the last one would win)" for k in node.duplicates]
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     for key, value in items:
         errors += _duplicate_key_errors(value, (*parts, key))
@@ -166,7 +166,7 @@ def _read_json_object(path: Path) -> dict:
     except RecipeError as exc:
         raise RecipeError(*(f"{path}: {line}" for line in exc.lines)) from None
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: expected a JSON object at the top level, got {_json_type(data)}")
+        raise RecipeError(f"{path}: expected a JSON object at the top level, got {json_type(data)}")
     return data
 
 
@@ -181,7 +181,7 @@ def deep_merge(base: dict, child: dict) -> dict:
     return merged
 
 
-def _load_with_extends(path: Path) -> dict:
+def load_with_extends(path: Path) -> dict:
     """The recipe at `path` merged over its `extends` chain, base first; a loop, so a chain may be any length."""
     chain: list[Path] = []
     layers: list[dict] = []
