@@ -146,7 +146,7 @@ def data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSpe
     Each key is read only under the conditions the schema's if/then branches name (kind
     synthetic reads branching, kind jsonl reads field, ...); a key given where nothing
     reads it is an error, never silently ignored. Paths get their ${variables} expanded
-    and the files they name must exist (toolkit/data/corpus.py).
+    and the files they name must exist (toolkit/data/paths.py).
     """
     schema = load_schema()["properties"]["data"]
     branched = {k for then in (b.get("then", {}) for b in schema.get("allOf", ()))
@@ -168,7 +168,7 @@ def data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSpe
         return DataSpec(**common, vocab_size=data["vocab_size"], branching=data["branching"],
                         num_samples=data["num_samples"], eval_samples=data["eval_samples"]), []
 
-    from toolkit.data.corpus import expand_path, list_files
+    from toolkit.data.paths import expand_path, list_files
     from toolkit.data.tokenizer import BYTE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE, pretrained_vocab_size
 
     try:
