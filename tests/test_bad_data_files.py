@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.text_corpus import python_like_docs, text_recipe, write_corpus
-from toolkit.data.corpus import open_regular_file
+from toolkit.regular_files import open_regular_file
 from toolkit.data.batches import Dataset
 from toolkit.errors import UserError
 from toolkit.recipe.load import recipe_from_dict
@@ -107,13 +107,13 @@ def test_an_unreadable_file_is_an_error_naming_it(tmp_path):
 
 def test_a_file_this_process_may_not_read_is_an_error_even_when_root_could(tmp_path, monkeypatch):
     # The same check as above, where chmod cannot deny (tests run as root): os.access answers for the process.
-    import toolkit.data.corpus as corpus
+    import toolkit.data.paths as paths
 
     write_corpus(tmp_path / "corpus", python_like_docs(3))
     denied = str(tmp_path / "corpus" / "doc001.txt")
-    monkeypatch.setattr(corpus.os, "access", lambda path, mode: str(path) != denied)
+    monkeypatch.setattr(paths.os, "access", lambda path, mode: str(path) != denied)
     with pytest.raises(UserError) as info:
-        corpus.list_files((str(tmp_path / "corpus" / "*.txt"),), ())
+        paths.list_files((str(tmp_path / "corpus" / "*.txt"),), ())
     assert info.value.lines == [f"recipe.data.paths[0]: {denied}: cannot read: permission denied"]
 
 

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import REPO
 from tests.text_corpus import python_like_docs, text_recipe, write_corpus
 from toolkit.cli.main import main as cli_main
-from toolkit.data.corpus import PATH_VARIABLES, list_files
+from toolkit.data.paths import PATH_VARIABLES, list_files
 from toolkit.data.batches import Dataset
 from toolkit.errors import UserError
 from toolkit.recipe.load import RecipeError, load_recipe, load_schema, recipe_from_dict

@@ -1,10 +1,14 @@
-"""The one exception type for mistakes a user can fix (bad recipe, missing file,
-wrong world size, corrupt checkpoint). The CLI prints its lines and exits 2;
-anything else is a bug in the toolkit and keeps its traceback. Plus how a failed
-write (full disk, file-size limit, read-only) is told in a few words."""
+"""How the toolkit tells the user. The one exception type for mistakes a user can
+fix (bad recipe, missing file, wrong world size, corrupt checkpoint): the CLI prints
+its lines and exits 2; anything else is a bug in the toolkit and keeps its traceback.
+Plus how a failed write (full disk, file-size limit, read-only) is told in a few
+words, and `warn_once`, the one way a warning is printed once per launch however
+many ranks and processes meet it."""
 import errno
+import hashlib
 import os
 import re
+import sys
 
 
 class UserError(Exception):
@@ -13,6 +17,21 @@ class UserError(Exception):
     def __init__(self, *lines: str):
         self.lines = [str(line) for line in lines]
         super().__init__("\n".join(self.lines))
+
+
+_WARNED_ENV = "TOOLKIT_WARNED"
+
+
+def warn_once(line: str) -> None:
+    """Print `warning: line` to stderr once per launch: once per process, on rank 0 only, and not again in
+    ranks that `toolkit run --nproc` starts after the launcher printed it."""
+    # NOTE: the printed lines' digests go into the environment, which the launcher's ranks inherit.
+    digest = hashlib.sha256(line.encode()).hexdigest()[:12]
+    warned = os.environ.get(_WARNED_ENV, "").split()
+    if digest in warned or os.environ.get("RANK", "0") != "0":
+        return
+    os.environ[_WARNED_ENV] = " ".join([*warned, digest])
+    print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 # What a failed write reports: full disk, quota, file-size limit, read-only or forbidden, a file in a folder's place.

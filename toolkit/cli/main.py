@@ -10,18 +10,19 @@ import json
 import os
 import sys
 
-from toolkit.errors import UserError
+from toolkit.errors import UserError, warn_once
 
 EXIT_USER_ERROR = 2
 
 
 def _load_recipe_and_warn(args, world_size: int | None = None, *, warn: bool = True):
-    """The recipe the command names, with overrides; its warnings go to stderr as `warning: ...` lines."""
+    """The recipe the command names, with overrides; its warnings go to stderr as `warning: ...` lines, once per
+    launch (`warn_once`: the --nproc launcher says them and its ranks do not repeat them)."""
     from toolkit.recipe.load import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=world_size)
     for line in recipe.warnings if warn else ():
-        print(f"warning: {line}", file=sys.stderr, flush=True)
+        warn_once(line)
     return recipe
 
 
@@ -65,8 +66,8 @@ def _cmd_run(args) -> int:
         from toolkit.train.run_dir import default_run_dir
         from toolkit.train.launch import launch_ranks
 
-        # user mistakes: one line, here; warnings: rank 0's
-        recipe = _load_recipe_and_warn(args, args.nproc, warn=False)
+        # user mistakes: one line, here; warnings too, once (the ranks inherit warn_once's record)
+        recipe = _load_recipe_and_warn(args, args.nproc)
         check_recipe_packages(recipe)
         run_dir = args.run_dir or str(default_run_dir(recipe))
         return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, "--run-dir", run_dir], Path(run_dir))
@@ -93,7 +94,7 @@ def _run_this_process(args) -> None:
         from toolkit.train.launch import die_with_launcher
 
         die_with_launcher()
-    recipe = _load_recipe_and_warn(args, warn=os.environ.get("RANK", "0") == "0")
+    recipe = _load_recipe_and_warn(args)
     check_recipe_packages(recipe)  # before torch is imported; a missing matplotlib is noted at the end
     if certainly_cpu(recipe):  # refuse a recipe too big for this machine in a second, before torch loads
         check_memory_fit(recipe, "cpu", warn=False)

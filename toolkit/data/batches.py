@@ -38,10 +38,11 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from toolkit.data.corpus import fingerprint_files, list_files, read_documents, warn_once
 from toolkit.data.cache import (CACHE_FORMAT, build_lock, cache_dir, cache_key, cached_token_meta, publish_entry,
                                 read_tokens, set_aside_damaged)
-from toolkit.errors import UserError
+from toolkit.data.corpus import fingerprint_files, read_documents
+from toolkit.data.paths import list_files
+from toolkit.errors import UserError, warn_once
 from toolkit.specs import BatchSpec, DataSpec
 from toolkit.data.tokenizer import (RUN_TOKENIZER_DIR, TextTokenizer, byte_tokenizer, load_tokenizer_folder,
                                synthetic_tokenizer, train_bpe)

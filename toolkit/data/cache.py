@@ -16,8 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from toolkit.data.corpus import warn_once
-from toolkit.errors import UserError
+from toolkit.errors import UserError, warn_once
 from toolkit.specs import DataSpec
 
 CACHE_FORMAT = 1

@@ -147,7 +147,7 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> TextTokenizer:
 
 def _read_folder_file(path: Path, where: str) -> str:
     """The UTF-8 text of a regular file in a tokenizer folder, or one line naming it."""
-    from toolkit.data.corpus import open_regular_file
+    from toolkit.regular_files import open_regular_file
 
     try:
         with open_regular_file(path) as f:

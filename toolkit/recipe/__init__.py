@@ -6,7 +6,7 @@ Owns reading the JSON (files.py: `extends`, size and nesting caps), CLI
 the assembly into specs (load.py: `load_recipe`, `recipe_from_dict`).
 Torch-free: `toolkit validate` runs on it alone.
 
-May import: toolkit.errors, toolkit.resources, toolkit.specs, toolkit.data
-(the corpus files and tokenizer a recipe names are checked here), toolkit.models
-(the size presets).
+May import: toolkit.errors, toolkit.regular_files, toolkit.resources,
+toolkit.specs, toolkit.data (the corpus files and tokenizer a recipe names are
+checked here), toolkit.models (the size presets).
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.models.presets import SHAPES
-from toolkit.recipe.schema import _matching_branches, exclusive_keys, load_schema
+from toolkit.recipe.schema import exclusive_keys, load_schema, matching_branches
 from toolkit.specs import BatchSpec, DataSpec, ModelSpec
 
 
@@ -70,9 +70,11 @@ def _pretrained_vocab_errors(config: dict, vocab_size: int) -> list[str]:
     return []
 
 
-def _model_spec(model: dict, given: dict, data: dict, vocab_size: int,
-                recipe_dir: Path | None) -> tuple[ModelSpec | None, list[str]]:
-    """`model` has the schema defaults filled in; `given` is the model section as written."""
+def model_spec(model: dict, given: dict, data: dict, vocab_size: int,
+               recipe_dir: Path | None) -> tuple[ModelSpec | None, list[str]]:
+    """The model's shape from its size preset, explicit keys or pretrained folder, and the errors found.
+
+    `model` has the schema defaults filled in; `given` is the model section as written."""
     errors = []
     family = model["family"]
     explicit = ("n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size")
@@ -136,19 +138,21 @@ def _keys_read_elsewhere(data_schema: dict, key: str) -> list[str]:
     return conditions
 
 
-def _data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSpec | None, list[str]]:
-    """`data` has the schema defaults filled in; `given` is the data section as written.
+def data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSpec | None, list[str]]:
+    """The data section as a DataSpec (paths expanded, files listed, vocabulary known), and the errors found.
+
+    `data` has the schema defaults filled in; `given` is the data section as written.
 
     Each key is read only under the conditions the schema's if/then branches name (kind
     synthetic reads branching, kind jsonl reads field, ...); a key given where nothing
     reads it is an error, never silently ignored. Paths get their ${variables} expanded
-    and the files they name must exist (toolkit/data/corpus.py).
+    and the files they name must exist (toolkit/data/paths.py).
     """
     schema = load_schema()["properties"]["data"]
     branched = {k for then in (b.get("then", {}) for b in schema.get("allOf", ()))
                 for k in (*then.get("properties", {}), *then.get("required", ()))}
     read = set(schema["properties"]) - branched
-    for then in _matching_branches(schema, data):
+    for then in matching_branches(schema, data):
         read.update(then.get("properties", {}), then.get("required", ()))
     errors = [f"recipe.data.{key}: not read with data.kind {data['kind']}"
               + (f" and data.tokenizer {data['tokenizer']}" if data["kind"] != "synthetic" else "")
@@ -164,7 +168,7 @@ def _data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSp
         return DataSpec(**common, vocab_size=data["vocab_size"], branching=data["branching"],
                         num_samples=data["num_samples"], eval_samples=data["eval_samples"]), []
 
-    from toolkit.data.corpus import expand_path, list_files
+    from toolkit.data.paths import expand_path, list_files
     from toolkit.data.tokenizer import BYTE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE, pretrained_vocab_size
 
     try:
@@ -191,7 +195,8 @@ def _data_spec(data: dict, given: dict, recipe_dir: Path | None) -> tuple[DataSp
                     cache_dir=cache_dir), []
 
 
-def _training_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[int, list[str]]:
+def training_max_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[int, list[str]]:
+    """The run's length in optimizer steps: training.max_steps, or training.epochs over synthetic data."""
     if "max_steps" in training:
         return int(training["max_steps"]), []
     if data["kind"] != "synthetic":
@@ -205,7 +210,8 @@ def steps_per_epoch(data: dict, batch: BatchSpec) -> int:
     return data["num_samples"] // batch.global_batch
 
 
-def _check_cross_section(r: dict, batch: BatchSpec, max_steps: int) -> list[str]:
+def cross_section_errors(r: dict, batch: BatchSpec, max_steps: int) -> list[str]:
+    """The rules that join keys of different sections (scheduler, zero offload, data sizes, precision, device)."""
     errors = []
     sched = r["scheduler"]
     if sched["type"] != "constant":
@@ -271,7 +277,7 @@ def fp16_device_warning(dtype: str, device: str) -> str | None:
             "`toolkit run` here refuses it (training.device 'auto' falls back to the CPU); use 'bf16' on a CPU")
 
 
-def _world_size(world_size: int | None) -> tuple[int, list[str]]:
+def resolve_world_size(world_size: int | None) -> tuple[int, list[str]]:
     """The data-parallel world size: the argument, else $WORLD_SIZE (torchrun sets it), else 1."""
     if world_size is None:
         env = os.environ.get("WORLD_SIZE", "1")

@@ -7,55 +7,38 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 
-from toolkit.recipe.schema import RecipeError, _json_path, _json_type, clipped
+from toolkit.errors import UserError
+from toolkit.recipe.schema import RecipeError, clipped, json_path, json_type
+from toolkit.regular_files import open_regular_file, regular_file_problem
 from toolkit.resources import shipped_dir
 
 
 def find_recipe_file(name_or_path: str | os.PathLike) -> Path:
     """A recipe path, or the name of a shipped recipe (`quickstart`, `recipes/quickstart.json`)."""
     path = Path(name_or_path)
-    if _is_regular_file(path):
+    problem = regular_file_problem(path)
+    if problem is None:
         return path
     stem = path.name[:-5] if path.name.endswith(".json") else path.name
     shipped = shipped_dir("recipes") / f"{stem}.json"
-    if path.parent in (Path("."), Path("recipes")) and _is_regular_file(shipped):
+    if path.parent in (Path("."), Path("recipes")) and regular_file_problem(shipped) is None:
         return shipped
-    reason = _not_a_regular_file(path, "recipe")
-    if reason is not None and not reason.endswith("not found"):
-        raise RecipeError(f"{clipped(str(path))}: {reason}")
+    if problem.kind != "missing":
+        raise RecipeError(f"{clipped(str(path))}: {_not_a_recipe_file(problem, 'recipe')}")
     raise RecipeError(f"{clipped(str(path))}: recipe file not found (shipped recipes: `toolkit recipes`)")
 
 
-def _is_regular_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except (OSError, ValueError):  # a name too long, a NUL byte
-        return False
-
-
-def _not_a_regular_file(path: Path, what: str) -> str | None:
-    """Why `path` cannot be read as a recipe file (missing, a directory, a FIFO or device), or None."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
+def _not_a_recipe_file(problem, what: str) -> str:
+    """A recipe's words for a `regular_files.FileProblem`: `what` names the file (recipe, base recipe)."""
+    if problem.kind == "missing":  # NOTE: a dangling link too: its target is the file not found
         return "file not found"
-    except (OSError, ValueError) as exc:  # a name too long, a NUL byte
-        return f"cannot read: {clipped(getattr(exc, 'strerror', None) or str(exc))}"
-    if stat.S_ISDIR(mode):
+    if problem.kind == "directory":
         return f"is a directory, expected a {what} JSON file"
-    if not stat.S_ISREG(mode):
+    if problem.kind == "special":
         return f"is not a regular file (a FIFO, socket or device), expected a {what} JSON file"
-    return None
-
-
-def _check_regular_file(path: Path, what: str) -> None:
-    """Raise a one-line RecipeError unless `path` is a regular file."""
-    reason = _not_a_regular_file(path, what)
-    if reason is not None:
-        raise RecipeError(f"{clipped(str(path))}: {reason}")
+    return clipped(problem.words)
 
 
 # NOTE: a recipe is a few KB and four levels deep; these caps keep a wrong file (a 50 MB dump, a
@@ -88,7 +71,7 @@ def check_nesting(value, parts=()) -> None:
     """Raise a one-line RecipeError when a Python value nests deeper than MAX_NESTING."""
     depth = nesting_depth(value)
     if depth > MAX_NESTING:
-        raise RecipeError(f"{_json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
+        raise RecipeError(f"{json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
                           f"(at most {MAX_NESTING} are read)")
 
 
@@ -101,14 +84,14 @@ def parse_json(text: str, parts=()):
     """
     depth = _nesting_depth(text)
     if depth > MAX_NESTING:
-        raise RecipeError(f"{_json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
+        raise RecipeError(f"{json_path(parts)}: nested {depth} levels deep; a recipe needs 4 "
                           f"(at most {MAX_NESTING} are read)")
     try:
         data = json.loads(text, object_pairs_hook=_object_keeping_duplicates)
     except json.JSONDecodeError:
         raise
     except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
-        raise RecipeError(f"{_json_path(parts)}: a number too long to read ({clipped(str(exc))})") from None
+        raise RecipeError(f"{json_path(parts)}: a number too long to read ({clipped(str(exc))})") from None
     duplicates = _duplicate_key_errors(data, tuple(parts))
     if duplicates:
         raise RecipeError(*duplicates)
@@ -131,7 +114,7 @@ def _duplicate_key_errors(node, parts=()) -> list[str]:
     """Each key given twice in one object; json.loads would silently keep the last."""
     errors = []
     if isinstance(node, _JsonObject):
-        errors += [f"{_json_path([*parts, k])}: duplicate key (the last one would win)" for k in node.duplicates]
+        errors += [f"{json_path([*parts, k])}: duplicate key (the last one would win)" for k in node.duplicates]
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     for key, value in items:
         errors += _duplicate_key_errors(value, (*parts, key))
@@ -147,9 +130,12 @@ def _plain(node):
 
 
 def _read_json_object(path: Path) -> dict:
-    _check_regular_file(path, "recipe")
+    problem = regular_file_problem(path)
+    if problem is not None:
+        raise RecipeError(f"{clipped(str(path))}: {_not_a_recipe_file(problem, 'recipe')}")
     try:
-        with open(path, "rb") as file:
+        # NOTE: open_regular_file checks the opened file again: a FIFO swapped in since the look above is refused.
+        with open_regular_file(path) as file:
             data = file.read(MAX_RECIPE_BYTES + 1)
         if len(data) > MAX_RECIPE_BYTES:  # before decoding: the cut may split a character
             raise RecipeError(f"{path}: larger than {MAX_RECIPE_BYTES >> 20} MiB, not a recipe (a recipe is a few KB)")
@@ -157,6 +143,10 @@ def _read_json_object(path: Path) -> dict:
         text = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"{path}: cannot read: {clipped(str(exc))}") from None
+    except RecipeError:
+        raise
+    except UserError as exc:  # open_regular_file's line
+        raise RecipeError(*exc.lines) from None
     if not text.strip():
         raise RecipeError(f"{path}: empty file, expected a JSON object")
     try:
@@ -166,7 +156,7 @@ def _read_json_object(path: Path) -> dict:
     except RecipeError as exc:
         raise RecipeError(*(f"{path}: {line}" for line in exc.lines)) from None
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: expected a JSON object at the top level, got {_json_type(data)}")
+        raise RecipeError(f"{path}: expected a JSON object at the top level, got {json_type(data)}")
     return data
 
 
@@ -181,7 +171,7 @@ def deep_merge(base: dict, child: dict) -> dict:
     return merged
 
 
-def _load_with_extends(path: Path) -> dict:
+def load_with_extends(path: Path) -> dict:
     """The recipe at `path` merged over its `extends` chain, base first; a loop, so a chain may be any length."""
     chain: list[Path] = []
     layers: list[dict] = []
@@ -200,10 +190,11 @@ def _load_with_extends(path: Path) -> dict:
         if not isinstance(base_ref, str):
             raise RecipeError(f"{path}: recipe.extends: {clipped(json.dumps(base_ref))} is not a path string")
         base_path = path.parent / base_ref
-        reason = _not_a_regular_file(base_path, "base recipe")
-        if reason is not None:
-            where = f" (looked at {clipped(str(base_path))})" if reason.endswith("not found") else ""
-            raise RecipeError(f"{path}: recipe.extends: {clipped(base_ref)}: {reason}{where}")
+        problem = regular_file_problem(base_path)
+        if problem is not None:
+            where = f" (looked at {clipped(str(base_path))})" if problem.kind == "missing" else ""
+            raise RecipeError(f"{path}: recipe.extends: {clipped(base_ref)}: "
+                              f"{_not_a_recipe_file(problem, 'base recipe')}{where}")
         path = base_path.resolve()
     merged = layers.pop()
     while layers:

@@ -7,9 +7,10 @@ No torch here: `toolkit validate` must answer in well under a second.
 
 Where it lives: this module builds the `Recipe` (`build_recipe`, `load_recipe`,
 `recipe_from_dict`) and re-exports the public names of the others, so import from
-toolkit.recipe.load. recipe_files.py reads files and `extends`; recipe_overrides.py
-applies `key.path=value`; recipe_schema.py validates and fills defaults;
-recipe_checks.py holds the semantic checks and section specs.
+toolkit.recipe.load. files.py reads files and `extends`; overrides.py applies
+`key.path=value`; schema.py validates and fills defaults; checks.py holds the
+semantic checks and section specs. The names these siblings hand each other are
+public (no underscore); an underscore name is private to its file.
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ import json
 import os
 from pathlib import Path
 
-from toolkit.recipe.checks import (_check_cross_section, _data_spec, _model_spec, _training_steps, _world_size,
-                                   recipe_warnings, resolve_batch, steps_per_epoch)
-from toolkit.recipe.files import _load_with_extends, check_nesting, deep_merge, find_recipe_file
+from toolkit.recipe.checks import (cross_section_errors, data_spec, model_spec, recipe_warnings, resolve_batch,
+                                   resolve_world_size, steps_per_epoch, training_max_steps)
+from toolkit.recipe.files import check_nesting, deep_merge, find_recipe_file, load_with_extends
 from toolkit.recipe.overrides import apply_overrides
-from toolkit.recipe.schema import RecipeError, _coerce_integers, fill_defaults, load_schema, schema_errors
+from toolkit.recipe.schema import RecipeError, coerce_integers, fill_defaults, load_schema, schema_errors
 from toolkit.specs import (CheckpointSpec, KernelsSpec, LoggingSpec, LossScaleSpec, OptimizerSpec, PrecisionSpec,
                            Recipe, SchedulerSpec, TrainingSpec, WandbSpec, ZeroSpec)
 
@@ -61,23 +62,23 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
                  default_name: str = "recipe") -> Recipe:
     """Validate a merged recipe dict and build the typed `Recipe`; raises RecipeError with every problem."""
     check_nesting(raw)  # the Python API's dicts too: every walker below recurses
-    world_size, errors = _world_size(world_size)
+    world_size, errors = resolve_world_size(world_size)
     errors += schema_errors(raw)
     if errors:
         raise RecipeError(*errors)
-    raw = _coerce_integers(load_schema(), {k: v for k, v in raw.items() if k != "recipe_hash"})
+    raw = coerce_integers(load_schema(), {k: v for k, v in raw.items() if k != "recipe_hash"})
     r = fill_defaults(load_schema(), raw)
     r["_given_precision"] = raw.get("precision", {})
     recipe_dir = source.parent if source is not None else None
     _anchor_paths(r, recipe_dir)
-    data, errors = _data_spec(r["data"], raw["data"], recipe_dir)
-    model, model_errors = _model_spec(r["model"], raw["model"], r["data"], data.vocab_size if data else 2, recipe_dir)
+    data, errors = data_spec(r["data"], raw["data"], recipe_dir)
+    model, model_errors = model_spec(r["model"], raw["model"], r["data"], data.vocab_size if data else 2, recipe_dir)
     batch, batch_errors = resolve_batch(r["batch"], world_size)
     errors += model_errors + batch_errors
     max_steps, warnings = 0, []
     if batch is not None:
-        max_steps, step_errors = _training_steps(r["training"], r["data"], batch)
-        errors += step_errors + _check_cross_section(r, batch, max_steps)
+        max_steps, step_errors = training_max_steps(r["training"], r["data"], batch)
+        errors += step_errors + cross_section_errors(r, batch, max_steps)
         warnings = recipe_warnings(r, raw, max_steps)
     del r["_given_precision"]
     if errors:
@@ -120,7 +121,7 @@ def load_recipe(path_or_name: str | os.PathLike, overrides: list[str] | tuple = 
                 world_size: int | None = None) -> Recipe:
     """Load, extend, override, validate and type a recipe file (or a shipped recipe's name)."""
     path = find_recipe_file(path_or_name)
-    written = _load_with_extends(path)
+    written = load_with_extends(path)
     default_name = path.name[:-5] if path.name.endswith(".json") else path.name
     recipe = build_recipe(apply_overrides(written, list(overrides)), source=path, world_size=world_size,
                           default_name=default_name)

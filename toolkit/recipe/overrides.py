@@ -7,16 +7,16 @@ import json
 from typing import Any
 
 from toolkit.recipe.files import check_nesting, parse_json
-from toolkit.recipe.schema import (_TYPE_NAMES, RecipeError, _did_you_mean, _json_path, _json_type, clipped,
-                                   exclusive_keys, load_schema)
+from toolkit.recipe.schema import (TYPE_NAMES, RecipeError, clipped, did_you_mean, exclusive_keys, json_path,
+                                   json_type, load_schema)
 
 
 def _parse_override_value(raw: str, node: dict, keys: list[str]) -> Any:
     """The override's text as the JSON type the schema wants there; raises ValueError naming that type, or
-    RecipeError for JSON no recipe reads (too deep, duplicate keys: `recipe_files.parse_json`)."""
+    RecipeError for JSON no recipe reads (too deep, duplicate keys: `files.parse_json`)."""
     kinds = node.get("type")
     if kinds is None and "enum" in node:
-        kinds = sorted({_json_type(v) for v in node["enum"]})
+        kinds = sorted({json_type(v) for v in node["enum"]})
     kinds = [kinds] if isinstance(kinds, str) else (kinds or ["string"])
     if kinds == ["string"]:
         return raw
@@ -25,19 +25,19 @@ def _parse_override_value(raw: str, node: dict, keys: list[str]) -> Any:
     except json.JSONDecodeError:
         if "string" in kinds:
             return raw
-        raise ValueError(" or ".join(_TYPE_NAMES.get(k, k) for k in kinds)) from None
+        raise ValueError(" or ".join(TYPE_NAMES.get(k, k) for k in kinds)) from None
 
 
 def _override_target(keys: list[str]) -> tuple[dict | None, dict, str | None]:
     """The schema node at `keys` and its parent's, or None and a one-line reason naming the first key that is wrong."""
     node = parent = load_schema()
     for depth, key in enumerate(keys):
-        where = _json_path(keys[:depth + 1])
+        where = json_path(keys[:depth + 1])
         if node.get("type") != "object" or "properties" not in node:
-            return None, parent, f"{_json_path(keys[:depth])}: is not an object, so it has no key '{key}'"
+            return None, parent, f"{json_path(keys[:depth])}: is not an object, so it has no key '{key}'"
         known = node["properties"]
         if key not in known:
-            reason = "empty key" if not key else f"unknown key{_did_you_mean(key, known)}"
+            reason = "empty key" if not key else f"unknown key{did_you_mean(key, known)}"
             return None, parent, f"{where}: {reason}"
         parent, node = node, known[key]
     return node, parent, None
@@ -57,7 +57,7 @@ def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
     """Apply `key.path=value` overrides, each typed by the schema; errors name `recipe.key.path`.
 
     `key.path=null` removes the key. Setting a key removes the keys the schema says it excludes
-    (`recipe_schema.exclusive_keys`: training.epochs clears max_steps, model.pretrained clears size, ...).
+    (`schema.exclusive_keys`: training.epochs clears max_steps, model.pretrained clears size, ...).
     """
     check_nesting(recipe)
     recipe = json.loads(json.dumps(recipe))
@@ -69,7 +69,7 @@ def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
             continue
         keys = dotted.split(".")
         if keys[0] in ("extends", "$schema", "recipe_hash"):
-            errors.append(f"{_json_path(keys)}: cannot be overridden (override {clipped(repr(item))}); edit the recipe file")
+            errors.append(f"{json_path(keys)}: cannot be overridden (override {clipped(repr(item))}); edit the recipe file")
             continue
         node, parent, reason = _override_target(keys)
         if node is None:
@@ -78,7 +78,7 @@ def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
         try:
             value = None if raw == "null" else _parse_override_value(raw, node, keys)
         except ValueError as exc:
-            errors.append(f"{_json_path(keys)}: {clipped(repr(raw))} is not {exc} (override {clipped(repr(item))})")
+            errors.append(f"{json_path(keys)}: {clipped(repr(raw))} is not {exc} (override {clipped(repr(item))})")
             continue
         except RecipeError as exc:
             errors += [f"{line} (override {clipped(repr(item))})" for line in exc.lines]
@@ -87,7 +87,7 @@ def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
         for depth, key in enumerate(keys[:-1]):
             target = target.setdefault(key, {})
             if not isinstance(target, dict):
-                errors.append(f"{_json_path(keys[:depth + 1])}: is not an object in the recipe (override {clipped(repr(item))})")
+                errors.append(f"{json_path(keys[:depth + 1])}: is not an object in the recipe (override {clipped(repr(item))})")
                 break
         else:
             _set_or_remove(target, keys[-1], value, exclusive_keys(parent).get(keys[-1], ()))

@@ -33,14 +33,16 @@ def load_schema() -> dict:
     return json.loads(schema_path().read_text())
 
 
-def _json_path(parts) -> str:
+def json_path(parts) -> str:
+    """The JSON path an error line names: `recipe.zero.stage`, `recipe.data.paths[0]` (long keys clipped)."""
     out = "recipe"
     for part in parts:
         out += f"[{part}]" if isinstance(part, int) else f".{clipped(part, 40)}"
     return out
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """The JSON Schema type name of a parsed JSON value (`integer`, `object`, ...)."""
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, int):
@@ -56,33 +58,35 @@ def _json_type(value: Any) -> str:
     return "string"
 
 
-def _did_you_mean(key: str, known) -> str:
+def did_you_mean(key: str, known) -> str:
+    """The hint after an unknown key: the closest known key, else the list of known keys."""
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{close[0]}'?"
     return f" (expected one of: {', '.join(sorted(known))})"
 
 
-_TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string",
-               "boolean": "true or false", "object": "an object", "array": "a list"}
+# How an error line names each JSON Schema type: `... is not an integer`.
+TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string",
+              "boolean": "true or false", "object": "an object", "array": "a list"}
 
 
 def _format_schema_error(error, recipe: dict) -> list[str]:
-    where = _json_path(error.absolute_path)
+    where = json_path(error.absolute_path)
     if error.validator == "additionalProperties":
         known = error.schema.get("properties", {}).keys()
         extras = [k for k in error.instance if k not in known]
-        return [f"{_json_path([*error.absolute_path, k])}: unknown key{_did_you_mean(k, known)}" for k in extras]
+        return [f"{json_path([*error.absolute_path, k])}: unknown key{did_you_mean(k, known)}" for k in extras]
     if error.validator == "required":
         missing = error.message.split("'")[1]
         why = f" ({error.schema['errorMessage']})" if "errorMessage" in error.schema else ""
-        return [f"{_json_path([*error.absolute_path, missing])}: required, missing{why}"]
+        return [f"{json_path([*error.absolute_path, missing])}: required, missing{why}"]
     if error.validator in ("anyOf", "oneOf") and "errorMessage" in error.schema:
         return [f"{where}: {error.schema['errorMessage']}"]
     if error.validator == "type":
         expected = error.validator_value
         expected = [expected] if isinstance(expected, str) else expected
-        wanted = " or ".join(_TYPE_NAMES.get(t, t) for t in expected)
+        wanted = " or ".join(TYPE_NAMES.get(t, t) for t in expected)
         return [f"{where}: {clipped(json.dumps(error.instance))} is not {wanted}"]
     if error.validator == "enum":
         hint = ""
@@ -105,9 +109,9 @@ def _number_errors(node, parts=()) -> list[str]:
     """NaN and Infinity (Python's JSON reader accepts them and JSON Schema ranges do not catch NaN), and
     numbers past NUMBER_LIMIT, wherever they are in the recipe."""
     if isinstance(node, float) and not math.isfinite(node):
-        return [f"{_json_path(parts)}: {json.dumps(node)} is not a finite number"]
+        return [f"{json_path(parts)}: {json.dumps(node)} is not a finite number"]
     if isinstance(node, (int, float)) and not isinstance(node, bool) and abs(node) >= NUMBER_LIMIT:
-        return [f"{_json_path(parts)}: {clipped(json.dumps(node), 30)} is out of range (a recipe's numbers are "
+        return [f"{json_path(parts)}: {clipped(json.dumps(node), 30)} is out of range (a recipe's numbers are "
                 "below 2**63)"]
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     return [line for key, value in items for line in _number_errors(value, (*parts, key))]
@@ -171,21 +175,21 @@ def exclusive_keys(node: dict) -> dict[str, list[str]]:
     return out
 
 
-def _coerce_integers(node: dict, instance: Any) -> Any:
+def coerce_integers(node: dict, instance: Any) -> Any:
     """JSON Schema counts 4.0 as an integer; make it the int 4 wherever the schema wants an integer."""
     wants_int = node.get("type") == "integer" or (
-        "enum" in node and all(_json_type(v) == "integer" for v in node["enum"]))
+        "enum" in node and all(json_type(v) == "integer" for v in node["enum"]))
     if wants_int and isinstance(instance, float) and instance.is_integer():
         return int(instance)
     if isinstance(instance, dict):
         props = node.get("properties", {})
-        return {k: _coerce_integers(props[k], v) if k in props else v for k, v in instance.items()}
+        return {k: coerce_integers(props[k], v) if k in props else v for k, v in instance.items()}
     if isinstance(instance, list) and isinstance(node.get("items"), dict):
-        return [_coerce_integers(node["items"], v) for v in instance]
+        return [coerce_integers(node["items"], v) for v in instance]
     return instance
 
 
-def _matching_branches(node: dict, instance: dict) -> list[dict]:
+def matching_branches(node: dict, instance: dict) -> list[dict]:
     """The `then` schemas of `allOf: [{if, then}]` whose `if` the instance satisfies."""
     from jsonschema import Draft202012Validator
 
@@ -207,7 +211,7 @@ def fill_defaults(node: dict, instance: dict) -> dict:
             out[key] = json.loads(json.dumps(sub["default"]))
         if sub.get("type") == "object" and "properties" in sub:
             out[key] = fill_defaults(sub, out.get(key, {}))
-    for then in _matching_branches(node, out):
+    for then in matching_branches(node, out):
         for key, sub in then.get("properties", {}).items():
             if key not in out and isinstance(sub, dict) and "default" in sub:
                 out[key] = json.loads(json.dumps(sub["default"]))
