@@ -32,7 +32,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -214,7 +213,7 @@ def table(args, results: list[dict]) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.zero_gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="124m")
     parser.add_argument("--layers", type=int, default=0, help="custom GPT-2 shape (with --width, --heads)")
     parser.add_argument("--width", type=int, default=0)
