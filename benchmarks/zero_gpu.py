@@ -250,7 +250,10 @@ def main() -> int:
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n".join(lines) + "\n\n")
-    return 0
+    failed = [f"{r['config']} on {r['gpus']} GPU(s)" for r in results if "error" in r]
+    if failed:  # the table keeps its rows; the exit status says the call is not all good (gpu_check.sh's summary)
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
