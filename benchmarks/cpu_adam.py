@@ -16,11 +16,11 @@ for the device, the gradient zeroed for the next accumulation:
   torch foreach      torch.optim.AdamW(foreach=True)
   torch for-loop     torch.optim.AdamW() default on the CPU (single-tensor)
 
-    python benchmarks/cpu_adam.py [--steps 10] [--threads N] [--skip-forloop]
+    python -m benchmarks.cpu_adam [--steps 10] [--threads N] [--skip-forloop]
 
 Prints one table (machine, threads; median and best ms per step, GB/s of optimizer
 traffic at 28 bytes per parameter, ratios to torch fused). On a shared machine the
-best round is the steadier figure. Record it in benchmarks/HISTORY-kernels.md.
+best round is the steadier figure. Current figures: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -30,13 +30,10 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from toolkit.ops.cpu_adam import cpu_adam_status, load_cpu_adam  # noqa: E402
+from toolkit.ops.cpu_adam import cpu_adam_status, load_cpu_adam
 
 LR, BETAS, EPS, WD = 6e-4, (0.9, 0.95), 1e-8, 0.1
 
@@ -123,7 +120,7 @@ def toolkit_per_tensor(module, shapes):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_adam", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")

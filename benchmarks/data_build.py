@@ -7,7 +7,7 @@ at GPT-2 124M's (seq_len 1024, micro batch 16).
     python -m benchmarks.data_build [RECIPE] [--seconds S] [key=value ...]
 
 The target is 35M tokens/s: 10x the ~3.5M tokens/s that GPT-2 124M trains at on
-one H200 (the figure issue 6 gives). Results are in README.md, section Benchmarks.
+one H200 (the figure issue 6 gives). Current figures: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 

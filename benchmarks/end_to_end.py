@@ -14,7 +14,7 @@ tokens/s over --steps optimizer steps, peak allocated memory and MFU:
                           F.cross_entropy(logits.float()), clip_grad_norm_
   plain compiled          the same with torch.compile(model)
 
-    python benchmarks/end_to_end.py [--size 124m] [--steps 10] [--only name,name] [--rounds R] [--markdown FILE]
+    python -m benchmarks.end_to_end [--size 124m] [--steps 10] [--only name,name] [--rounds R] [--markdown FILE]
 
 MFU = tokens/s x (6 N + 12 L d T) / 989.4e12 (nanoGPT's FLOPs per token with attention;
 H200 SXM dense bf16 peak from the datasheet; about 790e12 measured on random matrices).
@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PEAK_FLOPS = 989.4e12
 SEQ, MICRO = 1024, 16
@@ -135,7 +133,7 @@ CONFIGS = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.end_to_end", description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="124m")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", default=",".join(CONFIGS))

@@ -12,7 +12,7 @@ Sections (each a table; `--only` picks some):
             tokens, forward and forward+backward: toolkit op vs torch eager vs
             torch.compile of the same eager code; GB/s from the bytes each must move
 
-    python benchmarks/kernels.py [--only copy,adamw,layers] [--markdown FILE]
+    python -m benchmarks.kernels [--only copy,adamw,layers] [--markdown FILE]
 
 Timing: wall = CUDA events around a loop of calls, after warm-up (and compilation),
 median of 5 repeats (host overhead counts where the host is the limit); GPU = the
@@ -30,10 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from toolkit.ops import custom_ops, loader  # noqa: E402
-from toolkit.ops.fused_adamw import FusedAdamW, adamw_step  # noqa: E402
+from toolkit.ops import custom_ops, loader
+from toolkit.ops.fused_adamw import FusedAdamW, adamw_step
 
 TOKENS = 16 * 1024  # micro batch 16 x sequence 1024
 LR, BETAS, EPS, WD = 6e-4, (0.9, 0.95), 1e-8, 0.1
@@ -310,7 +308,7 @@ def bench_layers(copy_gbps: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="copy,adamw,layers")
     parser.add_argument("--markdown", default=None, help="also write the tables to this file")
     args = parser.parse_args()

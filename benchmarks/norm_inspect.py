@@ -6,7 +6,7 @@ kernel with its GPU us per call, grid, block, registers a thread and shared memo
 profiler's trace). Inductor's generated code for the forward+backward of each case goes to
 --code-dir, so its reduction shapes, warps and cache hints can be read beside ours.
 
-    python benchmarks/norm_inspect.py [--markdown FILE] [--code-dir DIR]
+    python -m benchmarks.norm_inspect [--markdown FILE] [--code-dir DIR]
 """
 from __future__ import annotations
 
@@ -19,12 +19,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench import table  # noqa: E402
-from tune_norm import CASES, compiled_cases, inputs  # noqa: E402
-from toolkit.ops import loader  # noqa: E402
+from benchmarks.kernels import table
+from benchmarks.norm_tune import CASES, compiled_cases, inputs
+from toolkit.ops import loader
 
 ITERS = 20
 
@@ -62,7 +59,7 @@ def compiled_with_code(case_index: int, cases_data) -> tuple:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.norm_inspect", description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", help="append the table to this file")
     parser.add_argument("--code-dir", help="write Inductor's code per case here")
     args = parser.parse_args()

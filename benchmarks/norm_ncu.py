@@ -2,20 +2,16 @@
 each inside a profiler range, everything compiled and warmed up before it.
 
     ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats ... \\
-        python benchmarks/norm_ncu.py            (gpu_check.sh stage `ncu`)
+        python -m benchmarks.norm_ncu            (gpu_check.sh stage `ncu`)
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tune_norm import CASES, compiled_cases, inputs  # noqa: E402
-from toolkit.ops import loader  # noqa: E402
+from benchmarks.norm_tune import CASES, compiled_cases, inputs
+from toolkit.ops import loader
 
 
 def main() -> int:

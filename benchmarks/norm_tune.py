@@ -15,7 +15,7 @@ sums' columns per block (8, 16, 32). This builds the norm extension once per sha
 its forward and its backward (GPU ms from the profiler) on the benchmark's shapes, beside
 torch.compile's (its backward: forward+backward minus forward).
 
-    python benchmarks/norm_tune.py [--shapes P,R,B,M,F[,name=N...];...] [--no-compile] [--rounds N]
+    python -m benchmarks.norm_tune [--shapes P,R,B,M,F[,name=N...];...] [--no-compile] [--rounds N]
         [--cold-l2] [--markdown FILE]
 """
 from __future__ import annotations
@@ -31,11 +31,8 @@ from statistics import median
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench import TOKENS, backward_after_flush, gpu_ms, kernel_us, table  # noqa: E402
-from toolkit.ops import loader  # noqa: E402
+from benchmarks.kernels import TOKENS, backward_after_flush, gpu_ms, kernel_us, table
+from toolkit.ops import loader
 
 MACROS = ("PER", "ROWS", "BLOCK", "MIN_BLOCKS", "PREFETCH")
 # Optional name=value tails, each setting macros (the per-norm ones for both norms).
@@ -224,13 +221,13 @@ def time_compiled(fns) -> list[tuple[float, float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.norm_tune", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=";".join(SHAPES), help="P,R,B,M,F[,name=N] shapes separated by ;")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     parser.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved")
     parser.add_argument("--cold-l2", action="store_true",
                         help="overwrite the L2 cache before each timed call and between compile's forward and "
-                             "backward (bench.kernel_us's cold_l2)")
+                             "backward (benchmarks.kernels.kernel_us's cold_l2)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     global COLD_L2

@@ -6,7 +6,7 @@ time) and the kernels grouped into families (GEMM, attention, norm, GELU, cross-
 other elementwise, ...); then one table of the families side by side, so a gap between two
 configurations shows up as the family that holds it.
 
-    python benchmarks/profile_e2e.py --size 1.5b --only "toolkit fused compiled,plain compiled" [--markdown FILE]
+    python -m benchmarks.profile_e2e --size 1.5b --only "toolkit fused compiled,plain compiled" [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import CONFIGS, MICRO, SEQ  # noqa: E402
+from benchmarks.end_to_end import CONFIGS, MICRO, SEQ
 
 # First match wins: kernel-name patterns (lower case) -> family. Inductor names a fused kernel after
 # every op in it, so the order matters (a GELU kernel also holds a `_to_copy`).
@@ -74,7 +73,7 @@ def profile(model, step, steps: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="124m")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--only", default="toolkit fused compiled,plain compiled")

@@ -32,7 +32,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -214,7 +213,7 @@ def table(args, results: list[dict]) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.zero_gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="124m")
     parser.add_argument("--layers", type=int, default=0, help="custom GPT-2 shape (with --width, --heads)")
     parser.add_argument("--width", type=int, default=0)
@@ -251,7 +250,10 @@ def main() -> int:
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n".join(lines) + "\n\n")
-    return 0
+    failed = [f"{r['config']} on {r['gpus']} GPU(s)" for r in results if "error" in r]
+    if failed:  # the table keeps its rows; the exit status says the call is not all good (gpu_check.sh's summary)
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

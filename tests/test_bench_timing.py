@@ -1,24 +1,14 @@
 """benchmarks/kernels.py's timing helpers, on the CPU with a fake profiler (the benchmarks themselves need a GPU)."""
-import importlib.util
-
 import pytest
 import torch
 
-from tests.conftest import REPO
-
-
-def load_bench():
-    """benchmarks/kernels.py as a module (kernels/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("kernels_bench", REPO / "kernels" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+from benchmarks import kernels as bench
 
 
 def test_cold_l2_timing_counts_only_the_timed_calls_kernels(monkeypatch):
     """kernel_us(cold_l2=True): the flushes' kernel is dropped, or subtracted (once per flush, also one
     fn makes itself between its forward and backward) where fn launches the same kernel."""
-    bench = load_bench()
+    monkeypatch.setattr(bench, "_L2", {"buffer": None, "on": False, "flushes": 0})  # the module's state, fresh
     monkeypatch.setattr(bench, "_overwrite_l2", lambda: None)  # no GPU: the flush itself is faked
 
     x = torch.randn(8, requires_grad=True)

@@ -37,7 +37,7 @@ def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
     py = _venv_seeing_this_environment(venv)
     # A copy of the sources: setuptools writes build/ and *.egg-info next to what it builds.
     source = tmp_path / "source"
-    for name in ("toolkit", "schemas", "recipes", "kernels"):
+    for name in ("toolkit", "schemas", "recipes", "kernels", "benchmarks"):  # benchmarks/: present, not shipped
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, source / name)
@@ -45,6 +45,12 @@ def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
     proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                            "--ignore-installed", str(source)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    installed = [line.split(",")[0] for record in venv.glob("lib/python*/site-packages/toolkit-*.dist-info/RECORD")
+                 for line in record.read_text().splitlines()]
+    assert any(path.startswith("toolkit/_shipped/kernels/") for path in installed), installed
+    benchmark_code = [path for path in installed
+                      if path.startswith("benchmarks/") or Path(path).name.startswith("bench")]
+    assert not benchmark_code, benchmark_code  # issue 19: the wheel carries no benchmark, tuner or device script
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()

@@ -1,0 +1,90 @@
+"""benchmarks/gpu_check.sh's stage machinery on the CPU: a failing stage reaches the call's exit code and
+its summary line, whatever `| tee` sits behind it.
+
+The script runs from the repository root as on the device, with `python3` on PATH standing for this
+interpreter, no carried wheels, and TEST_TARGETS pointing its `tests` stage at small pytest targets
+written here (the device's CUDA tests would only skip on this machine)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+@pytest.fixture
+def gpu_check(tmp_path):
+    """run(*stages, tests=TARGET, NAME=value...) -> (exit code, output) of `bash benchmarks/gpu_check.sh STAGES`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"  # a wrapper, not a symlink: a venv's python must be called by its own path
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    (tmp_path / "no-wheels").mkdir()
+
+    def run(*stages, tests=None, **variables):
+        env = {**os.environ, **variables, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+               "WHEELS": str(tmp_path / "no-wheels"), "OMP_NUM_THREADS": "1"}
+        if tests is not None:
+            env["TEST_TARGETS"] = str(tests)
+        proc = subprocess.run(["bash", str(SCRIPT), *stages], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=300)
+        return proc.returncode, proc.stdout
+
+    return run
+
+
+def summary(output: str) -> list[tuple[str, str]]:
+    """The closing summary's lines as (stage, verdict), in order."""
+    assert "=== summary" in output, output
+    lines = output.split("=== summary", 1)[1].strip().splitlines()
+    return [re.fullmatch(r"(\S+)\s+(.+)", line).groups() for line in lines]
+
+
+def test_a_pytest_that_cannot_start_fails_the_call_and_its_summary_line(gpu_check, tmp_path):
+    """The incident of issue 19: a plugin (here a conftest) that fails to import stops pytest before any test."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "conftest.py").write_text("raise ImportError(\"No module named 'nbformat'\")\n")
+    (broken / "test_fine.py").write_text("def test_fine():\n    assert True\n")
+    code, output = gpu_check("tests", tests=broken)
+    assert code == 4, output  # pytest's usage error: it could not load its conftest
+    assert summary(output) == [("tests", "FAILED rc 4"), ("logs.tgz", "ok")]
+
+
+def test_no_test_collected_or_passed_fails_the_tests_stage(gpu_check, tmp_path):
+    empty = tmp_path / "test_empty.py"
+    empty.write_text('"""no tests here"""\n')
+    code, output = gpu_check("tests", tests=empty)
+    assert code == 5, output  # pytest's "no tests collected"
+    assert summary(output)[0] == ("tests", "FAILED rc 5")
+    skipped = tmp_path / "test_skipped.py"  # every test skipped: what the CUDA tests do without a GPU
+    skipped.write_text("import pytest\n\n\n@pytest.mark.skip(reason='no GPU')\ndef test_gpu():\n    pass\n")
+    code, output = gpu_check("tests", tests=skipped)
+    assert code == 1, output
+    assert "tests: no test passed" in output
+    assert summary(output)[0] == ("tests", "FAILED rc 1")
+
+
+def test_every_stage_gets_a_line_and_the_first_failure_sets_the_exit_code(gpu_check, tmp_path):
+    passing = tmp_path / "test_passing.py"
+    passing.write_text("def test_passing():\n    assert 1 + 1 == 2\n")
+    code, output = gpu_check("tests", tests=passing)
+    assert code == 0, output
+    assert summary(output) == [("tests", "ok"), ("logs.tgz", "ok")]
+    code, output = gpu_check("tests", "no-such-stage", "tests", tests=passing)
+    assert code == 2, output
+    assert "unknown stage 'no-such-stage'" in output
+    assert summary(output) == [("tests", "ok"), ("no-such-stage", "FAILED rc 2"), ("tests", "ok"), ("logs.tgz", "ok")]
+
+
+def test_a_stage_that_skips_itself_says_so_in_the_summary(gpu_check):
+    """e2e only runs while the call is young (E2E_BY seconds): past that it is skipped, not ok and not failed."""
+    code, output = gpu_check("e2e", E2E_BY="0")
+    assert code == 0, output
+    (stage, verdict), _ = summary(output)
+    assert stage == "e2e" and verdict.startswith("skipped: "), output
