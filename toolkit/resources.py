@@ -16,6 +16,11 @@ def shipped_dir(name: str) -> Path:
     return _PACKAGE / "_shipped" / name
 
 
+def checkout_dir(name: str) -> Path:
+    """The folder `name` (tutorials) beside the package in a source checkout; an installed package has none."""
+    return _PACKAGE.parent / name
+
+
 def schema_path() -> Path:
     """The recipe JSON Schema."""
     return shipped_dir("schemas") / "recipe.schema.json"

@@ -24,8 +24,9 @@ import re
 from pathlib import Path
 
 from toolkit.errors import UserError
+from toolkit.resources import checkout_dir
 
-TUTORIALS_DIR = Path(__file__).resolve().parent.parent / "tutorials"
+TUTORIALS_DIR = checkout_dir("tutorials")
 TEMPLATES_DIR = TUTORIALS_DIR / "templates"
 TEMPLATE_SUFFIX = ".md.j2"
 BUILD_COMMAND = "toolkit tutorials build"

@@ -112,7 +112,7 @@ class PaddedLMHead(nn.Linear):
     `padded` is set. cuBLAS multiplies GPT-2's odd vocabulary (50257) with unaligned kernels (its three
     LM-head GEMMs took 30.6 of a 63.5 ms GPT-2 124M step on an H200); rows a multiple of 128 wide start
     on 16-byte boundaries, which its aligned kernels need (50304 wide: 4.7 ms, and the eager step 1.65x
-    faster; benchmarks/HISTORY-kernels.md). The extra columns are no classes: the loss must skip them
+    faster; benchmarks/RESULTS.md). The extra columns are no classes: the loss must skip them
     (custom_ops.cross_entropy's `classes`, or a slice). Unset (generation, exports, a recipe's own
     loss), it is nn.Linear."""
     width = 0
