@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.test_precision import DeepSpeedReference
+from tests.runtime.test_precision import DeepSpeedReference
 from toolkit.data.batches import BatchStream, Dataset
 from toolkit.runtime.engine import Engine
 from toolkit.runtime.precision import make_loss_scaler
