@@ -25,7 +25,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 
-TUTORIALS_DIR = Path(__file__).resolve().parent.parent / "tutorials"
+TUTORIALS_DIR = Path(__file__).resolve().parents[2] / "tutorials"
 TEMPLATES_DIR = TUTORIALS_DIR / "templates"
 TEMPLATE_SUFFIX = ".md.j2"
 BUILD_COMMAND = "toolkit tutorials build"
