@@ -1,4 +1,4 @@
-"""Tiny real-text corpora and recipes for the data tests (tests/test_data*.py)."""
+"""Tiny real-text corpora and recipes for the data tests (tests/data/)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from tests.oracles import deepspeed
 from toolkit.errors import UserError
 from toolkit.runtime.precision import (DynamicLossScaler, autocast_context, has_inf_or_nan, make_loss_scaler)
 from toolkit.specs import LossScaleSpec, PrecisionSpec
@@ -14,39 +15,6 @@ def spec(**overrides) -> LossScaleSpec:
     fields = dict(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2,
                   consecutive_hysteresis=False, min_loss_scale=1, max_overflows_at_min_scale=50)
     return LossScaleSpec(**{**fields, **overrides})
-
-
-class DeepSpeedReference:
-    """DynamicLossScaler.update_scale from deepspeed/runtime/fp16/loss_scaler.py (deepspeedai/DeepSpeed,
-    commit 18fd4c97), copied line for line minus logging, with raise_error_at_min_scale=False."""
-
-    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis):
-        self.cur_scale = init_scale
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.scale_factor = 2.0
-        self.scale_window = scale_window
-        self.min_scale = min_scale
-        self.delayed_shift = delayed_shift
-        self.cur_hysteresis = delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-
-    def update_scale(self, overflow):
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
-            if (stable_interval > 0) and (stable_interval % self.scale_window == 0):
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.cur_scale *= self.scale_factor
-        self.cur_iter += 1
 
 
 def scripted_overflows(seed: int, steps: int = 400) -> list[bool]:
@@ -62,8 +30,8 @@ def scripted_overflows(seed: int, steps: int = 400) -> list[bool]:
 def run_both(pattern, **overrides):
     s = spec(**overrides)
     ours = DynamicLossScaler(s)
-    ref = DeepSpeedReference(2.0 ** s.initial_scale_power, s.loss_scale_window, s.min_loss_scale, s.hysteresis,
-                             s.consecutive_hysteresis)
+    ref = deepspeed.DynamicLossScaler(2.0 ** s.initial_scale_power, s.loss_scale_window, s.min_loss_scale,
+                                      s.hysteresis, s.consecutive_hysteresis)
     ours_seq, ref_seq = [], []
     for overflow in pattern:
         assert ours.update(overflow) is overflow

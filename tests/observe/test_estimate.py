@@ -13,7 +13,7 @@ from toolkit.observe.estimate import (GB, GiB, estimate_activation_bytes, estima
                             find_device, fits, format_estimate, parameter_count)
 from toolkit.specs import ModelSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def model_spec(family="gpt2", **shape) -> ModelSpec:

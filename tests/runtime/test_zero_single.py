@@ -1,10 +1,10 @@
 """ZeRO in one process (no process group, no launcher): every stage, with and
 without offload and accumulation, ends where stage 0 does; the tolerance and its
-reason are those of tests/test_zero_dist.py."""
+reason are those of tests/runtime/test_zero_dist.py."""
 import pytest
 import torch
 
-from test_zero_dist import RTOL, SMALL_BUCKETS, STEPS, _engine, assert_params_close, train
+from tests.runtime.test_zero_dist import RTOL, SMALL_BUCKETS, STEPS, _engine, assert_params_close, train
 
 
 @pytest.fixture(scope="module")

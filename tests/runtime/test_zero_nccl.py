@@ -1,9 +1,9 @@
 """Several GPUs over NCCL (issue #7): needs 2 or more CUDA devices, skipped otherwise.
 
 One torch.multiprocessing launch over min(4, GPUs) ranks, one GPU each, trains the
-tiny GPT-2 of tests/test_zero_dist.py for 20 steps per configuration:
+tiny GPT-2 of tests/runtime/test_zero_dist.py for 20 steps per configuration:
 - fp32 (TF32 off): stages 1-3, with and without CPU offload, equal stage 0 with
-  tests/test_zero_dist.py's tolerance (rtol 1e-5 + atol 1e-5; reasons there);
+  tests/runtime/test_zero_dist.py's tolerance (rtol 1e-5 + atol 1e-5; reasons there);
 - bf16: stages 1-3 end within 2% of stage 0's losses. Stage 0 keeps fp32 weights under
   autocast while stages 1-3 keep bf16 weights beside the fp32 master, so their weights
   round differently every step; 2% is what that rounding drift stays under in 20 steps,
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from test_zero_dist import SMALL_BUCKETS, _engine, _free_port, assert_params_close
+from tests.runtime.test_zero_dist import SMALL_BUCKETS, _engine, _free_port, assert_params_close
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                    reason="needs 2 or more GPUs")]

@@ -16,7 +16,7 @@ import pytest
 from toolkit.cli.main import main as cli_main
 from toolkit.recipe.load import RecipeError, load_recipe, load_schema, recipe_from_dict
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "recipes").glob("*.json"))
 
 # Recipes whose name says they are for several GPUs, and the world size their batch is sized for.

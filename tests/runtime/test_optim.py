@@ -1,11 +1,11 @@
 """toolkit/runtime/optim.py: AdamW groups and implementation choice, DeepSpeed's lr schedules."""
 import json
-import math
 
 import pytest
 import torch
 from torch import nn
 
+from tests.oracles import deepspeed
 from toolkit.errors import UserError
 from toolkit.runtime.optim import Schedule, build_optimizer, choose_adamw, lr_at, param_groups
 from toolkit.specs import OptimizerSpec, SchedulerSpec
@@ -26,49 +26,7 @@ def opt_spec(implementation="auto", lr=BASE_LR, weight_decay=0.1):
 
 
 # ---------------------------------------------------------------------------
-# Reference: DeepSpeed's schedulers, re-expressed from deepspeedai/DeepSpeed
-# deepspeed/runtime/lr_schedules.py (master, commit 22779f2c6e335b494c90c05917206d3b14510d2d):
-# WarmupLR._get_gamma / get_lr, WarmupDecayLR._get_gamma, WarmupCosineLR.get_lr_ratio / get_lr.
-# Each constructor clamps warmup_num_steps to >= 2, sets inverse_log_warm_up = 1 / log(warmup_num_steps),
-# and with last_batch_iteration == -1 writes get_lr() into the optimizer (the "not started" value).
-
-class DeepSpeedReference:
-    def __init__(self, spec, org_lr):
-        self.s, self.org_lr, self.last_batch_iteration = spec, org_lr, -1
-        self.warmup_num_steps = max(2, spec.warmup_num_steps)
-        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
-
-    def _warmup_gamma(self):
-        it = self.last_batch_iteration
-        if self.s.warmup_type == "log":
-            return self.inverse_log_warm_up * math.log(it + 1)
-        return it / self.warmup_num_steps
-
-    def get_lr(self):
-        it, s = self.last_batch_iteration, self.s
-        if s.type == "WarmupCosineLR":
-            if it < 0:
-                return 0.0
-            if it < self.warmup_num_steps:
-                return self.org_lr * (s.warmup_min_ratio + self._warmup_gamma() * (1.0 - s.warmup_min_ratio))
-            real_last_step = it - self.warmup_num_steps + 1
-            real_total_steps = max(1, s.total_num_steps - self.warmup_num_steps)
-            cosine_progress = min(1.0, real_last_step / real_total_steps)
-            ratio = (1 + math.cos(math.pi * cosine_progress)) / 2
-            return self.org_lr * max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * ratio)
-        if it < 0:
-            return s.warmup_min_lr
-        if it < self.warmup_num_steps:
-            gamma = self._warmup_gamma()
-        elif s.type == "WarmupLR":
-            gamma = 1.0
-        else:
-            gamma = max(0.0, float(s.total_num_steps - it) / float(max(1.0, s.total_num_steps - self.warmup_num_steps)))
-        return s.warmup_min_lr + (s.warmup_max_lr - s.warmup_min_lr) * gamma
-
-    def step(self):
-        self.last_batch_iteration += 1
-
+# Reference: DeepSpeed's schedulers (tests/oracles/deepspeed.py: LRSchedule).
 
 SCHEDULED = [(t, w) for t in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR") for w in ("log", "linear")]
 # start, 0, 1, mid-warmup, last warmup, end of warmup, mid-decay, last, past total
@@ -78,7 +36,7 @@ CHOSEN = [-1, 0, 1, WARMUP // 2, WARMUP - 1, WARMUP, (WARMUP + TOTAL) // 2, TOTA
 @pytest.mark.parametrize("type_,warmup_type", SCHEDULED)
 def test_lr_at_equals_deepspeed_at_chosen_iterations(type_, warmup_type):
     spec = sched(type_, warmup_type)
-    ref = DeepSpeedReference(spec, BASE_LR)
+    ref = deepspeed.LRSchedule(spec, BASE_LR)
     for it in CHOSEN:
         ref.last_batch_iteration = it
         assert lr_at(spec, BASE_LR, it) == pytest.approx(ref.get_lr(), rel=1e-12, abs=1e-15), it
@@ -88,7 +46,7 @@ def test_lr_at_equals_deepspeed_at_chosen_iterations(type_, warmup_type):
 def test_lr_used_by_each_optimizer_step_matches_deepspeed_engine_order(type_, warmup_type):
     # DeepSpeed's engine (_take_model_step): optimizer.step(), then lr_scheduler.step() unless fp16 overflowed.
     spec = sched(type_, warmup_type)
-    ref = DeepSpeedReference(spec, BASE_LR)
+    ref = deepspeed.LRSchedule(spec, BASE_LR)
     p = nn.Parameter(torch.zeros(2, 2))
     opt = torch.optim.AdamW([p], lr=BASE_LR)
     schedule = Schedule(opt, spec, BASE_LR)

@@ -3,7 +3,7 @@ recipe: every JSON file a checkpoint holds is checked key by key, so a hand-edit
 manifest.json or state.json (re-signed, so the checksums pass) or a garbage ZeRO shard
 is one line naming the file and key for resume, export and generate; a recipe change
 that would make a resumed run silently wrong is refused or warned about.
-(Truncated, bit-flipped and unsigned edits: tests/test_checkpoint.py.)
+(Truncated, bit-flipped and unsigned edits: tests/checkpoint/test_checkpoint.py.)
 """
 import hashlib
 import json
@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from tests.conftest import run_cli
-from tests.test_checkpoint import TINY, tiny, train_losses
+from tests.checkpoint.test_checkpoint import TINY, tiny, train_losses
 from tests.text_corpus import python_like_docs, text_recipe, write_corpus
 from toolkit.cli.main import main
 from toolkit.train.loop import run

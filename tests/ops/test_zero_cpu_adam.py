@@ -143,7 +143,7 @@ def test_a_first_build_says_what_it_builds_where_and_how_long_it_took(tmp_path, 
 
     import torch.utils.cpp_extension
 
-    from toolkit.runtime.zero import cpu_adam
+    from toolkit.ops import cpu_adam
 
     monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_adam, "_status", None)

@@ -308,7 +308,7 @@ def _dist_rank(rank, world, port, out_dir):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    from tests.test_zero_dist import _free_port
+    from tests.runtime.test_zero_dist import _free_port
 
     out_dir = tmp_path_factory.mktemp("engine-api-dist")
     mp.spawn(_dist_rank, args=(2, _free_port(), out_dir), nprocs=2, join=True)

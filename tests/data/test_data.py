@@ -2,7 +2,7 @@
 packing with end-of-text separators, the split by documents, rank sharding with
 every sequence once per epoch, resume to the identical next batch, the token
 cache. Corpora are tiny files written to tmp_path (recipes and bad inputs:
-tests/test_data_recipes.py).
+tests/data/test_data_recipes.py).
 """
 from __future__ import annotations
 

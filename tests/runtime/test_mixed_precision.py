@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.test_precision import DeepSpeedReference
+from tests.oracles import deepspeed
 from toolkit.data.batches import BatchStream, Dataset
 from toolkit.runtime.engine import Engine
 from toolkit.runtime.precision import make_loss_scaler
@@ -111,7 +111,7 @@ def test_engine_skips_overflowing_steps_like_deepspeed():
     engine = Engine(recipe)
     settings = dataclasses.replace(recipe.precision.fp16, initial_scale_power=10, loss_scale_window=3, hysteresis=2)
     engine.loss_scaler = make_loss_scaler(PrecisionSpec(dtype="fp16", fp16=settings))
-    reference = DeepSpeedReference(2.0 ** 10, 3, settings.min_loss_scale, 2, False)
+    reference = deepspeed.DynamicLossScaler(2.0 ** 10, 3, settings.min_loss_scale, 2, False)
     inject = {"value": None}
     probe = engine.model.transformer.h[0].mlp.c_fc.weight
     probe.register_hook(lambda grad: None if inject["value"] is None else torch.full_like(grad, inject["value"]))

@@ -135,7 +135,7 @@ def test_summary_reports_the_largest_window():
 
 def test_offloaded_bytes_reach_the_summary_and_memory_png(tmp_path, monkeypatch):
     from toolkit.observe.memory_monitor import plot_timeline
-    from toolkit.runtime.zero import cpu_adam
+    from toolkit.ops import cpu_adam
 
     monkeypatch.setenv(cpu_adam.DISABLE_ENV, "1")  # torch's CPU AdamW: the bytes are the same, no build
     monkeypatch.setattr(cpu_adam, "_status", None)

@@ -1,0 +1,1 @@
+"""benchmarks/: the helpers the benchmark scripts share, tested on the CPU."""

@@ -1,0 +1,1 @@
+"""toolkit.models: model families and local pretrained folders."""

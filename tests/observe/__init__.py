@@ -1,0 +1,1 @@
+"""toolkit.observe: the memory estimator, memory fit and monitor, FLOPs/MFU and the trackers' dashboards."""

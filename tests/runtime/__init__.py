@@ -1,0 +1,1 @@
+"""toolkit.runtime: the engine and its Python API, optimizers and schedules, precision, CPU threads and the ZeRO stages."""
