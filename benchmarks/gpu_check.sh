@@ -65,8 +65,8 @@ stage_body() {
     tests)  # TEST_TARGETS: other pytest targets; a run where no test passed (all skipped: no GPU) fails
       # shellcheck disable=SC2086  # the targets are words
       timeout 200 python3 -m pytest -q -p no:nbval -p no:cacheprovider -rfE --durations=10 \
-        ${TEST_TARGETS:-tests/test_kernels_cuda.py tests/test_zero_cuda.py \
-          tests/test_cuda_training.py::test_the_engine_never_waits_for_the_gpu_in_a_bf16_step} \
+        ${TEST_TARGETS:-tests/ops/test_kernels_cuda.py tests/runtime/test_zero_cuda.py \
+          tests/train/test_cuda_training.py::test_the_engine_never_waits_for_the_gpu_in_a_bf16_step} \
         2>&1 | tee "$OUT/tests.txt" | tail -60
       grep -Eq '[0-9]+ passed' "$OUT/tests.txt" || { echo "tests: no test passed"; return 1; } ;;
     bench)

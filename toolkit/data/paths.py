@@ -22,7 +22,7 @@ from toolkit.errors import UserError, warn_once
 from toolkit.regular_files import regular_file_problem
 
 # The variables `${name}` a path in a recipe may use; the schema's descriptions and the
-# README list the same names (tests/test_data_recipes.py checks that they agree).
+# README list the same names (tests/data/test_data_recipes.py checks that they agree).
 PATH_VARIABLES = {
     "python_stdlib": "the running Python's standard library folder (sysconfig 'stdlib')",
     "recipe_dir": "the folder of the recipe file (the working directory for a recipe built in Python)",
