@@ -62,20 +62,20 @@ def test_gencode_builds_each_arch_and_ptx_of_the_highest_plain_one():
 
 
 def test_targets_are_the_gpu_present_plus_the_env_list(monkeypatch):
-    monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [toolchain.CudaArch(9, 0)])
-    monkeypatch.setattr(cuda_toolchain, "_nvcc_supported_sms", lambda: frozenset({"80", "86", "90"}))
+    monkeypatch.setattr(toolchain, "_present_archs", lambda: [toolchain.CudaArch(9, 0)])
+    monkeypatch.setattr(toolchain, "_nvcc_supported_sms", lambda: frozenset({"80", "86", "90"}))
     assert [str(a) for a in toolchain.target_archs("")[0]] == ["9.0"]
     assert [str(a) for a in toolchain.target_archs("9.0a")[0]] == ["9.0a"]  # the 'a' variant replaces the plain one
     archs, notes = toolchain.target_archs("8.0;7.0;oops")
     assert [str(a) for a in archs] == ["8.0", "9.0"]
     assert any("oops" in n for n in notes) and any("7.0" in n for n in notes)
-    monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [])
+    monkeypatch.setattr(toolchain, "_present_archs", lambda: [])
     assert [str(a) for a in toolchain.target_archs("")[0]] == ["9.0"]  # nothing known: H100/H200
 
 
 def test_cache_key_follows_sources_flags_and_arch(monkeypatch, tmp_path):
     monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path))
-    monkeypatch.setattr(cuda_toolchain, "_present_archs", lambda: [])
+    monkeypatch.setattr(toolchain, "_present_archs", lambda: [])
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     hopper = loader.build_plan("adamw")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
@@ -109,7 +109,7 @@ def test_auto_on_the_cpu_falls_back_silently():
 def test_auto_with_a_failed_build_warns_once_with_reason_and_fix(monkeypatch):
     broken = lambda name, build=False: loader.KernelStatus(name, "unavailable", "build failed: nvcc exploded",  # noqa: E731
                                                         "run `toolkit build-kernels --verbose`")
-    monkeypatch.setattr(ops, "kernel_status", broken)
+    monkeypatch.setattr(loader, "kernel_status", broken)
     with pytest.warns(loader.KernelFallbackWarning) as caught:
         chosen = loader.resolve(ALL_AUTO, "cuda", GPT2_NEEDS)
     assert len(caught) == 1
@@ -136,7 +136,7 @@ def test_off_is_torch_and_never_builds(monkeypatch):
     def explode(*args, **kwargs):
         raise AssertionError("built a kernel that is off")
 
-    monkeypatch.setattr(ops, "kernel_status", explode)
+    monkeypatch.setattr(loader, "kernel_status", explode)
     spec = KernelsSpec(adamw="off", layernorm="off", rmsnorm="off", bias_gelu="off", cross_entropy="off")
     chosen = loader.resolve(spec, "cuda", GPT2_NEEDS)
     assert {s.state for s in chosen.statuses.values()} == {"off"}
@@ -149,6 +149,22 @@ def test_kernel_on_in_a_cpu_run_exits_2_with_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: recipe.kernels.layernorm: 'on'"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_zero_stages_1_to_3_never_resolve_the_adamw_kernel_their_step_does_not_use():
+    from toolkit.runtime.engine import Engine
+    from toolkit.recipe.load import load_recipe
+
+    # On the CPU `on` for a kernel the run resolves is an error (as for layernorm above): stage 0's
+    # optimizer could use the AdamW kernel, so it is resolved; stages 1-3 step their shards without it
+    # (toolkit/runtime/zero/adamw.py), so it is neither resolved, built nor loaded for them.
+    overrides = ["training.device=cpu", "kernels.adamw=on"]
+    with pytest.raises(UserError, match=r"^recipe\.kernels\.adamw: 'on'"):
+        Engine(load_recipe("quickstart", [*overrides, "zero.stage=0"]))
+    for stage in (1, 2, 3):
+        engine = Engine(load_recipe("quickstart", [*overrides, f"zero.stage={stage}"]))
+        assert "adamw" not in engine.kernels.statuses and loader.loaded_extension("adamw") is None
+        assert "layernorm" in engine.kernels.statuses  # the model's kernels are still resolved
 
 
 def test_auto_run_on_the_cpu_trains_exactly_like_kernels_off():
@@ -266,7 +282,7 @@ def test_compile_traces_the_fused_ops_without_graph_breaks():
 def test_custom_ops_are_well_formed(op, args):
     from torch.library import opcheck
 
-    result = opcheck(getattr(fused_ops, op), args())
+    result = opcheck(getattr(custom_ops, op), args())
     assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -461,7 +477,7 @@ def test_eager_autograd_functions_match_the_custom_ops(monkeypatch):
     for fn, inputs in cases:
         out = fn(*inputs)
         expected.append((out.detach(), torch.autograd.grad(out.sum(), inputs)))
-    monkeypatch.setattr(fused_ops, "_ext", lambda extension, *tensors: ReferenceExtension())
+    monkeypatch.setattr(custom_ops, "_ext", lambda extension, *tensors: ReferenceExtension())
     for (fn, inputs), (out_ref, grads_ref) in zip(cases, expected):
         out = fn(*inputs)
         if out.dim():  # the eager path ran (the loss is a mean over its per-row output)
