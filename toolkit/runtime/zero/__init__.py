@@ -40,7 +40,7 @@ def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
 
 
 def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInfo, zero3_units=None, *,
-                   adamw: str | None = None):
+                   adamw: str | None):
     """The strategy for recipe.zero (stage 0-3, offload) over the process group in `info`; `zero3_units`
     names stage 3's units (toolkit/runtime/zero/stage3.py find_units); `adamw` is stage 0's optimizer,
     as the engine chose it (toolkit.runtime.optim.choose_adamw). Stages 1-3 step their shards with
