@@ -130,7 +130,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     module = load_cpu_adam()
     if module is None:
-        sys.exit(f"the kernel did not build: {cpu_adam_status().detail}")
+        sys.exit(f"the kernel did not build: {cpu_adam_status().reason}")
     shapes = gpt2_124m_shapes()
     numel = sum(torch.Size(s).numel() for s in shapes)
     torch.manual_seed(0)
@@ -151,7 +151,7 @@ def main() -> None:
     except (OSError, StopIteration):
         pass
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} torch threads; {cpu_adam_status().line()}")
+          f"{torch.get_num_threads()} torch threads; {cpu_adam_status().describe()}")
     print(f"parameters: {numel:,} fp32 (GPT-2 124M shapes, {len(shapes)} tensors); "
           f"median of {args.steps} interleaved rounds after {args.warmup} warm-up steps")
     base, base_min = results["torch AdamW fused=True"]

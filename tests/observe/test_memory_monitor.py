@@ -135,10 +135,11 @@ def test_summary_reports_the_largest_window():
 
 def test_offloaded_bytes_reach_the_summary_and_memory_png(tmp_path, monkeypatch):
     from toolkit.observe.memory_monitor import plot_timeline
-    from toolkit.ops import cpu_adam
+    from toolkit.ops import loader
 
-    monkeypatch.setenv(cpu_adam.DISABLE_ENV, "1")  # torch's CPU AdamW: the bytes are the same, no build
-    monkeypatch.setattr(cpu_adam, "_status", None)
+    monkeypatch.setenv(loader.disable_env("cpu_adam"), "1")  # torch's CPU AdamW: the bytes are the same, no build
+    for loaded in ("_modules", "_loaded", "_failures"):
+        monkeypatch.setattr(loader, loaded, {})
     engine, monitor = train_steps(load_recipe("quickstart", [*TINY, "zero.stage=1", "zero.offload_optimizer=cpu"]), 1)
     metrics = monitor.window_metrics(1)
     n = engine.num_parameters

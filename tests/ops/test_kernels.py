@@ -151,6 +151,22 @@ def test_kernel_on_in_a_cpu_run_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_zero_stages_1_to_3_never_resolve_the_adamw_kernel_their_step_does_not_use():
+    from toolkit.runtime.engine import Engine
+    from toolkit.recipe.load import load_recipe
+
+    # On the CPU `on` for a kernel the run resolves is an error (as for layernorm above): stage 0's
+    # optimizer could use the AdamW kernel, so it is resolved; stages 1-3 step their shards without it
+    # (toolkit/runtime/zero/adamw.py), so it is neither resolved, built nor loaded for them.
+    overrides = ["training.device=cpu", "kernels.adamw=on"]
+    with pytest.raises(UserError, match=r"^recipe\.kernels\.adamw: 'on'"):
+        Engine(load_recipe("quickstart", [*overrides, "zero.stage=0"]))
+    for stage in (1, 2, 3):
+        engine = Engine(load_recipe("quickstart", [*overrides, f"zero.stage={stage}"]))
+        assert "adamw" not in engine.kernels.statuses and loader.loaded_extension("adamw") is None
+        assert "layernorm" in engine.kernels.statuses  # the model's kernels are still resolved
+
+
 def test_auto_run_on_the_cpu_trains_exactly_like_kernels_off():
     from toolkit.runtime.engine import Engine
     from toolkit.recipe.load import load_recipe

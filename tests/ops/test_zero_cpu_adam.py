@@ -21,7 +21,7 @@ LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 def kernel():
     module = load_cpu_adam()
     if module is None:
-        pytest.skip(f"CPU Adam kernel not built here: {cpu_adam_status().detail}")
+        pytest.skip(f"CPU Adam kernel not built here: {cpu_adam_status().reason}")
     return module
 
 
@@ -116,7 +116,7 @@ def test_fallback_warns_once_with_the_reason():
 def test_a_cached_build_loads_in_a_fresh_process_from_another_install_without_compiling(kernel, tmp_path):
     # A second checkout or a `pip install .` holds the same source at another path, with a newer mtime:
     # torch's ninja rebuilt the cached library for either (94 s on the 2-core VM) and called it "loaded".
-    build_dir = cpu_adam_status().build_dir
+    build_dir = Path(cpu_adam_status().where)
     library = next(build_dir.glob("*.so"))
     before = library.stat().st_mtime_ns
     copy = tmp_path / "install"
@@ -143,11 +143,12 @@ def test_a_first_build_says_what_it_builds_where_and_how_long_it_took(tmp_path, 
 
     import torch.utils.cpp_extension
 
-    from toolkit.ops import cpu_adam
+    from toolkit.ops import cpu_adam, loader
+    from toolkit.ops.build_cache import DONE_FILE
 
     monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_adam, "_status", None)
-    monkeypatch.setattr(cpu_adam, "_module", None)
+    for loaded in ("_modules", "_loaded", "_failures"):  # this process has not loaded or tried the kernel
+        monkeypatch.setattr(loader, loaded, {})
     calls = []
 
     def fake_load(name, sources, build_directory, **kwargs):
@@ -158,8 +159,8 @@ def test_a_first_build_says_what_it_builds_where_and_how_long_it_took(tmp_path, 
         return SimpleNamespace(simd_width=lambda: "avx2", omp_threads=lambda: 1)
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
-    key = cpu_adam.build_key((REPO / "kernels" / "cpu_adam.cpp").read_bytes(), cpu_adam.FLAG_SETS[0])
-    stale = tmp_path / f"cpu_adam-{key}"
+    stale = loader.build_plan("cpu_adam").directory  # the first flag set's folder: -march=native
+    assert stale.parent == tmp_path and stale.name.startswith("cpu_adam-")
     stale.mkdir()
     (stale / "lock").touch()  # torch's FileBaton left by a build killed midway: load() would wait on it forever
     assert cpu_adam.load_cpu_adam() is not None
@@ -169,4 +170,4 @@ def test_a_first_build_says_what_it_builds_where_and_how_long_it_took(tmp_path, 
     assert sources == [str(stale / "cpu_adam.cpp")]  # a copy in the cache: the package's path is not in the build
     assert (stale / "cpu_adam.cpp").read_bytes() == (REPO / "kernels" / "cpu_adam.cpp").read_bytes()
     assert re.fullmatch(r"note: CPU Adam kernel ready after \d+ s", err.strip())
-    assert cpu_adam.cpu_adam_status().state == "built" and (stale / cpu_adam.DONE_FILE).is_file()
+    assert cpu_adam.cpu_adam_status().state == "built" and (stale / DONE_FILE).is_file()

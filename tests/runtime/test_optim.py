@@ -7,7 +7,7 @@ from torch import nn
 
 from tests.oracles import deepspeed
 from toolkit.errors import UserError
-from toolkit.runtime.optim import Schedule, build_optimizer, choose_adamw, lr_at, param_groups
+from toolkit.runtime.optim import Schedule, adamw_kernel_applies, build_optimizer, choose_adamw, lr_at, param_groups
 from toolkit.specs import OptimizerSpec, SchedulerSpec
 
 WARMUP, TOTAL, BASE_LR = 10, 50, 1e-3
@@ -18,6 +18,11 @@ def sched(type_, warmup_type="log", warmup=WARMUP, total=TOTAL, min_lr=1e-5, max
     return SchedulerSpec(type=type_, warmup_num_steps=warmup, warmup_type=warmup_type, warmup_min_lr=min_lr,
                          warmup_max_lr=max_lr, total_num_steps=total, warmup_min_ratio=min_ratio,
                          cos_min_ratio=cos_min)
+
+
+def adamw_for(spec, device_type, fused_kernel=False):
+    """build_optimizer over the AdamW choose_adamw picks (the engine's two steps)."""
+    return lambda model: build_optimizer(model, spec, choose_adamw(spec.implementation, device_type, fused_kernel))
 
 
 def opt_spec(implementation="auto", lr=BASE_LR, weight_decay=0.1):
@@ -93,7 +98,7 @@ def test_constant_keeps_optimizer_lr_for_every_step():
 
 def test_schedule_writes_every_param_group():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    opt = build_optimizer(model, opt_spec("torch"), "cpu")
+    opt = build_optimizer(model, opt_spec("torch"), "torch")
     schedule = Schedule(opt, sched("WarmupCosineLR", "linear"), BASE_LR)
     for _ in range(4):
         schedule.step()
@@ -226,7 +231,7 @@ def test_frozen_parameters_stay_out_of_the_groups():
 @pytest.mark.parametrize("implementation", ["auto", "torch"])
 def test_cpu_builds_torch_adamw_with_recipe_hyperparameters(implementation):
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    opt = build_optimizer(model, opt_spec(implementation), "cpu")
+    opt = adamw_for(opt_spec(implementation), "cpu")(model)
     assert type(opt) is torch.optim.AdamW
     assert not opt.defaults["fused"]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
@@ -237,16 +242,25 @@ def test_cpu_builds_torch_adamw_with_recipe_hyperparameters(implementation):
 
 def test_fused_on_cpu_is_a_user_error():
     with pytest.raises(UserError) as err:
-        build_optimizer(nn.Linear(2, 2), opt_spec("fused"), "cpu")
+        adamw_for(opt_spec("fused"), "cpu")(nn.Linear(2, 2))
     assert err.value.lines == ["recipe.optimizer.implementation: 'fused' needs a CUDA device; use 'auto' or 'torch'"]
 
 
 def test_choice_of_adamw_per_implementation_and_device():
-    assert choose_adamw("auto", "cuda") == "torch-fused"
-    assert choose_adamw("fused", "cuda") == "torch-fused"
-    assert choose_adamw("torch", "cuda") == "torch"
-    assert choose_adamw("auto", "cpu") == "torch"
-    assert choose_adamw("torch", "cpu") == "torch"
+    assert choose_adamw("auto", "cuda", fused_kernel=False) == "torch-fused"
+    assert choose_adamw("fused", "cuda", fused_kernel=False) == "torch-fused"
+    assert choose_adamw("torch", "cuda", fused_kernel=False) == "torch"
+    assert choose_adamw("auto", "cpu", fused_kernel=False) == "torch"
+    assert choose_adamw("torch", "cpu", fused_kernel=False) == "torch"
+
+
+def test_the_toolkit_kernel_is_chosen_only_when_the_run_loaded_it_for_stage_0():
+    assert choose_adamw("auto", "cuda", fused_kernel=True) == "toolkit-fused"
+    assert choose_adamw("fused", "cuda", fused_kernel=True) == "toolkit-fused"
+    assert choose_adamw("torch", "cuda", fused_kernel=True) == "torch"  # implementation torch wins over the kernel
+    assert [adamw_kernel_applies(impl, 0) for impl in ("auto", "fused", "torch")] == [True, True, False]
+    assert not any(adamw_kernel_applies(impl, stage) for impl in ("auto", "fused") for stage in (1, 2, 3))
+    assert type(build_optimizer(nn.Linear(2, 2), opt_spec(), "toolkit-fused")).__name__ == "FusedAdamW"
 
 
 @pytest.mark.cuda
@@ -257,9 +271,10 @@ def test_cuda_builds_a_fused_adamw_that_steps(implementation):
     from toolkit.ops.fused_adamw import FusedAdamW
 
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).cuda()
-    opt = build_optimizer(model, opt_spec(implementation), "cuda")
-    # NOTE: the toolkit's kernel where it is built and enabled, else torch's fused AdamW (choose_adamw).
-    if loader.kernel_enabled("adamw"):
+    fused_kernel = loader.load_extension("adamw") is not None
+    opt = adamw_for(opt_spec(implementation), "cuda", fused_kernel)(model)
+    # NOTE: the toolkit's kernel where it is built and loaded, else torch's fused AdamW (choose_adamw).
+    if fused_kernel:
         assert isinstance(opt, FusedAdamW)
     else:
         assert opt.defaults["fused"] is True

@@ -1,11 +1,9 @@
 """`toolkit doctor`: what this machine offers a run, and which fast paths are on.
 
 Here: the distributed section (torch.distributed backends gloo, NCCL with its
-version, MPI; how to launch; the CPU's cores and SIMD) and the CPU Adam kernel of
-ZeRO-Offload (built now, loaded from the cache, or falling back to torch, and
-why). Building the kernel here when it is not cached yet is the point: the first
-offload run then starts without the wait. The environment and the fused CUDA
-kernels' lines come from toolkit/cli/main.py and toolkit/ops/loader.py.
+version, MPI; how to launch; the CPU's cores and SIMD). The environment comes from
+toolkit/cli/main.py; every kernel's line, the CPU Adam kernel of ZeRO-Offload
+included, from toolkit/ops/loader.py (doctor_lines).
 """
 from __future__ import annotations
 
@@ -64,11 +62,3 @@ def distributed_lines() -> list[str]:
     lines.append(cpu_threads_line())
     return lines
 
-
-def cpu_kernel_lines() -> list[str]:
-    """The CPU Adam kernel: built now, loaded from the cache, or the torch fallback and why."""
-    from toolkit.ops.cpu_adam import cpu_adam_status, load_cpu_adam
-
-    load_cpu_adam(warn=False)
-    status = cpu_adam_status()
-    return [f"{'cpu_adam':<14} {status.state}: {status.detail} (ZeRO-Offload's optimizer step)"]

@@ -189,12 +189,12 @@ def _doctor_environment() -> list[str]:
 
 def _cmd_doctor(args) -> int:
     from toolkit.ops import loader
-    from toolkit.cli.doctor import cpu_kernel_lines, distributed_lines
+    from toolkit.cli.doctor import distributed_lines
     from toolkit.optional_packages import doctor_lines as optional_package_lines
 
     # NOTE: one (title, lines) section per component; add yours to this list.
     sections = [("environment", _doctor_environment()), ("distributed", distributed_lines()),
-                ("kernels", cpu_kernel_lines() + loader.doctor_lines()),
+                ("kernels", loader.doctor_lines()),
                 ("optional packages", optional_package_lines())]
     print(version_line())
     for title, lines in sections:

@@ -1,51 +1,73 @@
-"""The fused CUDA kernels in kernels/: build, load, report and choose.
+"""The C++ and CUDA kernels in kernels/: which to build, load, report and choose.
 
-What lives here: the kernel table (which sources make which extension), the
-build cache (one folder per extension, keyed by the sources' hash, torch and
-CUDA versions and the target architectures), per-kernel status (loaded / built /
-fallback and why) and `resolve`, which turns `recipe.kernels` into the kernels a
-run uses. A build never stops a run: `auto` falls back to torch with one warning
-that says why and how to fix it; only `on` turns a missing kernel into an error.
+What lives here: the extension table (which sources make which extension, CUDA or
+CPU, with which flags), each extension's build plan (its cache key), loading with
+per-kernel status (built / loaded / cached / unavailable and why) and `resolve`,
+which turns `recipe.kernels` into the kernels a run uses. A build never stops a run:
+the caller falls back to torch with one warning that says why and how to fix it; only
+recipe.kernels `on` turns a missing kernel into an error. The CUDA kernels and the
+CPU Adam kernel of ZeRO-Offload (toolkit/ops/cpu_adam.py) go the same way.
 
-What does not: the CUDA target architectures and the toolchain checks
-(toolkit/ops/toolchain.py), the custom ops and their torch reference implementations
-(toolkit/ops/custom_ops.py), the model surgery (toolkit/ops/fused_modules.py), the
-optimizer (toolkit/ops/fused_adamw.py). Importing this module never needs CUDA.
+Environment: TOOLKIT_KERNELS_CACHE moves the cache; TOOLKIT_DISABLE_<EXTENSION>
+(TOOLKIT_DISABLE_CPU_ADAM, TOOLKIT_DISABLE_ADAMW, ...) makes one extension unavailable.
+
+What does not: the cache folders and the build itself (toolkit/ops/build_cache.py), the
+CUDA target architectures and the toolchain checks (toolkit/ops/toolchain.py), the custom
+ops and their torch reference implementations (toolkit/ops/custom_ops.py), the model
+surgery (toolkit/ops/fused_modules.py), the optimizers (toolkit/ops/fused_adamw.py,
+toolkit/ops/cpu_adam.py), and which AdamW a run steps with (toolkit/runtime/optim.py).
+Importing this module never needs CUDA.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import re
 import sys
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from toolkit.ops.toolchain import CudaArch, build_problem, gencode_flags, nvcc_version, target_archs
+from toolkit.ops.build_cache import BuildPlan, build_or_import, cache_root, cpu_features
+from toolkit.ops.toolchain import build_problem, gencode_flags, nvcc_version, target_archs
 from toolkit.errors import UserError
 from toolkit.resources import shipped_dir
 
-KERNELS = ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")
+KERNELS = ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")  # recipe.kernels: the fused CUDA kernels
+
+NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is torch's choice (the .cu files need only C++17)
+CXX_FLAGS = ("-O3",)  # the CUDA extensions' host code
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One extension over kernels/: its sources, whether it is CUDA code, and the host flags to try in turn."""
+    sources: tuple[str, ...]
+    title: str  # for the build notes: "building the {title}"
+    cuda: bool = True
+    cxx_flag_sets: tuple[tuple[str, ...], ...] = (CXX_FLAGS,)  # the first that builds wins
+    ldflags: tuple[str, ...] = ()
+
 
 # Extension -> its sources under kernels/. LayerNorm and RMSNorm share one extension.
 EXTENSIONS = {
-    "adamw": ("fused_adamw.cu", "fused_adamw_binding.cpp"),
-    "norm": ("fused_norm.cu", "fused_norm_backward.cu", "fused_norm_binding.cpp"),
-    "bias_gelu": ("fused_bias_gelu.cu", "fused_bias_gelu_binding.cpp"),
-    "cross_entropy": ("fused_cross_entropy.cu", "fused_cross_entropy_binding.cpp"),
+    "adamw": Extension(("fused_adamw.cu", "fused_adamw_binding.cpp"), "fused AdamW kernel"),
+    "norm": Extension(("fused_norm.cu", "fused_norm_backward.cu", "fused_norm_binding.cpp"), "fused norm kernels"),
+    "bias_gelu": Extension(("fused_bias_gelu.cu", "fused_bias_gelu_binding.cpp"), "fused bias+GELU kernel"),
+    "cross_entropy": Extension(("fused_cross_entropy.cu", "fused_cross_entropy_binding.cpp"),
+                               "fused cross-entropy kernel"),
+    # NOTE: -march=native first (AVX-512 where the CPU has it), dropped if the compiler refuses it.
+    "cpu_adam": Extension(("cpu_adam.cpp",), "CPU Adam kernel", cuda=False, ldflags=("-fopenmp",),
+                          cxx_flag_sets=(("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"))),
 }
-HEADERS = ("bulk_copy.cuh", "common.cuh", "launchers.h", "torch_utils.h")
+HEADERS = ("bulk_copy.cuh", "common.cuh", "launchers.h", "torch_utils.h")  # what the CUDA extensions include
 EXTENSION_OF = {"adamw": "adamw", "layernorm": "norm", "rmsnorm": "norm", "bias_gelu": "bias_gelu",
-                "cross_entropy": "cross_entropy"}
+                "cross_entropy": "cross_entropy", "cpu_adam": "cpu_adam"}
 
-# Kernels each model family can use (the optimizer's is added when AdamW is not torch's).
+# Kernels each model family can use (the optimizer's is added when stage 0's AdamW can use it).
 FAMILY_KERNELS = {"gpt2": ("layernorm", "bias_gelu", "cross_entropy"), "llama": ("rmsnorm", "cross_entropy")}
-
-NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is torch's choice (the .cu files need only C++17)
-CXX_FLAGS = ("-O3",)
 
 
 class KernelFallbackWarning(UserWarning):
@@ -53,58 +75,37 @@ class KernelFallbackWarning(UserWarning):
 
 
 # ---------------------------------------------------------------------------
-# Cache
+# Build plans (the cache itself: toolkit/ops/build_cache.py)
 
-def cache_root() -> Path:
-    """TOOLKIT_KERNELS_CACHE, else $XDG_CACHE_HOME/toolkit/kernels (~/.cache/toolkit/kernels)."""
-    if os.environ.get("TOOLKIT_KERNELS_CACHE"):
-        return Path(os.environ["TOOLKIT_KERNELS_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "toolkit" / "kernels"
+def disable_env(extension: str) -> str:
+    """The environment variable that makes `extension` unavailable: TOOLKIT_DISABLE_<EXTENSION>."""
+    return f"TOOLKIT_DISABLE_{extension.upper()}"
 
 
-@dataclass(frozen=True)
-class BuildPlan:
-    """Everything that decides one extension's binary, and where it is cached."""
-    extension: str
-    sources: tuple[Path, ...]
-    cuda_flags: tuple[str, ...]
-    archs: tuple[CudaArch, ...]
-    notes: tuple[str, ...]
-    key: str
-
-    @property
-    def module_name(self) -> str:
-        return f"toolkit_{self.extension}_{self.key[:12]}"
-
-    @property
-    def directory(self) -> Path:
-        return cache_root() / f"{self.extension}-{self.key[:16]}"
-
-    @property
-    def library(self) -> Path:
-        return self.directory / f"{self.module_name}.so"
-
-    @property
-    def log(self) -> Path:
-        return self.directory / "build.log"
-
-
-def build_plan(extension: str) -> BuildPlan:
-    """The sources, flags and cache key of one extension for this machine."""
+def build_plan(extension: str, variant: int = 0) -> BuildPlan:
+    """The sources, flags and cache key of one extension for this machine (`variant`: which host flag set)."""
     import torch
 
+    spec = EXTENSIONS[extension]
     kernels = shipped_dir("kernels")
-    sources = tuple(kernels / name for name in EXTENSIONS[extension])
-    archs, notes = target_archs()
-    flags = (*NVCC_FLAGS, *gencode_flags(archs))
+    sources = tuple(kernels / name for name in spec.sources)
+    headers = tuple(kernels / name for name in HEADERS) if spec.cuda else ()
+    cxx_flags = spec.cxx_flag_sets[variant]
+    archs, notes = target_archs() if spec.cuda else ([], [])
+    cuda_flags = (*NVCC_FLAGS, *gencode_flags(archs)) if spec.cuda else ()
     digest = hashlib.sha256()
-    for path in (*sources, *(kernels / h for h in HEADERS)):
+    for path in (*sources, *headers):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (torch.__version__, str(torch.version.cuda), str(nvcc_version()), sys.version.split()[0],
-                 " ".join(flags), " ".join(CXX_FLAGS)):
+    parts = [torch.__version__, str(torch.version.cuda), sys.version, platform.machine(),
+             os.environ.get("CXX", "c++"), " ".join(cxx_flags), " ".join(spec.ldflags), " ".join(cuda_flags)]
+    if spec.cuda:
+        parts.append(str(nvcc_version()))
+    if "-march=native" in cxx_flags:
+        parts.append(cpu_features())
+    for part in parts:
         digest.update(part.encode() + b"\0")
-    return BuildPlan(extension, sources, flags, tuple(archs), tuple(notes), digest.hexdigest())
+    return BuildPlan(extension, spec.title, sources, headers, cxx_flags, cuda_flags, spec.ldflags, tuple(archs),
+                     tuple(notes), digest.hexdigest())
 
 
 # ---------------------------------------------------------------------------
@@ -112,16 +113,17 @@ def build_plan(extension: str) -> BuildPlan:
 
 @dataclass(frozen=True)
 class KernelStatus:
-    """One kernel's state: 'loaded' (in this process), 'built' (in the cache), 'not built', 'unavailable', 'off'."""
+    """One kernel's state: 'built' (compiled by this process) or 'loaded' (from the cache), both in use;
+    'cached' (in the cache, loads on first use), 'not built', 'unavailable' (torch runs instead), 'off'."""
     name: str
     state: str
-    reason: str = ""
+    reason: str = ""  # why it is not in use; for one in use, what it is (SIMD width, flags)
     fix: str = ""
     where: str = ""
 
     @property
     def active(self) -> bool:
-        return self.state == "loaded"
+        return self.state in ("built", "loaded")
 
     def describe(self) -> str:
         """One line for `toolkit doctor` and the start-up table."""
@@ -130,13 +132,13 @@ class KernelStatus:
             text += f": {self.reason}"
         if self.fix:
             text += f" (fix: {self.fix})"
-        if self.where and self.state in ("loaded", "built"):
+        if self.where and self.state in ("built", "loaded", "cached"):
             text += f" [{self.where}]"
         return text
 
 
-_lock = threading.Lock()
 _modules: dict[str, object] = {}                 # extension -> loaded module
+_loaded: dict[str, tuple[BuildPlan, bool]] = {}  # extension -> (its plan, compiled by this process)
 _failures: dict[str, tuple[str, str]] = {}       # extension -> (reason, fix) of a failed build/load
 _ext_locks = {name: threading.Lock() for name in EXTENSIONS}
 
@@ -154,6 +156,39 @@ def _first_error_line(text: str) -> str:
     return lines[-1][:200] if lines else "unknown error"
 
 
+def _problem(extension: str, toolchain: bool = True) -> tuple[str, str] | None:
+    """Why `extension` cannot be built or loaded here, as (reason, fix); None when nothing is missing.
+    toolchain=False looks only at the switch TOOLKIT_DISABLE_<EXTENSION>."""
+    env = disable_env(extension)
+    if os.environ.get(env):
+        return f"disabled by {env}", f"unset {env}"
+    if not toolchain:
+        return None
+    if EXTENSIONS[extension].cuda:
+        return build_problem(need_gpu=False)  # building and importing need no GPU, only CUDA torch + nvcc
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (torch's extension builder needs it)", "pip install ninja"
+    return None
+
+
+def _build_failure(extension: str, errors: list[tuple[BuildPlan, str]]) -> tuple[str, str]:
+    """(reason, fix) after every flag set failed; each failure's text goes to its plan's build.log."""
+    lines, where = [], ""
+    for plan, text in errors:
+        first = _first_error_line(text)
+        lines.append(f"{' '.join(plan.cxx_flags)}: {first}" if len(errors) > 1 else first)
+        try:
+            plan.log.write_text(text)
+            where = f"; log: {plan.log}"
+        except OSError:
+            pass
+    fix = ("run `toolkit build-kernels --verbose` to see the compiler output" if EXTENSIONS[extension].cuda
+           else "install a C++ compiler with OpenMP (g++); the log has its output")
+    return f"build failed: {'; '.join(lines)}{where}", fix
+
+
 def load_extension(extension: str, verbose: bool = False):
     """Build (if not cached) and import one extension; None on failure (the reason is kept for status)."""
     if extension in _modules:
@@ -163,38 +198,42 @@ def load_extension(extension: str, verbose: bool = False):
             return _modules[extension]
         if extension in _failures:
             return None
-        problem = build_problem(need_gpu=False)  # building and importing need no GPU, only CUDA torch + nvcc
+        # NOTE: a CUDA extension's cache key names nvcc, so its toolchain is checked first; a cached CPU
+        # extension is imported without looking for ninja (0.2 s of imports on every run).
+        cuda = EXTENSIONS[extension].cuda
+        problem = _problem(extension, toolchain=cuda)
+        if problem is None:
+            try:
+                plans = [build_plan(extension, v) for v in range(len(EXTENSIONS[extension].cxx_flag_sets))]
+                plans = [p for p in plans if p.finished][:1] or plans  # a finished build of any flag set first
+                plans[0].directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                problem = (f"cannot use the kernel cache ({exc})", "set TOOLKIT_KERNELS_CACHE to a writable folder")
+        if problem is None and not cuda and not plans[0].finished:
+            problem = _problem(extension, toolchain=True)
         if problem is not None:
             _failures[extension] = problem
             return None
-        try:
-            plan = build_plan(extension)
-            plan.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            _failures[extension] = (f"cannot use the kernel cache ({exc})",
-                                    "set TOOLKIT_KERNELS_CACHE to a writable folder")
-            return None
-        try:
-            from torch.utils.cpp_extension import load
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch's minor-version and compiler notes; the log keeps errors
-                module = load(name=plan.module_name, sources=[str(s) for s in plan.sources],
-                              extra_cflags=list(CXX_FLAGS), extra_cuda_cflags=list(plan.cuda_flags),
-                              extra_include_paths=[str(shipped_dir("kernels"))],
-                              build_directory=str(plan.directory), verbose=verbose)
-        except Exception as exc:  # a build must never stop a run: keep why, fall back
-            text = f"{type(exc).__name__}: {exc}"
+        errors = []
+        for plan in plans:
             try:
-                plan.log.write_text(text)
-                where = f"; log: {plan.log}"
-            except OSError:
-                where = ""
-            _failures[extension] = (f"build failed: {_first_error_line(text)}{where}",
-                                    "run `toolkit build-kernels --verbose` to see the compiler output")
-            return None
-        _modules[extension] = module
-        return module
+                module, compiled = build_or_import(plan, verbose)
+            except Exception as exc:  # a build must never stop a run: keep why, try the next flags, fall back
+                errors.append((plan, f"{type(exc).__name__}: {exc}"))
+                continue
+            _modules[extension], _loaded[extension] = module, (plan, compiled)
+            return module
+        _failures[extension] = _build_failure(extension, errors)
+        return None
+
+
+def _in_use(name: str, extension: str) -> KernelStatus:
+    plan, compiled = _loaded[extension]
+    module = _modules[extension]
+    about = [] if EXTENSIONS[extension].cuda else [f"flags {' '.join(plan.cxx_flags)}"]
+    if hasattr(module, "simd_width"):  # the CPU Adam kernel says what it was compiled for
+        about[:0] = [module.simd_width(), f"{module.omp_threads()} OpenMP threads"]
+    return KernelStatus(name, "built" if compiled else "loaded", ", ".join(about), where=str(plan.directory))
 
 
 def kernel_status(name: str, build: bool = False) -> KernelStatus:
@@ -203,18 +242,27 @@ def kernel_status(name: str, build: bool = False) -> KernelStatus:
     if build:
         load_extension(extension)
     if extension in _modules:
-        return KernelStatus(name, "loaded", where=str(Path(_modules[extension].__file__).parent))
+        return _in_use(name, extension)
     if extension in _failures:
-        reason, fix = _failures[extension]
-        return KernelStatus(name, "unavailable", reason, fix)
-    problem = build_problem(need_gpu=False)
+        return KernelStatus(name, "unavailable", *_failures[extension])
+    problem = _problem(extension)
     if problem is not None:
         return KernelStatus(name, "unavailable", *problem)
-    plan = build_plan(extension)
-    if plan.library.is_file():
-        return KernelStatus(name, "built", "in the cache, loads on first use", where=str(plan.directory))
-    return KernelStatus(name, "not built", "builds on first use (about a minute)",
-                        "run `toolkit build-kernels` ahead of time")
+    for variant in range(len(EXTENSIONS[extension].cxx_flag_sets)):
+        plan = build_plan(extension, variant)
+        if plan.finished:
+            return KernelStatus(name, "cached", "in the cache, loads on first use", where=str(plan.directory))
+    fix = "run `toolkit build-kernels` ahead of time" if name in KERNELS else ""
+    return KernelStatus(name, "not built", "builds on first use (about a minute or two)", fix)
+
+
+def fallback_detail(statuses) -> str:
+    """'reason; fix: fix' for kernels that fall back to torch, one clause per distinct reason."""
+    reasons = {(s.reason, s.fix) for s in statuses}
+    if len(reasons) == 1:
+        (reason, fix), = reasons
+        return f"{reason}; fix: {fix}" if fix else reason
+    return "; ".join(f"{s.name}: {s.reason}" + (f" (fix: {s.fix})" if s.fix else "") for s in statuses)
 
 
 def build_all(names=KERNELS, verbose: bool = False) -> list[KernelStatus]:
@@ -249,14 +297,15 @@ class ActiveKernels:
         return "; ".join(parts) or "none used"
 
 
-def needed_kernels(family: str, optimizer_implementation: str) -> tuple[str, ...]:
-    """The kernels a model family and AdamW implementation can use."""
+def needed_kernels(family: str, fused_adamw: bool) -> tuple[str, ...]:
+    """The kernels a model family can use, and the AdamW kernel when the run's optimizer can step with it."""
     names = FAMILY_KERNELS.get(family, ("cross_entropy",))
-    return (*names, "adamw") if optimizer_implementation != "torch" else names
+    return (*names, "adamw") if fused_adamw else names
 
 
 def resolve(modes, device_type: str, needed) -> ActiveKernels:
-    """recipe.kernels (auto | on | off per kernel) -> the kernels this run uses.
+    """recipe.kernels (auto | on | off per kernel) -> the kernels this run uses (only those in `needed`
+    are built or loaded).
 
     `on` that cannot be honoured is a UserError naming recipe.kernels.<name>; `auto`
     falls back to torch, with one warning on a CUDA device (on the CPU the fused
@@ -283,32 +332,17 @@ def resolve(modes, device_type: str, needed) -> ActiveKernels:
             fallbacks.append(status)
     if errors:
         raise UserError(*errors)
-    global _run_kernels
-    _run_kernels = ActiveKernels(statuses)
     if fallbacks:
-        reasons = {(s.reason, s.fix) for s in fallbacks}
-        names = ", ".join(s.name for s in fallbacks)
-        if len(reasons) == 1:
-            (reason, fix), = reasons
-            detail = f"{reason}; fix: {fix}"
-        else:
-            detail = "; ".join(f"{s.name}: {s.reason} (fix: {s.fix})" for s in fallbacks)
-        warnings.warn(f"fused kernels {names} fall back to torch: {detail}; "
+        warnings.warn(f"fused kernels {', '.join(s.name for s in fallbacks)} fall back to torch: "
+                      f"{fallback_detail(fallbacks)}; "
                       "set recipe.kernels.<name> to 'off' to use torch without this warning",
                       KernelFallbackWarning, stacklevel=2)
-    return _run_kernels
-
-
-_run_kernels = ActiveKernels()  # the last resolve(): what this process's run uses
-
-
-def kernel_enabled(name: str) -> bool:
-    """True when the run being set up (the last `resolve`) uses the fused `name` kernel."""
-    return _run_kernels.active(name)
+    return ActiveKernels(statuses)
 
 
 def doctor_lines() -> list[str]:
-    """`toolkit doctor`'s kernels block: the build environment, then one line per kernel (nothing is built)."""
+    """`toolkit doctor`'s kernels block: the build environment, one line per CUDA kernel (not built here),
+    and the CPU Adam kernel (built here when it is not in the cache: any machine with a C++ compiler can)."""
     import torch
 
     archs, notes = target_archs()
@@ -316,4 +350,5 @@ def doctor_lines() -> list[str]:
              f"targets {', '.join(map(str, archs)) or 'none'} + PTX, cache {cache_root()}"]
     lines += [f"note: {n}" for n in notes]
     lines += [kernel_status(name).describe() for name in KERNELS]
+    lines.append(f"{kernel_status('cpu_adam', build=True).describe()} (ZeRO-Offload's optimizer step)")
     return lines

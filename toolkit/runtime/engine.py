@@ -28,7 +28,7 @@ from toolkit.ops.fused_adamw import FusedAdamW, OnePassStep
 from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models.build import build_model, count_parameters
-from toolkit.runtime.optim import Schedule, adamw_param_names
+from toolkit.runtime.optim import Schedule, adamw_kernel_applies, adamw_param_names, choose_adamw
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.specs import Recipe
 from toolkit.runtime.zero import build_strategy
@@ -95,9 +95,14 @@ class Engine:
         self._model_name = type(model).__name__
         self.model.train()
         self.num_parameters = count_parameters(self.model)
-        # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)
+        # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error).
+        # The AdamW kernel only where stage 0's optimizer can step with it; with recipe.optimizer.implementation
+        # that gives the one AdamW decision, passed to the strategy below.
+        use_adamw_kernel = adamw_kernel_applies(recipe.optimizer.implementation, recipe.zero.stage)
         self.kernels = loader.resolve(recipe.kernels, self.device.type,
-                                   loader.needed_kernels(recipe.model.family, recipe.optimizer.implementation))
+                                      loader.needed_kernels(recipe.model.family, use_adamw_kernel))
+        adamw = (choose_adamw(recipe.optimizer.implementation, self.device.type, self.kernels.active("adamw"))
+                 if recipe.zero.stage == 0 else None)
         swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
                                         if self.kernels.active(name)})
         # The loss below reads logits padded to aligned GEMM shapes on the GPU (on the CPU the extra
@@ -106,7 +111,7 @@ class Engine:
         if zero3_units is not None and recipe.zero.stage != 3:
             print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
                   "parameters by unit)", file=sys.stderr, flush=True)
-        self.strategy = build_strategy(self.model, recipe, self.device, self.dist, zero3_units)
+        self.strategy = build_strategy(self.model, recipe, self.device, self.dist, zero3_units, adamw=adamw)
         self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
         # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
         self._step_strategy = (OnePassStep(self.strategy) if self.strategy.stage == 0

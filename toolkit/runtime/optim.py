@@ -1,8 +1,8 @@
 """AdamW and the learning-rate schedule, built from `OptimizerSpec` and `SchedulerSpec`.
 
 What lives here: the decay / no-decay parameter groups, the choice of AdamW
-implementation (`choose_adamw`: the toolkit's fused CUDA kernel, toolkit/ops/fused_adamw.py,
-when the run's kernels include it; torch's fused or foreach AdamW otherwise), and
+implementation for stage 0 (`choose_adamw`: the toolkit's fused CUDA kernel, toolkit/ops/fused_adamw.py,
+when the engine's kernel choice loaded it; torch's fused or foreach AdamW otherwise), and
 DeepSpeed's schedules (constant, WarmupLR, WarmupDecayLR, WarmupCosineLR) with
 DeepSpeed's formulas, as a pure function `lr_at` and a small stateful `Schedule`. What does not: gradient clipping, loss
 scaling and ZeRO partitioning of the optimizer state (precision.py, zero/).
@@ -63,31 +63,35 @@ def adamw_param_names(model: nn.Module) -> list[str]:
 # ---------------------------------------------------------------------------
 # AdamW
 
-def choose_adamw(implementation: str, device_type: str) -> str:
-    """The AdamW for recipe.optimizer.implementation on this device: 'toolkit-fused', 'torch-fused' or 'torch'."""
-    # NOTE: 'toolkit-fused' is kernels/fused_adamw.cu when the run's kernel choice
-    # (toolkit.ops.loader.resolve, from recipe.kernels.adamw) loaded it; else torch's fused AdamW.
-    from toolkit.ops import loader
+def adamw_kernel_applies(implementation: str, zero_stage: int) -> bool:
+    """Whether the run's AdamW could step with kernels/fused_adamw.cu, so the engine should resolve it."""
+    # NOTE: only stage 0 steps whole parameters with a torch-style optimizer (FusedAdamW); stages 1-3
+    # step flat shards (toolkit/runtime/zero/adamw.py: torch's fused AdamW, or the CPU Adam kernel
+    # under offload), so building the CUDA AdamW for them would be a minute spent on nothing.
+    return zero_stage == 0 and implementation != "torch"
 
+
+def choose_adamw(implementation: str, device_type: str, fused_kernel: bool) -> str:
+    """Stage 0's AdamW for recipe.optimizer.implementation on this device: 'toolkit-fused', 'torch-fused'
+    or 'torch'; `fused_kernel` says whether the run's kernels (recipe.kernels.adamw) loaded the toolkit's."""
     if implementation == "torch":
         return "torch"
     if device_type == "cuda":
-        return "toolkit-fused" if loader.kernel_enabled("adamw") else "torch-fused"
+        return "toolkit-fused" if fused_kernel else "torch-fused"
     if implementation == "fused":
         raise UserError("recipe.optimizer.implementation: 'fused' needs a CUDA device; use 'auto' or 'torch'")
     return "torch"
 
 
-def build_optimizer(model: nn.Module, spec: OptimizerSpec, device_type: str) -> torch.optim.Optimizer:
-    """AdamW over `param_groups(model, spec.weight_decay)`: the toolkit's fused kernel or torch's fused AdamW on
-    CUDA, torch's default elsewhere or when implementation is 'torch'."""
-    kind = choose_adamw(spec.implementation, device_type)
+def build_optimizer(model: nn.Module, spec: OptimizerSpec, adamw: str) -> torch.optim.Optimizer:
+    """AdamW over `param_groups(model, spec.weight_decay)`, of the kind `choose_adamw` returned: the toolkit's
+    fused kernel, torch's fused AdamW, or torch's default (foreach where it can)."""
     groups = param_groups(model, spec.weight_decay)
-    if kind == "toolkit-fused":
+    if adamw == "toolkit-fused":
         from toolkit.ops.fused_adamw import FusedAdamW
 
         return FusedAdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
-    fused = {"fused": True} if kind == "torch-fused" else {}  # 'torch': torch's default (foreach where it can)
+    fused = {"fused": True} if adamw == "torch-fused" else {}
     return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
                              weight_decay=spec.weight_decay, **fused)
 

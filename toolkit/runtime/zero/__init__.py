@@ -15,9 +15,9 @@ One strategy per recipe.zero.stage, all with the same small interface the engine
     memory_bytes() -> dict      mem_params_bytes, mem_grads_bytes, mem_optim_bytes,
                                 mem_master_bytes, mem_offload_bytes of this rank, from live tensors
 
-Files: flat.py (flat sharded layout), adamw.py (the shard's AdamW; the CPU kernel
-is toolkit/ops/cpu_adam.py), offload.py (the CPU side of ZeRO-Offload), ddp.py
-(stage 0), partition.py (stages 1-2), stage3.py (stage 3), sharded.py (what 1-3
+Files: flat.py (flat sharded layout), adamw.py (the shard's AdamW: torch's, or the
+CPU Adam kernel of toolkit/ops/cpu_adam.py under offload), offload.py (the CPU step),
+ddp.py (stage 0), partition.py (stages 1-2), stage3.py (stage 3), sharded.py (what 1-3
 share). The process group is toolkit/distributed.py; the shard checkpoint format
 toolkit/checkpoint/zero_shards.py; the benchmarks benchmarks/zero_cpu.py and
 benchmarks/zero_gpu.py.
@@ -42,9 +42,12 @@ def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInfo, zero3_units=None):
+def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInfo, zero3_units=None, *,
+                   adamw: str | None):
     """The strategy for recipe.zero (stage 0-3, offload) over the process group in `info`; `zero3_units`
-    names stage 3's units (toolkit/runtime/zero/stage3.py find_units)."""
+    names stage 3's units (toolkit/runtime/zero/stage3.py find_units); `adamw` is stage 0's optimizer,
+    as the engine chose it (toolkit.runtime.optim.choose_adamw). Stages 1-3 step their shards with
+    ShardedAdamW (adamw.py), which never uses the CUDA AdamW kernel."""
     stage = recipe.zero.stage
     if stage == 3 and recipe.training.compile:
         from toolkit.errors import UserError
@@ -59,7 +62,9 @@ def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInf
     if stage == 0:
         from toolkit.runtime.zero.ddp import DataParallel
 
-        return DataParallel(model, recipe, device, info)
+        if adamw is None:
+            raise ValueError("zero stage 0 needs the AdamW the engine chose (toolkit.runtime.optim.choose_adamw)")
+        return DataParallel(model, recipe, device, info, adamw)
     if stage in (1, 2):
         from toolkit.runtime.zero.partition import PartitionedStrategy
 

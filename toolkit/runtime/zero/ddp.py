@@ -1,5 +1,5 @@
 """ZeRO stage 0: plain data parallelism. Every rank holds the whole model, the
-whole gradient and the whole optimizer (torch AdamW, toolkit.runtime.optim); gradients
+whole gradient and the whole optimizer (the AdamW the engine chose, toolkit.runtime.optim); gradients
 are averaged across ranks with bucketed all-reduces overlapped with backward.
 
 Gradients live in flat buckets (consecutive parameters in reverse registration
@@ -34,7 +34,7 @@ class DataParallel:
     stage = 0
     offload = False
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo):
+    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, adamw: str):
         self.model, self.recipe, self.device, self.info = model, recipe, device, info
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
@@ -51,7 +51,7 @@ class DataParallel:
                 offset += p.numel()
             self.flat_grads.append(flat)
         self.params = [p for bucket in self.buckets for p in bucket]
-        self.optimizer = build_optimizer(model, recipe.optimizer, device.type)
+        self.optimizer = build_optimizer(model, recipe.optimizer, adamw)  # the engine's choice (optim.choose_adamw)
         self._names = {id(p): n for n, p in named}
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._reducing = False

@@ -136,7 +136,7 @@ class ShardedStrategy:
                 from toolkit.ops.cpu_adam import cpu_adam_status
 
                 status = cpu_adam_status()
-                where = f"on the CPU: {status.name} {status.state}" + ("" if status.active else f" ({status.detail})")
+                where = f"on the CPU: {status.name} {status.state}" + ("" if status.active else f" ({status.reason})")
             else:
                 where = part.optimizer.mode
             share = f" for {part.layout.numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
