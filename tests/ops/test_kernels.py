@@ -6,7 +6,6 @@ import re
 import shutil
 import subprocess
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch

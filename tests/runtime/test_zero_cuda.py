@@ -4,7 +4,6 @@ same through an NCCL process group of world size 1, so the collectives run on NC
 
 Tolerance: rtol 1e-5 on the losses, params within 2e-5 (TF32 is off; the GPU's
 fused AdamW and the CPU kernel round the same fp32 maths in a different order)."""
-import os
 import socket
 
 import pytest

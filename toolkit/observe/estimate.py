@@ -9,7 +9,6 @@ This module imports no torch: `toolkit estimate` answers in well under a second.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
 
 from toolkit.errors import UserError
