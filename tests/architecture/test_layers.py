@@ -9,7 +9,7 @@ PACKAGE = REPO / "toolkit"
 # Bottom to top. A module may import its own layer's package (its siblings) and any lower layer; layers that
 # share a rank are peers and may not import each other.
 LAYERS = {
-    "ground": 0,      # toolkit.errors, .resources, .specs, .optional_packages, .distributed
+    "ground": 0,      # toolkit.errors, .resources, .specs, .optional_packages, .regular_files, .distributed
     "data": 1, "models": 1, "ops": 1,
     "recipe": 2,
     "observe": 3, "checkpoint": 3,
