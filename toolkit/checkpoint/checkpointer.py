@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from toolkit.checkpoint.engine_state import write_engine_checkpoint
-from toolkit.checkpoint.files import _remove_dir, find_checkpoint, latest_checkpoint, list_checkpoints, prune_checkpoints
+from toolkit.checkpoint.files import find_checkpoint, latest_checkpoint, list_checkpoints, prune_checkpoints, remove_dir
 from toolkit.checkpoint.io import Checkpoint
 from toolkit.checkpoint.resume import (check_checkpoint_dir_kept, checkpoint_meta, load_training_checkpoint,
                                        resume_changes)
@@ -149,7 +149,7 @@ class Checkpointer:
             return path
         for name in self._stale:
             if name != path.name and (self.dir / name).is_dir():
-                _remove_dir(self.dir / name)
+                remove_dir(self.dir / name)
         self._stale = []
         prune_checkpoints(self.dir, self.spec.keep_last)
         return path

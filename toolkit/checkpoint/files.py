@@ -33,12 +33,14 @@ def step_dir_name(step: int) -> str:
 # ---------------------------------------------------------------------------
 # Files: fsync, checksums, atomic writes
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Flush a written file to the disk."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename in it) to the disk, where the platform allows."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # NOTE: some platforms (Windows) cannot open a directory; rename is still atomic there
@@ -60,7 +62,8 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
+    """Write `obj` as JSON and fsync the file."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
@@ -68,7 +71,7 @@ def _write_json(path: Path, obj) -> None:
         os.fsync(f.fileno())
 
 
-def _write_pointer(path: Path, name: str) -> None:
+def write_pointer(path: Path, name: str) -> None:
     """Replace a small text file atomically: temp file, fsync, rename, fsync the directory."""
     tmp = path.with_name(f"{TEMP_PREFIX}{path.name}-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -76,7 +79,7 @@ def _write_pointer(path: Path, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def make_temp_dir(parent: Path, prefix: str) -> Path:
@@ -88,7 +91,7 @@ def make_temp_dir(parent: Path, prefix: str) -> Path:
     return tmp
 
 
-def _remove_dir(path: Path) -> None:
+def remove_dir(path: Path) -> None:
     """Rename out of sight first, so a crash mid-delete never leaves a step dir with missing files."""
     doomed = path.with_name(f"{TEMP_PREFIX}delete-{path.name}-{os.getpid()}")
     os.rename(path, doomed)
@@ -172,7 +175,7 @@ def _check_manifest(path: Path, manifest: dict) -> None:
 # ---------------------------------------------------------------------------
 # Verifying: every file against the manifest
 
-def _read_json(path: Path, what: str) -> dict:
+def read_checkpoint_json(path: Path, what: str) -> dict:
     """A toolkit checkpoint JSON file (format and version checked), or one line naming it."""
     if path.exists() and not path.is_file():
         raise UserError(f"{path}: not a regular file ({what})")
@@ -197,7 +200,7 @@ def verify_checkpoint(step_dir: Path) -> dict:
     step_dir = Path(step_dir)
     if not step_dir.is_dir():
         raise UserError(f"{step_dir}: no such checkpoint directory")
-    manifest = _read_json(step_dir / MANIFEST_FILE, "the checkpoint's manifest; the save did not complete")
+    manifest = read_checkpoint_json(step_dir / MANIFEST_FILE, "the checkpoint's manifest; the save did not complete")
     _check_manifest(step_dir / MANIFEST_FILE, manifest)
     for name, entry in manifest["files"].items():
         path = step_dir / name
@@ -233,7 +236,7 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _checkpoint_dirname(run_dir: Path, default: str) -> str:
+def recorded_checkpoint_dirname(run_dir: Path, default: str) -> str:
     """checkpoint.dir from a run directory's recipe.json, else `default`."""
     try:
         return json.loads((run_dir / "recipe.json").read_text())["checkpoint"]["dir"]
@@ -250,7 +253,7 @@ def find_checkpoint(path: Path, checkpoint_dirname: str = "checkpoints") -> Path
         raise UserError(f"{path}: not a directory; expected a run dir, a checkpoints dir or a step-NNNNNN dir")
     if STEP_DIR.match(path.name) or (path / MANIFEST_FILE).exists():
         return path
-    inside = path / _checkpoint_dirname(path, checkpoint_dirname)
+    inside = path / recorded_checkpoint_dirname(path, checkpoint_dirname)
     for candidate in (path, inside):
         latest = latest_checkpoint(candidate)
         if latest is not None:
@@ -263,7 +266,7 @@ def prune_checkpoints(ckpt_dir: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints, and leftovers of crashed saves."""
     removed = []
     for _, path in list_checkpoints(ckpt_dir)[:-keep_last]:
-        _remove_dir(path)
+        remove_dir(path)
         removed.append(path)
     for entry in Path(ckpt_dir).iterdir():
         if entry.name.startswith(TEMP_PREFIX) and entry.is_dir():

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.checkpoint.files import (FORMAT, FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, STATE_FILE, TENSORS_FILE,
-                                      _fsync_dir, _fsync_file, _read_json, _remove_dir, _write_json, _write_pointer,
-                                      make_temp_dir, sha256_file, step_dir_name, verify_checkpoint)
+                                      fsync_dir, fsync_file, make_temp_dir, read_checkpoint_json, remove_dir,
+                                      sha256_file, step_dir_name, verify_checkpoint, write_json, write_pointer)
 from toolkit.checkpoint.files import structure_problem
 from toolkit.checkpoint.state import flatten_state, unflatten_state
 from toolkit.errors import UserError, failed_write
@@ -41,23 +41,23 @@ def _write_state_files(tmp: Path, step: int, state: dict, meta: dict, shard_file
     skeleton, tensors = flatten_state(state)
     with _naming_failed_writes(tmp / TENSORS_FILE):
         save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": FORMAT})
-        _fsync_file(tmp / TENSORS_FILE)
+        fsync_file(tmp / TENSORS_FILE)
     with _naming_failed_writes(tmp / STATE_FILE):
-        _write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
+        write_json(tmp / STATE_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step,
                                        **meta, "state": skeleton})
     files = {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
              for f in (TENSORS_FILE, STATE_FILE)}
     files.update(shard_files or {})
     with _naming_failed_writes(tmp / MANIFEST_FILE):
-        _write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "files": files})
-        _fsync_dir(tmp)
+        write_json(tmp / MANIFEST_FILE, {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "files": files})
+        fsync_dir(tmp)
 
 
 def _write_shard_file(tmp: Path, write_shard) -> tuple[str, dict]:
     """A rank's ZeRO shard written into tmp and fsynced: (file name, its manifest entry)."""
     with _naming_failed_writes(tmp):
         shard = write_shard(tmp)
-        _fsync_file(tmp / shard)
+        fsync_file(tmp / shard)
     return shard, {"sha256": sha256_file(tmp / shard), "bytes": (tmp / shard).stat().st_size}
 
 
@@ -75,14 +75,14 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: dict, write_sh
         _write_state_files(tmp, step, state, meta, shard_files=shard_files)
         with _naming_failed_writes(final):
             if final.exists():  # the same step saved again (a fresh run in an old run dir): replace it
-                _remove_dir(final)
+                remove_dir(final)
             os.rename(tmp, final)
-            _fsync_dir(ckpt_dir)
+            fsync_dir(ckpt_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     with _naming_failed_writes(ckpt_dir / LATEST_FILE):
-        _write_pointer(ckpt_dir / LATEST_FILE, name)  # last: `latest` only ever names a complete checkpoint
+        write_pointer(ckpt_dir / LATEST_FILE, name)  # last: `latest` only ever names a complete checkpoint
     return final
 
 
@@ -126,11 +126,11 @@ def save_distributed_checkpoint(ckpt_dir: Path, step: int, state: dict, meta: di
             _write_state_files(tmp, step, state, meta, shard_files={r[0]: r[1] for r in reports if r is not None})
             with _naming_failed_writes(final):
                 if final.exists():
-                    _remove_dir(final)
+                    remove_dir(final)
                 os.rename(tmp, final)
-                _fsync_dir(ckpt_dir)
+                fsync_dir(ckpt_dir)
             with _naming_failed_writes(ckpt_dir / LATEST_FILE):
-                _write_pointer(ckpt_dir / LATEST_FILE, name)
+                write_pointer(ckpt_dir / LATEST_FILE, name)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             dist.broadcast_object_list([str(exc) or type(exc).__name__], src=0)
@@ -164,7 +164,7 @@ def load_checkpoint(step_dir: Path) -> Checkpoint:
     step_dir = Path(step_dir)
     manifest = verify_checkpoint(step_dir)
     state_path = step_dir / STATE_FILE
-    data = _read_json(state_path, "the checkpoint's state")
+    data = read_checkpoint_json(state_path, "the checkpoint's state")
     problem = structure_problem(data, {"step": int, "state": object})
     if problem is None and data["step"] != manifest["step"]:
         problem = f"step: {data['step']}, but {MANIFEST_FILE} says {manifest['step']}"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint.files import (STATE_FILE, TEMP_PREFIX, MapOf, _checkpoint_dirname, is_plain_file_name,
-                                      latest_checkpoint, structure_problem)
+from toolkit.checkpoint.files import (STATE_FILE, TEMP_PREFIX, MapOf, is_plain_file_name, latest_checkpoint,
+                                      recorded_checkpoint_dirname, structure_problem)
 from toolkit.checkpoint.io import Checkpoint, load_checkpoint
 from toolkit.checkpoint.state import check_rng_state
 from toolkit.errors import UserError
@@ -170,7 +170,7 @@ def load_training_checkpoint(step_dir: Path) -> Checkpoint:
 def check_checkpoint_dir_kept(run_dir: Path, checkpoint_dir: str) -> None:
     """Refuse a fresh start that would hide the checkpoints which the run dir's last run (its recipe.json)
     saved under another checkpoint.dir: it would rewrite the run's metrics over them without a word."""
-    before = _checkpoint_dirname(Path(run_dir), checkpoint_dir)
+    before = recorded_checkpoint_dirname(Path(run_dir), checkpoint_dir)
     found = latest_checkpoint(Path(run_dir) / before) if before != checkpoint_dir else None
     if found is not None:
         raise UserError(f"recipe.checkpoint.dir: {checkpoint_dir!r} holds no checkpoint, but this run dir's last run "
