@@ -1,6 +1,8 @@
-"""The package's folders are its layers: each imports only the layers below it, and no modules import
-each other in a loop. Read from the source (every import statement, lazy ones inside functions too)."""
+"""The package's folders are its layers: each imports only the layers below it, and of those only what its
+__init__ docstring's "May import:" names; no modules import each other in a loop. Read from the source
+(every import statement, lazy ones inside functions too)."""
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -63,6 +65,30 @@ def test_no_import_runs_back_up_a_layer():
             if (target in FACE and mine != "cli") or (theirs != mine and LAYERS[theirs] >= LAYERS[mine]):
                 back.append(f"{name} ({mine}) imports {target} ({theirs})")
     assert not back, "\n".join(back)
+
+
+def declared_imports(layer: str) -> set[str] | None:
+    """The layers `layer`'s package docstring says it may import (its "May import:" paragraph); None where it
+    says every layer (below it), which the rank order above already holds it to."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text(encoding="utf-8"))) or ""
+    assert "May import:" in doc, f"toolkit/{layer}/__init__.py: its docstring does not say what it may import"
+    said = " ".join(doc.split("May import:", 1)[1].split())
+    if "every layer" in said or "everything below" in said:
+        return None
+    named = {layer_of(f"toolkit.{name}") for name in re.findall(r"toolkit\.(\w+)", said)}
+    return named | ({"ground"} if "ground floor" in said else set())
+
+
+def test_each_package_imports_only_what_its_docstring_says():
+    undeclared = []
+    for name, path in MODULES.items():
+        mine = layer_of(name)
+        allowed = declared_imports(mine) if name not in FACE and mine != "ground" else None
+        if allowed is None:
+            continue
+        undeclared += [f"{name} imports {target}, not in toolkit/{mine}/__init__.py's 'May import:'"
+                       for target in toolkit_imports(path) if layer_of(target) not in allowed | {mine}]
+    assert not undeclared, "\n".join(undeclared)
 
 
 def test_no_import_cycles():
