@@ -105,7 +105,7 @@ OVERFLOWS = [False, True, False, False, False, True, True, True, False, False, F
 
 
 def test_engine_skips_overflowing_steps_like_deepspeed():
-    # fp16 is refused on the CPU (engine.py), so run fp32 with the fp16 block's scaler attached.
+    # fp16 is refused on the CPU (precision.check_precision_device), so run fp32 with the fp16 block's scaler attached.
     # (The recipe refuses an fp16 block under fp32, so the fp16 PrecisionSpec is built here.)
     recipe = tiny("scheduler.type=WarmupLR", "scheduler.warmup_num_steps=5", "training.max_steps=20")
     engine = Engine(recipe)

@@ -1,4 +1,5 @@
-"""Mixed precision: the autocast policy, the fp16 loss scaler and the overflow check.
+"""Mixed precision: the autocast policy, which precision a device can run, the 16-bit
+weights of ZeRO stages 1-3, the fp16 loss scaler and the overflow check.
 
 `DynamicLossScaler` follows DeepSpeed's `DynamicLossScaler.update_scale`
 (deepspeed/runtime/fp16/loss_scaler.py) step for step, so a recipe's `precision.fp16`
