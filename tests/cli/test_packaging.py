@@ -48,6 +48,8 @@ def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
     installed = [line.split(",")[0] for record in venv.glob("lib/python*/site-packages/toolkit-*.dist-info/RECORD")
                  for line in record.read_text().splitlines()]
     assert any(path.startswith("toolkit/_shipped/kernels/") for path in installed), installed
+    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "toolkit").rglob("*.py") if "__pycache__" not in p.parts}
+    assert not sources - set(installed), sorted(sources - set(installed))  # a subpackage missing from pyproject
     benchmark_code = [path for path in installed
                       if path.startswith("benchmarks/") or Path(path).name.startswith("bench")]
     assert not benchmark_code, benchmark_code  # issue 19: the wheel carries no benchmark, tuner or device script
