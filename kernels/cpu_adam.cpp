@@ -14,7 +14,7 @@
 // loop the compiler vectorises. The pass reads 16 bytes and writes 12 per element, so it is memory
 // bound: the win over torch's fused CPU AdamW comes from one pass, wide vectors and all cores.
 // Built by toolkit/ops/cpu_adam.py (torch.utils.cpp_extension, -O3 -march=native -fopenmp, cached).
-// Reference it is checked against: torch.optim.AdamW (tests/ops/test_zero_cpu_adam.py).
+// Reference it is checked against: torch.optim.AdamW (tests/ops/test_cpu_adam.py).
 
 #include <torch/extension.h>
 
@@ -75,7 +75,7 @@ constexpr int64_t kWidth = 16;
 // NOTE: vsqrtps and vdivps on 16 lanes cost more cycles than the loads they wait for, so the
 // kernel would be compute bound on one core. Both become a 14-bit hardware estimate refined by one
 // Newton-Raphson step (error ~2^-27, a few ulp), which keeps the pass memory bound; results stay
-// within 1e-6 relative of torch's exact sqrt and division (tests/ops/test_zero_cpu_adam.py).
+// within 1e-6 relative of torch's exact sqrt and division (tests/ops/test_cpu_adam.py).
 inline __m512 sqrt_nr(__m512 v) {
   const __m512 r0 = _mm512_rsqrt14_ps(v);  // 1/sqrt(v); inf at 0
   const __m512 half_v = _mm512_mul_ps(v, _mm512_set1_ps(0.5f));

@@ -279,7 +279,7 @@ def test_an_overflow_on_one_rank_makes_every_rank_skip(world, world2, world4):
 
 def test_bf16_offload_matches_bf16_on_device(world2):
     # The CPU kernel writes the bf16 weights itself. Its fp32 master differs from the device step's by
-    # a few ulp (see test_zero_cpu_adam.py); a weight within that of a bf16 rounding boundary rounds the
+    # a few ulp (see test_cpu_adam.py); a weight within that of a bf16 rounding boundary rounds the
     # other way, and the bf16 forward feeds that back, so after 10 steps a few elements differ by about
     # lr (3e-3): atol 1e-2. The losses agree to 1e-3.
     got, want = world2[0]["stage3-bf16-offload-accum1"], world2[0]["stage3-bf16-accum1"]
