@@ -9,10 +9,11 @@ import sys
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.cli.tutorials import (KERNELSPEC, TEMPLATES_DIR, TUTORIALS_DIR, build_all, notebook_name, render_notebook,
+from toolkit.cli.tutorials import (GPU_SUBDIR, KERNELSPEC, TEMPLATES_DIR, TUTORIALS_DIR, build_all, notebook_name, render_notebook,
                                split_cells, template_paths)
 
 NOTEBOOKS = sorted(TUTORIALS_DIR.glob("*.ipynb"))
+GPU_NOTEBOOKS = sorted((TUTORIALS_DIR / GPU_SUBDIR).glob("*.ipynb"))
 
 
 def test_committed_notebooks_match_their_templates():
@@ -27,18 +28,38 @@ def test_every_notebook_has_a_template_and_every_template_a_notebook():
     assert notebooks == templates
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_has_stable_ids_python3_kernel_and_no_outputs(path):
+@pytest.mark.parametrize("path", NOTEBOOKS + GPU_NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_notebook_has_stable_ids_and_python3_kernel(path):
     nb = json.loads(path.read_text(encoding="utf-8"))
     slug = path.stem.replace("_", "-")
     assert nb["nbformat"] == 4 and nb["nbformat_minor"] >= 5
     assert nb["metadata"]["kernelspec"] == KERNELSPEC
     assert [cell["id"] for cell in nb["cells"]] == [f"{slug}-{i:02d}" for i in range(len(nb["cells"]))]
-    code = [cell for cell in nb["cells"] if cell["cell_type"] == "code"]
-    assert code, "a tutorial runs something"
-    for cell in code:
-        assert cell["outputs"] == [] and cell["execution_count"] is None, cell["id"]
+    assert [cell for cell in nb["cells"] if cell["cell_type"] == "code"], "a tutorial runs something"
     assert path.read_text(encoding="utf-8").endswith("}\n")
+
+
+def _outputs(nb: dict, mime: str) -> list[str]:
+    return ["".join(out.get("data", {}).get(mime, "")) for cell in nb["cells"] if cell["cell_type"] == "code"
+            for out in cell["outputs"]]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_notebook_shows_its_last_run_a_plot_a_measured_table_and_an_assert(path):
+    """What the issue asks of a tutorial: committed with its outputs (`toolkit tutorials build --execute`),
+    at least one plot, one table of measured numbers (show_table) and an assert of its claim."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    code = [cell for cell in nb["cells"] if cell["cell_type"] == "code"]
+    assert all(cell["execution_count"] is not None for cell in code), "not executed: run `toolkit tutorials build --execute`"
+    assert any(not out.get("ename") for cell in code for out in cell["outputs"])
+    assert not [out for cell in code for out in cell["outputs"] if out.get("output_type") == "error"]
+    assert any(_outputs(nb, "image/png")), "no plot"
+    assert any("|---" in text for text in _outputs(nb, "text/markdown")), "no table (show_table)"
+    assert any(line.lstrip().startswith("assert ") for cell in code for line in "".join(cell["source"]).splitlines())
+
+
+def test_every_template_renders_a_gpu_variant():
+    assert {p.stem for p in GPU_NOTEBOOKS} == {p.stem for p in NOTEBOOKS}
 
 
 def test_rendering_twice_gives_identical_bytes():
@@ -65,9 +86,14 @@ def test_cli_check_exits_2_naming_the_stale_notebook(tmp_path, monkeypatch):
     monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
     monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
     assert main(["tutorials", "build", "--check"]) == 2
-    assert not (tmp_path / "01_demo.ipynb").exists()
+    assert not (tmp_path / "01_demo.ipynb").exists() and not (tmp_path / "gpu" / "01_demo.ipynb").exists()
     assert main(["tutorials", "build"]) == 0
     assert main(["tutorials", "build", "--check"]) == 0
+    executed = json.loads((tmp_path / "01_demo.ipynb").read_text())
+    executed["cells"][1]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "1\n"}]
+    executed["cells"][1]["execution_count"] = 1
+    (tmp_path / "01_demo.ipynb").write_text(json.dumps(executed))
+    assert main(["tutorials", "build", "--check"]) == 0  # outputs of a run are not a difference
     (tmp_path / "01_demo.ipynb").write_text("{}\n")
     assert main(["tutorials", "build", "--check"]) == 2
 

@@ -145,7 +145,7 @@ def _cmd_recipes(args) -> int:
 
 def _cmd_tutorials(args) -> int:
     from toolkit.optional_packages import check_command_packages
-    from toolkit.cli.tutorials import BUILD_COMMAND, TUTORIALS_DIR, build_all
+    from toolkit.cli.tutorials import BUILD_COMMAND, GPU_SUBDIR, TUTORIALS_DIR, build_all, execute_notebooks
 
     check_command_packages(BUILD_COMMAND)
     stale = build_all(check=True)
@@ -156,8 +156,16 @@ def _cmd_tutorials(args) -> int:
         if not stale:
             print("tutorials: every notebook matches its template")
         return EXIT_USER_ERROR if stale else 0
-    for path in build_all():
+    built = build_all()
+    for path in built:
         print(f"{path.relative_to(TUTORIALS_DIR.parent)}: {'updated' if path in stale else 'unchanged'}")
+    if args.execute:
+        chosen = [p for p in built if (p.parent.name == GPU_SUBDIR) == args.gpu and (not args.names or p.stem in args.names)]
+        unknown = sorted(set(args.names) - {p.stem for p in built})
+        if unknown:
+            raise UserError(f"tutorials build --execute: no notebook named {', '.join(unknown)}")
+        for path, seconds in execute_notebooks(chosen):
+            print(f"{path.relative_to(TUTORIALS_DIR.parent)}: executed in {seconds:.1f} s")
     return 0
 
 
@@ -292,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     tutorials = p.add_subparsers(dest="tutorials_command", required=True, metavar="ACTION")
     p = tutorials.add_parser("build", help="render every template to tutorials/<name>.ipynb")
     p.add_argument("--check", action="store_true", help="write nothing; exit 2 naming the stale notebooks")
+    p.add_argument("--execute", action="store_true",
+                   help="then run the CPU notebooks (with --gpu: the GPU ones) and save them with their outputs")
+    p.add_argument("--gpu", action="store_true", help="with --execute: the GPU variants in tutorials/gpu/")
+    p.add_argument("names", nargs="*", metavar="NAME", help="with --execute: only these notebooks (e.g. 01_quickstart)")
     p.set_defaults(func=_cmd_tutorials)
     return parser
 

@@ -13,9 +13,15 @@ Blank lines around a cell are dropped; nothing but blank lines may come before
 the first marker. Files whose name starts with `_` are partials (`{% include %}`,
 macros) and render to no notebook.
 
-The output is deterministic, so a stale notebook is a plain byte difference:
-cell ids are `<name>-<index>` (`01-quickstart-03`), no outputs, no execution
-counts, a fixed python3 kernelspec and nbformat's sorted JSON. No torch here.
+Each template renders twice: `gpu` false gives tutorials/<name>.ipynb (sizes
+that run on 2 CPU cores, executed by nbval in CI), `gpu` true gives
+tutorials/gpu/<name>.ipynb (the same story at real sizes, executed on a GPU).
+
+The rendering is deterministic: cell ids are `<name>-<index>`
+(`01-quickstart-03`), a fixed python3 kernelspec and nbformat's sorted JSON.
+Committed notebooks carry the outputs of their last execution (`build
+--execute`); a notebook is stale when its cells' sources differ from the
+rendering, whatever its outputs. No torch here.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from toolkit.resources import checkout_dir
 
 TUTORIALS_DIR = checkout_dir("tutorials")
 TEMPLATES_DIR = TUTORIALS_DIR / "templates"
+GPU_SUBDIR = "gpu"  # tutorials/gpu/: the GPU variants
 TEMPLATE_SUFFIX = ".md.j2"
 BUILD_COMMAND = "toolkit tutorials build"
 
@@ -52,9 +59,9 @@ def notebook_name(template_path: Path) -> str:
     return Path(template_path).name[: -len(TEMPLATE_SUFFIX)]
 
 
-def notebook_path(template_path: Path) -> Path:
-    """Where a template's notebook is written: `tutorials/<name>.ipynb`."""
-    return TUTORIALS_DIR / f"{notebook_name(template_path)}.ipynb"
+def notebook_path(template_path: Path, gpu: bool = False) -> Path:
+    """Where a template's notebook is written: `tutorials/<name>.ipynb`, or `tutorials/gpu/<name>.ipynb`."""
+    return (TUTORIALS_DIR / GPU_SUBDIR if gpu else TUTORIALS_DIR) / f"{notebook_name(template_path)}.ipynb"
 
 
 def template_paths() -> list[Path]:
@@ -80,7 +87,7 @@ def split_cells(text: str, source: str = "<template>") -> list[tuple[str, str]]:
     return [(kind, "\n".join(lines).strip("\n")) for kind, lines in cells]
 
 
-def _render_template_text(template_path: Path) -> str:
+def _render_template_text(template_path: Path, gpu: bool = False) -> str:
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_path.parent)),
@@ -88,15 +95,16 @@ def _render_template_text(template_path: Path) -> str:
                              trim_blocks=True, lstrip_blocks=True)
     env.globals.update(TEMPLATE_GLOBALS)
     try:
-        return env.get_template(template_path.name).render(notebook=notebook_name(template_path))
+        return env.get_template(template_path.name).render(notebook=notebook_name(template_path), gpu=gpu)
     except jinja2.TemplateSyntaxError as exc:
         raise UserError(f"{exc.filename or template_path}:{exc.lineno}: template syntax error: {exc.message}") from None
     except jinja2.UndefinedError as exc:
         raise UserError(f"{template_path}: undefined template variable: {exc.message}") from None
 
 
-def render_notebook(template_path: str | Path) -> str:
-    """Render one template to the exact text of its .ipynb (nbformat v4, no outputs, stable ids)."""
+def render_notebook(template_path: str | Path, gpu: bool = False) -> str:
+    """Render one template (its CPU or GPU variant) to the exact text of its .ipynb (nbformat v4, no outputs,
+    stable ids)."""
     import nbformat
 
     template_path = Path(template_path)
@@ -104,7 +112,7 @@ def render_notebook(template_path: str | Path) -> str:
     slug = name.replace("_", "-")
     nb = nbformat.v4.new_notebook()
     nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}}
-    for index, (kind, source) in enumerate(split_cells(_render_template_text(template_path), str(template_path))):
+    for index, (kind, source) in enumerate(split_cells(_render_template_text(template_path, gpu), str(template_path))):
         make = nbformat.v4.new_markdown_cell if kind == "markdown" else nbformat.v4.new_code_cell
         cell = make(source)
         cell.id = f"{slug}-{index:02d}"
@@ -113,17 +121,76 @@ def render_notebook(template_path: str | Path) -> str:
     return nbformat.writes(nb, version=4).rstrip("\n") + "\n"
 
 
-def build_all(check: bool = False) -> list[Path]:
-    """Render every template. Build: write the changed notebooks and return every notebook.
-    Check (`check=True`): write nothing, return the notebooks that differ from their rendering."""
-    built, stale = [], []
+def _without_outputs(text: str) -> str:
+    """A notebook's text with every code cell's outputs and execution count cleared (what a template renders)."""
+    import nbformat
+
+    nb = nbformat.reads(text, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+        cell.metadata = {}
+    return nbformat.writes(nb, version=4).rstrip("\n") + "\n"
+
+
+def _same_cells(path: Path, text: str) -> bool:
+    """True when the notebook at `path` has exactly the cells `text` renders (outputs aside)."""
+    try:
+        return _without_outputs(path.read_text(encoding="utf-8")) == text
+    except FileNotFoundError:
+        return False
+    except Exception:  # not a notebook (hand-edited, truncated): stale, rebuilt from its template
+        return False
+
+
+def _variants():
     for template in template_paths():
-        path = notebook_path(template)
-        text = render_notebook(template)
-        current = path.read_bytes() if path.is_file() else None
-        if current != text.encode("utf-8"):
+        for gpu in (False, True):
+            yield template, gpu, notebook_path(template, gpu)
+
+
+def build_all(check: bool = False) -> list[Path]:
+    """Render every template, CPU and GPU variant. Build: write the notebooks whose cells changed (their outputs
+    are then gone until the next `--execute`) and return every notebook. Check (`check=True`): write nothing,
+    return the notebooks whose cells differ from their rendering."""
+    built, stale = [], []
+    for template, gpu, path in _variants():
+        text = render_notebook(template, gpu)
+        if not _same_cells(path, text):
             stale.append(path)
             if not check:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(text.encode("utf-8"))  # bytes: the same "\n" line ends on every OS
         built.append(path)
     return stale if check else built
+
+
+def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Path, float]]:
+    """Run each notebook top to bottom in a fresh python3 kernel (its folder as the working directory, this
+    checkout first on PYTHONPATH) and write it back with its outputs; returns (path, seconds) each."""
+    import os
+    import time
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    done = []
+    root = str(TUTORIALS_DIR.parent)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, old) if p)
+    try:
+        for path in paths:
+            nb = nbformat.read(path, as_version=4)
+            start = time.perf_counter()
+            # NOTE: no per-cell timing metadata: an executed notebook differs from the last only in its outputs.
+            NotebookClient(nb, timeout=timeout_s, kernel_name="python3", record_timing=False,
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
+            seconds = time.perf_counter() - start
+            path.write_bytes((nbformat.writes(nb, version=4).rstrip("\n") + "\n").encode("utf-8"))
+            done.append((path, seconds))
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+    return done
