@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [build|tests|bench|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
+#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -69,6 +69,14 @@ stage_body() {
           tests/train/test_cuda_training.py::test_the_engine_never_waits_for_the_gpu_in_a_bf16_step} \
         2>&1 | tee "$OUT/tests.txt" | tail -60
       grep -Eq '[0-9]+ passed' "$OUT/tests.txt" || { echo "tests: no test passed"; return 1; } ;;
+    gallery)  # the tutorials' GPU variants executed here, saved with their outputs (GALLERY: some names;
+              # the carried wheels must include jupyter's: nbformat, nbclient, ipykernel and theirs)
+      local gallery_rc=0
+      # shellcheck disable=SC2086  # the names are words
+      timeout "${GALLERY_S:-540}" python3 -m toolkit tutorials build --execute --gpu ${GALLERY:-} 2>&1 \
+        | tee "$OUT/gallery.txt" || gallery_rc=$?
+      mkdir -p "$OUT/gallery" && cp tutorials/gpu/*.ipynb "$OUT/gallery/"  # the executed ones, even after a failure
+      return "$gallery_rc" ;;
     bench)
       timeout 100 python3 -m benchmarks.kernels --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;
     e2e|e2e1.5b)  # GPT-2 end to end, only while the call is young (E2E_BY: seconds into the call;

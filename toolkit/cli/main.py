@@ -164,8 +164,12 @@ def _cmd_tutorials(args) -> int:
         unknown = sorted(set(args.names) - {p.stem for p in built})
         if unknown:
             raise UserError(f"tutorials build --execute: no notebook named {', '.join(unknown)}")
-        for path, seconds in execute_notebooks(chosen):
-            print(f"{path.relative_to(TUTORIALS_DIR.parent)}: executed in {seconds:.1f} s")
+        failed = 0
+        for path, seconds, error in execute_notebooks(chosen):
+            where = path.relative_to(TUTORIALS_DIR.parent)
+            print(f"{where}: executed in {seconds:.1f} s" + (f"; FAILED: {error}" if error else ""))
+            failed += error is not None
+        return 1 if failed else 0
     return 0
 
 

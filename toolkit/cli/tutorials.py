@@ -165,14 +165,16 @@ def build_all(check: bool = False) -> list[Path]:
     return stale if check else built
 
 
-def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Path, float]]:
+def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Path, float, str | None]]:
     """Run each notebook top to bottom in a fresh python3 kernel (its folder as the working directory, this
-    checkout first on PYTHONPATH) and write it back with its outputs; returns (path, seconds) each."""
+    checkout first on PYTHONPATH) and write it back with its outputs, a failing one too (its error shows where);
+    returns (path, seconds, the error's first line or None) for each."""
     import os
     import time
 
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
     done = []
     root = str(TUTORIALS_DIR.parent)
@@ -181,13 +183,16 @@ def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Pat
     try:
         for path in paths:
             nb = nbformat.read(path, as_version=4)
-            start = time.perf_counter()
+            start, error = time.perf_counter(), None
             # NOTE: no per-cell timing metadata: an executed notebook differs from the last only in its outputs.
-            NotebookClient(nb, timeout=timeout_s, kernel_name="python3", record_timing=False,
-                           resources={"metadata": {"path": str(path.parent)}}).execute()
-            seconds = time.perf_counter() - start
+            client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", record_timing=False,
+                                    resources={"metadata": {"path": str(path.parent)}})
+            try:
+                client.execute()
+            except CellExecutionError as exc:
+                error = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             path.write_bytes((nbformat.writes(nb, version=4).rstrip("\n") + "\n").encode("utf-8"))
-            done.append((path, seconds))
+            done.append((path, time.perf_counter() - start, error))
     finally:
         if old is None:
             os.environ.pop("PYTHONPATH", None)
