@@ -181,11 +181,13 @@ def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Pat
     try:
         for path in paths:
             nb = nbformat.read(path, as_version=4)
+            rendered_metadata = dict(nb.metadata)
             start = time.perf_counter()
             # NOTE: no per-cell timing metadata: an executed notebook differs from the last only in its outputs.
             NotebookClient(nb, timeout=timeout_s, kernel_name="python3", record_timing=False,
                            resources={"metadata": {"path": str(path.parent)}}).execute()
             seconds = time.perf_counter() - start
+            nb.metadata = rendered_metadata  # the kernel's language_info (its Python version) would make it stale
             path.write_bytes((nbformat.writes(nb, version=4).rstrip("\n") + "\n").encode("utf-8"))
             done.append((path, seconds))
     finally:
