@@ -98,6 +98,20 @@ def test_cli_check_exits_2_naming_the_stale_notebook(tmp_path, monkeypatch):
     assert main(["tutorials", "build", "--check"]) == 2
 
 
+def test_an_executed_notebook_keeps_its_outputs_and_is_not_stale(tmp_path, monkeypatch):
+    import toolkit.cli.tutorials as tutorials
+
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "01_demo.md.j2").write_text("%% code\nprint(6 * 7)\n")
+    monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
+    monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
+    build_all()
+    tutorials.execute_notebooks([tmp_path / "01_demo.ipynb"], timeout_s=120)
+    nb = json.loads((tmp_path / "01_demo.ipynb").read_text())
+    assert "".join(nb["cells"][0]["outputs"][0]["text"]) == "42\n"
+    assert not build_all(check=True)  # the kernel's language_info is not kept: the notebook is as rendered
+
+
 def test_cli_check_stays_free_of_torch():
     code = ("import sys; from toolkit.cli.main import main; rc = main(['tutorials', 'build', '--check']); "
             "assert 'torch' not in sys.modules; sys.exit(rc)")

@@ -183,6 +183,7 @@ def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Pat
     try:
         for path in paths:
             nb = nbformat.read(path, as_version=4)
+            rendered_metadata = dict(nb.metadata)
             start, error = time.perf_counter(), None
             # NOTE: no per-cell timing metadata: an executed notebook differs from the last only in its outputs.
             client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", record_timing=False,
@@ -191,6 +192,7 @@ def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Pat
                 client.execute()
             except CellExecutionError as exc:
                 error = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            nb.metadata = rendered_metadata  # the kernel's language_info (its Python version) would make it stale
             path.write_bytes((nbformat.writes(nb, version=4).rstrip("\n") + "\n").encode("utf-8"))
             done.append((path, time.perf_counter() - start, error))
     finally:
