@@ -1,6 +1,7 @@
 """training.cpu_threads: auto picks one thread for a model too small to split, the usable
 cores shared among local ranks for a larger one, and respects OMP_NUM_THREADS; an
-integer sets it; the start-up table shows the choice and why."""
+integer sets it; the start-up table shows the choice and why; `toolkit.initialize`
+applies it too."""
 import os
 
 import pytest
@@ -38,6 +39,32 @@ def test_auto_respects_omp_num_threads_and_an_integer_wins(machine, monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert choose_cpu_threads(load_recipe("gpt2-124m")) == cpu_threads.ThreadChoice(3, "OMP_NUM_THREADS")
     assert choose_cpu_threads(load_recipe("quickstart", ["training.cpu_threads=2"])).count == 2
+
+
+@pytest.fixture
+def torch_threads():
+    """Restores torch's intra-op thread count after the test."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch
+    torch.set_num_threads(before)
+
+
+def test_initialize_applies_the_recipes_thread_choice_and_leaves_a_users_model_alone_on_auto(machine, torch_threads):
+    from toolkit import initialize
+
+    machine(2)
+    torch = torch_threads
+    torch.set_num_threads(2)
+    initialize(load_recipe("quickstart"))  # auto: the tiny model gets one thread, as under `toolkit run`
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    model = torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))
+    initialize(load_recipe("quickstart"), model=model)  # auto would size by the recipe's model, not this one
+    assert torch.get_num_threads() == 2
+    initialize(load_recipe("quickstart", ["training.cpu_threads=1"]), model=model)  # a count is a count
+    assert torch.get_num_threads() == 1
 
 
 def test_the_cli_makes_idle_openmp_threads_sleep_unless_told(monkeypatch):

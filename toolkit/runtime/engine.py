@@ -29,6 +29,7 @@ from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models.build import build_model, count_parameters
 from toolkit.runtime.optim import Schedule, adamw_kernel_applies, adamw_param_names, choose_adamw
+from toolkit.runtime.cpu_threads import apply_cpu_threads
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.specs import Recipe
 from toolkit.runtime.zero import build_strategy
@@ -88,6 +89,10 @@ class Engine:
         select_cuda_device(recipe.training.device)  # cuda:LOCAL_RANK under torchrun
         self.device = check_device(recipe)
         self.dist = init_distributed(recipe.batch.world_size, self.device)
+        if model is None or recipe.training.cpu_threads != "auto":
+            # training.cpu_threads, as `toolkit run` applies it; "auto" sizes by the recipe's model, so a
+            # model of the user's own keeps torch's setting unless the recipe names a count.
+            apply_cpu_threads(recipe)
         torch.manual_seed(recipe.training.seed)
         if model is None:
             model = build_model(recipe.model, recipe.training.seed, self.device)
