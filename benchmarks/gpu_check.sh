@@ -70,7 +70,8 @@ stage_body() {
         2>&1 | tee "$OUT/tests.txt" | tail -60
       grep -Eq '[0-9]+ passed' "$OUT/tests.txt" || { echo "tests: no test passed"; return 1; } ;;
     gallery)  # the tutorials' GPU variants executed here, saved with their outputs (GALLERY: some names;
-              # the carried wheels must include jupyter's: nbformat, nbclient, ipykernel and theirs)
+              # the carried wheels must include jupyter's: nbformat, nbclient, ipykernel and theirs; GALLERY_S
+              # below the call's own limit, so the executed notebooks are copied out before it ends)
       local gallery_rc=0
       # shellcheck disable=SC2086  # the names are words
       timeout "${GALLERY_S:-540}" python3 -m toolkit tutorials build --execute --gpu ${GALLERY:-} 2>&1 \

@@ -106,10 +106,28 @@ def test_an_executed_notebook_keeps_its_outputs_and_is_not_stale(tmp_path, monke
     monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
     monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
     build_all()
-    tutorials.execute_notebooks([tmp_path / "01_demo.ipynb"], timeout_s=120)
+    [(path, _, error)] = tutorials.execute_notebooks([tmp_path / "01_demo.ipynb"], timeout_s=120)
+    assert path.name == "01_demo.ipynb" and error is None
     nb = json.loads((tmp_path / "01_demo.ipynb").read_text())
     assert "".join(nb["cells"][0]["outputs"][0]["text"]) == "42\n"
     assert not build_all(check=True)  # the kernel's language_info is not kept: the notebook is as rendered
+
+
+def test_a_failing_notebook_is_saved_with_its_error_and_fails_the_command(tmp_path, monkeypatch, capsys):
+    import toolkit.cli.tutorials as tutorials
+    from toolkit.cli.main import main
+
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "01_demo.md.j2").write_text("%% code\nprint('before')\n%% code\nraise ValueError('boom')\n")
+    (tmp_path / "templates" / "02_next.md.j2").write_text("%% code\nprint('after')\n")
+    monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
+    monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
+    assert main(["tutorials", "build", "--execute"]) == 1
+    out = capsys.readouterr().out
+    assert "01_demo.ipynb: executed in" in out and "FAILED" in out and "ValueError" in out
+    assert "02_next.ipynb: executed in" in out  # the next notebook still ran
+    nb = json.loads((tmp_path / "01_demo.ipynb").read_text())
+    assert nb["cells"][1]["outputs"][0]["ename"] == "ValueError"
 
 
 def test_cli_check_stays_free_of_torch():

@@ -167,7 +167,7 @@ def _cmd_tutorials(args) -> int:
         failed = 0
         for path, seconds, error in execute_notebooks(chosen):
             where = path.relative_to(TUTORIALS_DIR.parent)
-            print(f"{where}: executed in {seconds:.1f} s" + (f"; FAILED: {error}" if error else ""))
+            print(f"{where}: executed in {seconds:.1f} s" + (f"; FAILED: {error}" if error else ""), flush=True)
             failed += error is not None
         return 1 if failed else 0
     return 0

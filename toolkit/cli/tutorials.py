@@ -165,10 +165,10 @@ def build_all(check: bool = False) -> list[Path]:
     return stale if check else built
 
 
-def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Path, float, str | None]]:
+def execute_notebooks(paths: list[Path], timeout_s: int = 900):
     """Run each notebook top to bottom in a fresh python3 kernel (its folder as the working directory, this
     checkout first on PYTHONPATH) and write it back with its outputs, a failing one too (its error shows where);
-    returns (path, seconds, the error's first line or None) for each."""
+    yields (path, seconds, the error's first line or None) as each one is written."""
     import os
     import time
 
@@ -176,7 +176,6 @@ def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Pat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    done = []
     root = str(TUTORIALS_DIR.parent)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, old) if p)
@@ -191,13 +190,13 @@ def execute_notebooks(paths: list[Path], timeout_s: int = 900) -> list[tuple[Pat
             try:
                 client.execute()
             except CellExecutionError as exc:
-                error = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+                error = f"{exc.ename}: {exc.evalue}".splitlines()[0][:300]
             nb.metadata = rendered_metadata  # the kernel's language_info (its Python version) would make it stale
             path.write_bytes((nbformat.writes(nb, version=4).rstrip("\n") + "\n").encode("utf-8"))
-            done.append((path, time.perf_counter() - start, error))
+            # NOTE: one by one, so that a run cut short (a device call's time limit) keeps what it finished.
+            yield path, time.perf_counter() - start, error
     finally:
         if old is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old
-    return done
