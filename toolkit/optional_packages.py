@@ -58,6 +58,8 @@ OPTIONAL_PACKAGES = (
                     lambda r: True, required=False),
     OptionalPackage("jinja2", "tutorials", "toolkit tutorials build", ""),
     OptionalPackage("nbformat", "tutorials", "toolkit tutorials build", ""),
+    OptionalPackage("nbclient", "tutorials", "toolkit tutorials build --execute", ""),
+    OptionalPackage("ipykernel", "tutorials", "toolkit tutorials build --execute", ""),
 )
 
 

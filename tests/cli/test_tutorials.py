@@ -130,6 +130,21 @@ def test_a_failing_notebook_is_saved_with_its_error_and_fails_the_command(tmp_pa
     assert nb["cells"][1]["outputs"][0]["ename"] == "ValueError"
 
 
+def test_execute_arguments_are_checked_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    import toolkit.cli.tutorials as tutorials
+    from toolkit.cli.main import main
+
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "01_demo.md.j2").write_text("%% code\nprint(1)\n")
+    monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
+    monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
+    assert main(["tutorials", "build", "--execute", "01_dmeo"]) == 2
+    assert "no notebook named 01_dmeo" in capsys.readouterr().err
+    assert main(["tutorials", "build", "--gpu"]) == 2
+    assert "go with --execute" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.ipynb"))
+
+
 def test_cli_check_stays_free_of_torch():
     code = ("import sys; from toolkit.cli.main import main; rc = main(['tutorials', 'build', '--check']); "
             "assert 'torch' not in sys.modules; sys.exit(rc)")

@@ -145,9 +145,18 @@ def _cmd_recipes(args) -> int:
 
 def _cmd_tutorials(args) -> int:
     from toolkit.optional_packages import check_command_packages
-    from toolkit.cli.tutorials import BUILD_COMMAND, GPU_SUBDIR, TUTORIALS_DIR, build_all, execute_notebooks
+    from toolkit.cli.tutorials import (BUILD_COMMAND, GPU_SUBDIR, TUTORIALS_DIR, build_all, execute_notebooks,
+                                       notebook_name, template_paths)
 
     check_command_packages(BUILD_COMMAND)
+    if (args.gpu or args.names) and not args.execute:
+        raise UserError("tutorials build: --gpu and notebook names go with --execute")
+    if args.execute:
+        check_command_packages(f"{BUILD_COMMAND} --execute")
+        unknown = sorted(set(args.names) - {notebook_name(t) for t in template_paths()})
+        if unknown:
+            raise UserError(f"tutorials build --execute: no notebook named {', '.join(unknown)} "
+                            f"(the names are those of tutorials/templates/*.md.j2, e.g. 01_quickstart)")
     stale = build_all(check=True)
     if args.check:
         for path in stale:
@@ -161,9 +170,6 @@ def _cmd_tutorials(args) -> int:
         print(f"{path.relative_to(TUTORIALS_DIR.parent)}: {'updated' if path in stale else 'unchanged'}")
     if args.execute:
         chosen = [p for p in built if (p.parent.name == GPU_SUBDIR) == args.gpu and (not args.names or p.stem in args.names)]
-        unknown = sorted(set(args.names) - {p.stem for p in built})
-        if unknown:
-            raise UserError(f"tutorials build --execute: no notebook named {', '.join(unknown)}")
         failed = 0
         for path, seconds, error in execute_notebooks(chosen):
             where = path.relative_to(TUTORIALS_DIR.parent)
