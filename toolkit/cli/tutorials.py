@@ -137,9 +137,7 @@ def _same_cells(path: Path, text: str) -> bool:
     """True when the notebook at `path` has exactly the cells `text` renders (outputs aside)."""
     try:
         return _without_outputs(path.read_text(encoding="utf-8")) == text
-    except FileNotFoundError:
-        return False
-    except Exception:  # not a notebook (hand-edited, truncated): stale, rebuilt from its template
+    except Exception:  # missing, or not a notebook (hand-edited, truncated): stale, rebuilt from its template
         return False
 
 
