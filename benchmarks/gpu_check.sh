@@ -69,14 +69,15 @@ stage_body() {
           tests/train/test_cuda_training.py::test_the_engine_never_waits_for_the_gpu_in_a_bf16_step} \
         2>&1 | tee "$OUT/tests.txt" | tail -60
       grep -Eq '[0-9]+ passed' "$OUT/tests.txt" || { echo "tests: no test passed"; return 1; } ;;
-    gallery)  # the tutorials' GPU variants executed here, saved with their outputs (GALLERY: some names;
+    gallery)  # the tutorials' GPU variants executed here, saved with their outputs (GALLERY: some names, run in that order;
               # the carried wheels must include jupyter's: nbformat, nbclient, ipykernel and theirs; GALLERY_S
               # below the call's own limit, so the executed notebooks are copied out before it ends)
       local gallery_rc=0
       # shellcheck disable=SC2086  # the names are words
       timeout "${GALLERY_S:-540}" python3 -m toolkit tutorials build --execute --gpu ${GALLERY:-} 2>&1 \
         | tee "$OUT/gallery.txt" || gallery_rc=$?
-      mkdir -p "$OUT/gallery" && cp tutorials/gpu/*.ipynb "$OUT/gallery/"  # the executed ones, even after a failure
+      # the executed ones, even after a failure, in one file (a device call returns at most 8 files)
+      tar czf "$OUT/gallery.tgz" -C tutorials/gpu .
       return "$gallery_rc" ;;
     bench)
       timeout 100 python3 -m benchmarks.kernels --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;

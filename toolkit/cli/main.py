@@ -170,6 +170,8 @@ def _cmd_tutorials(args) -> int:
         print(f"{path.relative_to(TUTORIALS_DIR.parent)}: {'updated' if path in stale else 'unchanged'}")
     if args.execute:
         chosen = [p for p in built if (p.parent.name == GPU_SUBDIR) == args.gpu and (not args.names or p.stem in args.names)]
+        if args.names:  # in the order given: a device call that may be cut short runs the sure ones first
+            chosen.sort(key=lambda p: args.names.index(p.stem))
         failed = 0
         for path, seconds, error in execute_notebooks(chosen):
             where = path.relative_to(TUTORIALS_DIR.parent)
