@@ -28,8 +28,8 @@ def _cmd_convert(args) -> int:
         print(line if line.startswith(("carried:", "note:")) else f"not carried: {line}", file=sys.stderr)
     text = json.dumps(done.written, indent=2) + "\n"
     b = done.recipe.batch
-    summary = (f"{len(done.report) - len(done.dropped)} lines carried or noted, {len(done.dropped)} keys not carried "
-               f"over; global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} x "
+    carried = sum(line.startswith("carried:") for line in done.report)
+    summary = (f"{carried} keys carried over, {len(done.dropped)} not; global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} x "
                f"world {b.world_size} (hash {done.recipe.hash})")
     if args.out is None:
         print(text, end="")

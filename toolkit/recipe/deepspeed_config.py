@@ -28,6 +28,7 @@ DEEPSPEED_ONLY_KEYS = frozenset({*BATCH, "zero_optimization", "fp16", "bf16", "b
 RECIPE_ONLY_KEYS = frozenset({"model", "data", "batch", "training", "precision", "zero"})
 DEFAULT_MODEL = "gpt2/tiny"
 DEFAULT_STEPS = 1000  # a DeepSpeed config does not say how long to train
+DEFAULT_MICRO_BATCH = 8  # nor, when its batch keys are all "auto", how big a batch is
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ def _lookup(resolved: dict, path: str):
 
 
 def convert_deepspeed(ds: dict, *, model: str | None = None, base: str | os.PathLike | None = None,
-                      out: str | os.PathLike | None = None, world_size: int = 1, source: str = "DeepSpeed config",
+                      out: str | os.PathLike | None = None, world_size: int | None = 1,
+                      source: str = "DeepSpeed config",
                       strict: bool = False) -> ConvertedRecipe:
     """A DeepSpeed config dict -> the recipe to write (standalone, or `extends` base), validated, and the report."""
     if model is not None and base is not None:
@@ -182,7 +184,7 @@ def convert_deepspeed(ds: dict, *, model: str | None = None, base: str | os.Path
     if base is not None:
         base_path = find_recipe_file(base).absolute()
         base_raw = load_with_extends(base_path)
-        _fill_base_batch(c, base_raw.get("batch", {}), world_size)
+        _fill_base_batch(c, base_raw.get("batch", {}), world_size or 1)
         written = {"extends": os.path.relpath(base_path, out_dir),
                    "description": f"{base_raw.get('description', base_path.name).rstrip('.')}; settings from {source}", **c.recipe}
         merged, recipe_source = deep_merge(base_raw, c.recipe), base_path
@@ -192,20 +194,35 @@ def convert_deepspeed(ds: dict, *, model: str | None = None, base: str | os.Path
         c.notes.append(f"training.max_steps: {steps or DEFAULT_STEPS} ("
                        + ("the scheduler's total_num_steps" if steps else "a DeepSpeed config does not say how long "
                           "to train: set it") + "); data: synthetic tokens (a DeepSpeed config names no data)")
+        if "batch" not in c.recipe:  # all "auto" (a Hugging Face Trainer config): its trainer sized the batch
+            c.notes.append(f"batch.micro_batch_per_rank: {DEFAULT_MICRO_BATCH} (the config leaves the batch to its "
+                           "trainer: set it)")
+            c.recipe["batch"] = {"micro_batch_per_rank": DEFAULT_MICRO_BATCH}
         written = deep_merge({"description": f"converted from {source}", "model": _model_section(model or DEFAULT_MODEL),
                               "data": {"kind": "synthetic"}, "training": {"max_steps": steps or DEFAULT_STEPS}},
                              c.recipe)
         merged, recipe_source = written, None
     recipe = build_recipe(merged, source=recipe_source, world_size=world_size, default_name="converted")
     for ds_key, path in c.auto:
-        value = _lookup(recipe.resolved, path)
-        if path.startswith("batch."):
-            value = getattr(recipe.batch, path.split(".")[1])
-        if value is None and path == "scheduler.total_num_steps":
-            value = recipe.scheduler.total_num_steps
+        section, _, key = path.partition(".")
+        # NOTE: batch and scheduler values may be derived (batch triple, warmup_max_lr, total_num_steps): the spec has them.
+        value = (getattr(getattr(recipe, section), key) if section in ("batch", "scheduler")
+                 else _lookup(recipe.resolved, path))
         c.notes.append(f"{ds_key}: \"auto\" -> {path} = {json.dumps(value)} (the recipe's value)")
     report = [*(f"carried: {line}" for line in c.carried), *(f"note: {line}" for line in c.notes),
               *c.dropped]
     if strict and c.dropped:
         raise UserError(*(f"{source}: {line} (--strict)" for line in c.dropped))
     return ConvertedRecipe(written=written, recipe=recipe, report=report, dropped=list(c.dropped))
+
+
+def recipe_from_deepspeed(ds: dict) -> Recipe:
+    """`toolkit.initialize(ds_config_dict, model=...)`: the dict converted as `toolkit convert` does (world size from
+    the launcher); each key not carried over and each "auto" is said once, as a warning."""
+    from toolkit.errors import warn_once
+
+    done = convert_deepspeed(ds, world_size=None, source="DeepSpeed config dict")
+    for line in done.report:
+        if not line.startswith("carried:") and not line.startswith("note: training.max_steps"):
+            warn_once(f"DeepSpeed config: {line.removeprefix('note: ')}")
+    return done.recipe

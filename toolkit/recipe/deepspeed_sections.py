@@ -157,6 +157,9 @@ def _offload_optimizer(c: Conversion, z: dict) -> None:
 
 def zero(c: Conversion, ds: dict) -> None:
     """zero_optimization: stage, optimizer offload (device, ratio), bucket sizes; the rest reported."""
+    if isinstance(ds.get("zero_optimization"), bool):  # DeepSpeed's deprecated form: true is stage 1
+        c.put("zero_optimization (legacy boolean)", "zero.stage", 1 if ds["zero_optimization"] else 0)
+        return
     z = _block(ds, "zero_optimization")
     if "stage" in z:
         c.put("zero_optimization.stage", "zero.stage", z["stage"])
