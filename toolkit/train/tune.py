@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.observe.estimate import USABLE_FRACTION
+from toolkit.observe.estimate import USABLE_FRACTION, format_bytes
 from toolkit.observe.memory_fit import host_available_bytes, size_terms
 from toolkit.recipe.load import find_recipe_file, load_recipe
 
@@ -224,7 +224,7 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
         predicted, error = predict(path, changes, world_size, on_cuda)
         trial = Trial(changes, predicted_bytes=predicted)
         if error or predicted > cap:
-            trial.status, trial.why = "pruned", error or f"predicted {predicted / 2**30:.2f} GiB > cap {cap / 2**30:.2f} GiB"
+            trial.status, trial.why = "pruned", error or f"predicted {format_bytes(predicted)} > cap {format_bytes(cap)}"
             result.trials.append(trial)
             continue
         attempt(trial)
