@@ -58,15 +58,13 @@ def trial_table(result: TuneResult) -> str:
 
 def plot_trials(result: TuneResult, path: Path) -> bool:
     """Tokens/s per trial and predicted vs measured memory, as a PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # NOTE: a Figure without pyplot: no backend switched under a notebook that plots too
+        from matplotlib.figure import Figure
     except ImportError:
         return False
     ran = [t for t in result.trials if t.tokens_per_s]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))
+    left, right = fig.subplots(1, 2)
     left.barh([t.label + (" (confirm)" if t.confirms is not None else "") for t in ran],
               [t.tokens_per_s for t in ran], color=["tab:green" if t is result.best else "tab:blue" for t in ran])
     left.set_xlabel("tokens/s (measured steps, warm-up excluded)")
@@ -82,7 +80,6 @@ def plot_trials(result: TuneResult, path: Path) -> bool:
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return True
 
 
