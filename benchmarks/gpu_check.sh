@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
+#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -142,6 +142,16 @@ stage_body() {
       return "$scaling_rc" ;;
     cpu_adam)  # the toolkit's CPU Adam against torch's CPU AdamW on this host's cores
       timeout 120 python3 -m benchmarks.cpu_adam --steps 10 2>&1 | tee "$OUT/cpu_adam.txt" ;;
+    autotune)  # issue 22: `toolkit tune` on GPT-2 1.5B for this one GPU, target >= 90% of 46.0k tokens/s (stage 2,
+               # micro 16, found by hand). Budget 7 min of trials (each a fresh `toolkit run`, ~30-50 s), the
+               # estimator prunes what cannot fit; about 8 min in all with a warm kernel cache (run `build` first).
+      mkdir -p "$OUT/autotune"
+      timeout 530 python3 -m toolkit tune recipes/gpt2-1.5b-zero3.json --budget-minutes "${AUTOTUNE_MINUTES:-7}" \
+        --micro "${AUTOTUNE_MICRO:-8,16}" --out "$OUT/autotune/gpt2-1.5b-zero3.tuned.json" 2>&1 | tee "$OUT/autotune.txt"
+      cp "$OUT/autotune/gpt2-1.5b-zero3.tuned.trials.md" "$OUT/autotune.md"
+      python3 -c "import json, sys; rows = json.load(open(sys.argv[1]))['trials']; best = max((r['tokens_per_s'] or 0)
+for r in rows if r['status'] == 'ok'); print(f'best {best:,.0f} tokens/s = {best / 46000:.0%} of the hand-found 46.0k')" \
+        "$OUT/autotune/gpt2-1.5b-zero3.tuned.trials.json" | tee -a "$OUT/autotune.md" ;;
     *)
       echo "unknown stage '$stage'; see the stages at the top of benchmarks/gpu_check.sh" >&2
       return 2 ;;

@@ -109,6 +109,21 @@ class SchedulerSpec:
     total_num_steps: int
     warmup_min_ratio: float
     cos_min_ratio: float
+    # OneCycle and LRRangeTest only (the schema fills them for those types; DeepSpeed's defaults here)
+    cycle_min_lr: float = 0.0
+    cycle_max_lr: float = 0.0
+    cycle_first_step_size: int = 2000
+    cycle_second_step_size: int | None = None  # None: cycle_first_step_size
+    decay_step_size: int = 0
+    decay_lr_rate: float = 0.0
+    cycle_momentum: bool = False
+    cycle_min_mom: float = 0.8
+    cycle_max_mom: float = 0.9
+    decay_mom_rate: float = 0.0
+    lr_range_test_min_lr: float = 0.001
+    lr_range_test_step_size: int = 2000
+    lr_range_test_step_rate: float = 1.0
+    lr_range_test_staircase: bool = False
 
 
 @dataclass(frozen=True)

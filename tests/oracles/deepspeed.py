@@ -8,6 +8,9 @@ the code paths the toolkit does not offer are left out.
 - LRSchedule: WarmupLR._get_gamma / get_lr, WarmupDecayLR._get_gamma and WarmupCosineLR.get_lr_ratio /
   get_lr in deepspeed/runtime/lr_schedules.py (master, commit 22779f2c6e335b494c90c05917206d3b14510d2d),
   re-expressed as one class chosen by the spec's type. Used by tests/runtime/test_optim.py.
+- OneCycle, LRRangeTest: their get_lr / get_mom / constructors in deepspeed/runtime/lr_schedules.py
+  (microsoft/DeepSpeed commit 38327e07), one parameter group, copied minus logging. Used by
+  tests/runtime/test_optim_deepspeed_extras.py.
 
 Not here: the ZeRO memory figures, which the tests take from the ZeRO paper (Rajbhandari et al.) as
 expected values (tests/observe/test_estimate.py), and the scheduler defaults table of
@@ -93,3 +96,89 @@ class LRSchedule:
     def step(self):
         """One scheduler step, as DeepSpeed's engine takes after each optimizer step."""
         self.last_batch_iteration += 1
+
+
+class LRRangeTest:
+    """LRRangeTest from deepspeed/runtime/lr_schedules.py (commit 38327e07), one param group."""
+
+    def __init__(self, lr_range_test_min_lr=1e-3, lr_range_test_step_size=2000, lr_range_test_step_rate=1.0,
+                 lr_range_test_staircase=False):
+        self.min_lr, self.step_size, self.step_rate = lr_range_test_min_lr, lr_range_test_step_size, lr_range_test_step_rate
+        self.staircase, self.last_batch_iteration = lr_range_test_staircase, -1
+        self.lr = self.min_lr  # the constructor writes min_lr at last_batch_iteration == -1
+
+    def get_lr(self):
+        """The learning rate at last_batch_iteration."""
+        if self.staircase:
+            interval = math.floor(float(self.last_batch_iteration + 1) / self.step_size)
+        else:
+            interval = float(self.last_batch_iteration + 1) / self.step_size
+        return self.min_lr * (1 + self.step_rate * interval)
+
+    def step(self):
+        """One scheduler step."""
+        self.last_batch_iteration += 1
+        self.lr = self.get_lr()
+
+
+class OneCycle:
+    """OneCycle from deepspeed/runtime/lr_schedules.py (commit 38327e07), one param group; `lr` and `betas` are
+    what it last wrote into the group."""
+
+    def __init__(self, cycle_min_lr, cycle_max_lr, decay_lr_rate=0., cycle_first_step_size=2000,
+                 cycle_second_step_size=None, decay_step_size=0, cycle_momentum=True, cycle_min_mom=0.8,
+                 cycle_max_mom=0.9, decay_mom_rate=0., betas=(0.9, 0.999)):
+        cycle_first_step_size = float(cycle_first_step_size)
+        cycle_second_step_size = float(cycle_second_step_size) if cycle_second_step_size is not None \
+            else cycle_first_step_size
+        self.total_size = cycle_first_step_size + cycle_second_step_size
+        self.step_ratio = cycle_first_step_size / self.total_size
+        self.decay_step_size = decay_step_size
+        self.skip_lr_decay = self.skip_mom_decay = math.isclose(self.decay_step_size, 0)
+        self.min_lr, self.max_lr, self.decay_lr_rate = cycle_min_lr, cycle_max_lr, decay_lr_rate
+        self.lr = cycle_min_lr
+        if math.isclose(self.decay_lr_rate, 0):
+            self.skip_lr_decay = True
+        self.cycle_momentum, self.betas = cycle_momentum, tuple(betas)
+        if cycle_momentum:
+            self.decay_mom_rate = decay_mom_rate
+            self.min_mom, self.max_mom = (cycle_min_mom, 0.99), (cycle_max_mom, 0.99)
+            self.betas = self.min_mom
+            if math.isclose(self.decay_mom_rate, 0):
+                self.skip_mom_decay = True
+        self.last_batch_iteration = -1
+
+    def _get_scale_factor(self):
+        batch_iteration = (self.last_batch_iteration + 1)
+        cycle = math.floor(1 + batch_iteration / self.total_size)
+        x = 1. + batch_iteration / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale_factor = x / self.step_ratio
+        else:
+            scale_factor = (x - 1) / (self.step_ratio - 1)
+        return scale_factor
+
+    def get_lr(self):
+        """The learning rate at last_batch_iteration."""
+        if self.last_batch_iteration < self.total_size:
+            return self.min_lr + (self.max_lr - self.min_lr) * self._get_scale_factor()
+        if self.skip_lr_decay:
+            return self.min_lr
+        decay_interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+        return self.min_lr / (1 + self.decay_lr_rate * decay_interval)
+
+    def get_mom(self):
+        """(beta1, beta2) at last_batch_iteration."""
+        if self.last_batch_iteration < self.total_size:
+            return (self.max_mom[0] - (self.max_mom[0] - self.min_mom[0]) * self._get_scale_factor(), self.min_mom[1])
+        if self.skip_mom_decay:
+            return self.max_mom
+        decay_interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+        return (self.max_mom[0] * (1 + self.decay_mom_rate * decay_interval), self.max_mom[1])
+
+    def step(self):
+        """One scheduler step."""
+        self.last_batch_iteration += 1
+        self.lr = self.get_lr()
+        if self.cycle_momentum:
+            self.betas = self.get_mom()

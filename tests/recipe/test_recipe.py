@@ -163,7 +163,7 @@ INVALID = [
                  ['recipe.precision.dtype: "fp8" is not one of ["fp32", "bf16", "fp16"]'], id="dtype-fp8"),
     pytest.param(with_key("scheduler", "type", "WarmupCosine"), [],
                  ['recipe.scheduler.type: "WarmupCosine" is not one of ["constant", "WarmupLR", "WarmupDecayLR", '
-                  '"WarmupCosineLR"]; did you mean \'WarmupCosineLR\'?'], id="scheduler-type-misspelled"),
+                  '"WarmupCosineLR", "OneCycle", "LRRangeTest"]; did you mean \'WarmupCosineLR\'?'], id="scheduler-type-misspelled"),
     pytest.param(recipe(model={"family": "gpt2", "size": "1b"}), [],
                  ['recipe.model.size: "1b" is not one of ["tiny", "124m", "350m", "774m", "1.5b"] (sizes of family gpt2)'],
                  id="gpt2-with-llama-size"),

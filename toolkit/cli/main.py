@@ -302,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
     p.set_defaults(func=_cmd_build_kernels)
 
+    from toolkit.cli.convert_tune import add_parsers  # convert and tune
+
+    add_parsers(sub)
+
     p = sub.add_parser("schema", help="print the recipe JSON Schema")
     p.set_defaults(func=_cmd_schema)
 

@@ -302,15 +302,21 @@ class Engine:
 
 
 def initialize(recipe, model: nn.Module | None = None, zero3_units=None) -> Engine:
-    """DeepSpeed-style entry point: a Recipe, a recipe path or a dict (+ your own model) -> Engine.
+    """DeepSpeed-style entry point: a Recipe, a recipe path, a recipe dict or a DeepSpeed config dict
+    (converted as `toolkit convert` does; needs `model`) (+ your own model) -> Engine.
 
     Without `model` the recipe's model section builds one. With it, any nn.Module trains (the recipe's
     model section is then unused): what a batch is and what its forward may return is in
     toolkit/models/forward.py. `zero3_units` names stage 3's units (module names; toolkit/runtime/zero/stage3.py).
     """
+    from toolkit.recipe.deepspeed_config import is_deepspeed_config, recipe_from_deepspeed
     from toolkit.recipe.load import load_recipe, recipe_from_dict
 
-    if isinstance(recipe, dict):
+    if isinstance(recipe, dict) and is_deepspeed_config(recipe):  # deepspeed.initialize(config=...) ports as is
+        if model is None:
+            raise UserError("initialize: a DeepSpeed config names no model; pass model=your nn.Module")
+        recipe = recipe_from_deepspeed(recipe)
+    elif isinstance(recipe, dict):
         recipe = recipe_from_dict(recipe)
     elif not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)

@@ -3,8 +3,9 @@
 What lives here: the decay / no-decay parameter groups, the choice of AdamW
 implementation for stage 0 (`choose_adamw`: the toolkit's fused CUDA kernel, toolkit/ops/fused_adamw.py,
 when the engine's kernel choice loaded it; torch's fused or foreach AdamW otherwise), and
-DeepSpeed's schedules (constant, WarmupLR, WarmupDecayLR, WarmupCosineLR) with
-DeepSpeed's formulas, as a pure function `lr_at` and a small stateful `Schedule`. What does not: gradient clipping, loss
+DeepSpeed's schedules (constant, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) with
+DeepSpeed's formulas, as pure functions `lr_at` (and `betas_at`, OneCycle's momentum) and a small
+stateful `Schedule`. optimizer.type adam (L2 weight decay) is torch.optim.Adam at stage 0. What does not: gradient clipping, loss
 scaling and ZeRO partitioning of the optimizer state (precision.py, zero/).
 
 How the schedule lines up with optimizer steps (DeepSpeed's behaviour as run, from
@@ -87,6 +88,10 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec, adamw: str) -> torch.
     """AdamW over `param_groups(model, spec.weight_decay)`, of the kind `choose_adamw` returned: the toolkit's
     fused kernel, torch's fused AdamW, or torch's default (foreach where it can)."""
     groups = param_groups(model, spec.weight_decay)
+    if spec.type == "adam":  # L2 decay in the gradient (torch Adam); the toolkit's kernel is AdamW only
+        fused = {"fused": True} if adamw in ("toolkit-fused", "torch-fused") else {}
+        return torch.optim.Adam(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+                                weight_decay=spec.weight_decay, **fused)
     if adamw == "toolkit-fused":
         from toolkit.ops.fused_adamw import FusedAdamW
 
@@ -134,7 +139,48 @@ def lr_at(spec: SchedulerSpec, base_lr: float, iteration: int) -> float:
         cosine = (1.0 + math.cos(math.pi * progress)) / 2
         # 3) held at cos_min_ratio past total_num_steps (progress clamped, as DeepSpeed master)
         return base_lr * max(0.0, spec.cos_min_ratio + (1.0 - spec.cos_min_ratio) * cosine)
+    if spec.type == "LRRangeTest":  # DeepSpeed's LRRangeTest.get_lr (iteration -1: lr_range_test_min_lr)
+        interval = (iteration + 1) / spec.lr_range_test_step_size
+        if spec.lr_range_test_staircase:
+            interval = math.floor(interval)
+        return spec.lr_range_test_min_lr * (1 + spec.lr_range_test_step_rate * interval)
+    if spec.type == "OneCycle":
+        if iteration < _one_cycle_size(spec):
+            return spec.cycle_min_lr + (spec.cycle_max_lr - spec.cycle_min_lr) * _one_cycle_scale(spec, iteration)
+        if spec.decay_step_size == 0 or spec.decay_lr_rate == 0:  # DeepSpeed's skip_lr_decay
+            return spec.cycle_min_lr
+        decay_steps = iteration - _one_cycle_size(spec) + 1
+        return spec.cycle_min_lr / (1 + spec.decay_lr_rate * decay_steps / spec.decay_step_size)
     raise ValueError(f"unknown scheduler type {spec.type!r}")  # the recipe schema validated it: a toolkit bug
+
+
+def _one_cycle_size(spec: SchedulerSpec) -> int:
+    return spec.cycle_first_step_size + (spec.cycle_second_step_size or spec.cycle_first_step_size)
+
+
+def _one_cycle_scale(spec: SchedulerSpec, iteration: int) -> float:
+    # DeepSpeed's OneCycle._get_scale_factor: 0 -> 1 over the first half, 1 -> 0 over the second.
+    total = _one_cycle_size(spec)
+    step_ratio = spec.cycle_first_step_size / total
+    batch_iteration = iteration + 1
+    x = 1.0 + batch_iteration / total - math.floor(1 + batch_iteration / total)
+    return x / step_ratio if x <= step_ratio else (x - 1) / (step_ratio - 1)
+
+
+def betas_at(spec: SchedulerSpec, iteration: int) -> tuple[float, float] | None:
+    """OneCycle with cycle_momentum: Adam's betas after `iteration` (DeepSpeed's get_mom); None: the optimizer's."""
+    if spec.type != "OneCycle" or not spec.cycle_momentum:
+        return None
+    # NOTE: as DeepSpeed's OneCycle: beta2 becomes 0.99 whatever optimizer.betas says, and its constructor
+    # starts beta1 at cycle_min_mom although the cycle's formula gives cycle_max_mom there.
+    if iteration < 0:
+        return spec.cycle_min_mom, 0.99
+    if iteration < _one_cycle_size(spec):
+        return spec.cycle_max_mom - (spec.cycle_max_mom - spec.cycle_min_mom) * _one_cycle_scale(spec, iteration), 0.99
+    if spec.decay_step_size == 0 or spec.decay_mom_rate == 0:
+        return spec.cycle_max_mom, 0.99
+    decay_steps = iteration - _one_cycle_size(spec) + 1
+    return spec.cycle_max_mom * (1 + spec.decay_mom_rate * decay_steps / spec.decay_step_size), 0.99
 
 
 class Schedule:
@@ -173,7 +219,10 @@ class Schedule:
 
     def _write_lr(self) -> None:
         lr = self.current_lr
+        betas = betas_at(self.spec, self.last_batch_iteration)
         for group in self.optimizer.param_groups:
+            if betas is not None:
+                group["betas"] = betas
             # NOTE: a tensor lr (capturable / fused setups) is updated in place, as DeepSpeed's update_lr keeps its type.
             if isinstance(group["lr"], torch.Tensor):
                 group["lr"].fill_(lr)

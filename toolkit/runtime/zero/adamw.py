@@ -1,4 +1,4 @@
-"""AdamW over a rank's shard: fp32 master weights, moments and gradients held as
+"""AdamW (or Adam with L2 decay, optimizer.type adam) over a rank's shard: fp32 master weights, moments and gradients held as
 contiguous segments (see flat.py), stepped with the same maths as
 torch.optim.AdamW, decoupled weight decay per group (decayed matrices; biases,
 norms and 1-D parameters not, as toolkit.runtime.optim.param_groups decides).
@@ -24,13 +24,15 @@ class ShardedAdamW:
 
     def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, *, offload: bool):
         self.spec = spec
-        self.betas = tuple(spec.betas)
+        self.l2 = spec.type == "adam"  # torch Adam: weight decay added to the gradient, not decoupled
         self.eps = spec.eps
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
         self.step_count = 0  # applied steps (skipped fp16 steps excluded), as torch's per-parameter `step`
-        self.param_groups = [{"lr": spec.lr, "weight_decay": spec.weight_decay, "decay": True},
-                             {"lr": spec.lr, "weight_decay": 0.0, "decay": False}]
+        # NOTE: betas live in the groups as in torch, so a OneCycle schedule can cycle them.
+        betas = tuple(spec.betas)
+        self.param_groups = [{"lr": spec.lr, "weight_decay": spec.weight_decay, "decay": True, "betas": betas},
+                             {"lr": spec.lr, "weight_decay": 0.0, "decay": False, "betas": betas}]
         self.kernel = None
         if offload:
             from toolkit.ops.cpu_adam import load_cpu_adam
@@ -38,6 +40,11 @@ class ShardedAdamW:
             self.kernel = load_cpu_adam()
         self.mode = "cpu_adam" if self.kernel is not None else (
             "fused" if device.type == "cuda" or offload else "reference")
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        """Adam's (beta1, beta2) for this step (the schedule may change them)."""
+        return tuple(self.param_groups[0]["betas"])
 
     def begin_step(self) -> None:
         """Count one applied step (the bias corrections use it); then `update` each piece of the shard."""
@@ -66,6 +73,9 @@ class ShardedAdamW:
         group = self.param_groups[0 if decay else 1]
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         bf16_out = out.dtype == torch.bfloat16
+        if self.l2 and wd != 0:  # the staged gradient is this step's own copy: L2 decay into it, then plain Adam
+            g.add_(p, alpha=wd)
+            wd = 0.0
         if self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
             self.kernel.adamw_step(p, g, m, v, self.step_count, lr, self.betas[0], self.betas[1], self.eps, wd,
                                    out if bf16_out else None, False)
@@ -76,12 +86,13 @@ class ShardedAdamW:
 
     def _fused(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
         steps = [torch.tensor(float(self.step_count), device=p.device) for p in ps]
-        torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+        fused_step = torch._fused_adam_ if self.l2 else torch._fused_adamw_
+        fused_step(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
 
     def _reference(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
-        # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay,
-        # no amsgrad): the same ops in the same order, so every element rounds the same way.
+        # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay, or L2 for
+        # optimizer.type adam; no amsgrad): the same ops in the same order, so every element rounds the same way.
         beta1, beta2 = self.betas
         step = float(self.step_count)
         bias_correction1 = 1 - beta1 ** step
@@ -89,7 +100,9 @@ class ShardedAdamW:
         step_size = lr / bias_correction1
         bias_correction2_sqrt = bias_correction2 ** 0.5
         for p, g, m, v in zip(ps, gs, ms, vs):
-            if wd != 0:
+            if wd != 0 and self.l2:
+                g = g.add(p, alpha=wd)
+            elif wd != 0:
                 p.mul_(1 - lr * wd)
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)

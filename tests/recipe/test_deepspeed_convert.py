@@ -1,0 +1,166 @@
+"""`toolkit convert` and `initialize(ds_config)`: a corpus of DeepSpeed configs from DeepSpeed's docs and the
+wild (tests/recipe/deepspeed_configs/, each file citing its source) converts, validates, carries every
+supported value exactly (checked against this file's own table of DeepSpeed key -> recipe key), and reports
+every other key; the file is read as DeepSpeed reads it; --strict exits 2; a converted config trains."""
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+from toolkit.errors import UserError
+from toolkit.recipe.deepspeed_config import (convert_deepspeed, is_deepspeed_config, parse_deepspeed_json,
+                                             read_deepspeed_config)
+
+CORPUS = sorted((Path(__file__).parent / "deepspeed_configs").glob("*.json"))
+
+# DeepSpeed leaf -> recipe key, written out here independently of the converter's tables.
+SAME = {"train_batch_size": "batch.global_batch", "train_micro_batch_size_per_gpu": "batch.micro_batch_per_rank",
+        "gradient_accumulation_steps": "batch.grad_accum_steps", "gradient_clipping": "training.grad_clip",
+        "steps_per_print": "training.log_interval", "zero_optimization.stage": "zero.stage",
+        "zero_optimization.reduce_bucket_size": "zero.reduce_bucket_size",
+        "zero_optimization.allgather_bucket_size": "zero.allgather_bucket_size",
+        "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
+        "zero_optimization.offload_optimizer.ratio": "zero.offload_ratio",
+        "wandb.project": "logging.wandb.project", "tensorboard.enabled": "logging.tensorboard",
+        **{f"fp16.{k}": f"precision.fp16.{k}" for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                                        "hysteresis", "consecutive_hysteresis", "min_loss_scale")},
+        **{f"optimizer.params.{k}": f"optimizer.{k}" for k in ("lr", "betas", "eps", "weight_decay")}}
+# Leaves whose value becomes another value: (recipe key, {DeepSpeed value: recipe value}).
+CHANGED = {"fp16.enabled": ("precision.dtype", {True: "fp16"}), "bf16.enabled": ("precision.dtype", {True: "bf16"}),
+           "wandb.enabled": ("logging.wandb.mode", {True: "online", False: "disabled"}),
+           "zero_optimization": ("zero.stage", {True: 1, False: 0}),
+           "optimizer.params.adam_w_mode": ("optimizer.type", {True: "adamw", False: "adam"})}
+
+
+def _leaves(node, prefix=""):
+    if isinstance(node, dict) and node:
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}.{key}" if prefix else key)
+    else:
+        yield prefix, node
+
+
+def _at(resolved: dict, path: str):
+    for key in path.split("."):
+        resolved = resolved[key]
+    return resolved
+
+
+def _scheduler_key(path: str) -> str | None:
+    return f"scheduler.{path.split('.')[-1]}" if path.startswith("scheduler.params.") else None
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
+def test_corpus_config_converts_validates_and_carries_every_supported_value(path):
+    ds = read_deepspeed_config(path)
+    done = convert_deepspeed(ds, model="gpt2/tiny", source=path.name)
+    recipe, resolved = done.recipe, done.recipe.resolved
+    notes = [line for line in done.report if line.startswith("note:")]
+    for leaf, value in _leaves(ds):
+        if value == "auto":  # left to the recipe and said so, or (a key never carried) reported
+            assert any(line.startswith(f"note: {leaf}: \"auto\"") for line in notes) or any(
+                line.startswith(f"{leaf}: not carried over: ") for line in done.dropped), leaf
+        elif leaf in SAME:
+            want = int(value) if isinstance(value, float) and leaf.endswith("bucket_size") else value
+            got = getattr(recipe.batch, SAME[leaf].split(".")[1]) if leaf in BATCH_KEYS else _at(resolved, SAME[leaf])
+            assert got == want, leaf
+        elif leaf in CHANGED and value in CHANGED[leaf][1]:
+            assert _at(resolved, CHANGED[leaf][0]) == CHANGED[leaf][1][value], leaf
+        elif _scheduler_key(leaf) and _scheduler_key(leaf).split(".")[1] in resolved["scheduler"]:
+            assert _at(resolved, _scheduler_key(leaf)) == value, leaf
+        elif leaf in ("optimizer.type", "scheduler.type"):
+            assert str(_at(resolved, leaf)).lower() in (str(value).lower(), "adamw"), leaf
+        elif leaf.startswith("activation_checkpointing") and leaf != "activation_checkpointing":
+            assert resolved["model"]["activation_checkpointing"] is True
+            assert any(line.startswith(f"{leaf}: not carried over: ") for line in done.dropped), leaf
+        else:  # not carried: reported (the key itself, or the block holding it)
+            assert any(line.startswith(f"{p}: not carried over: ") for line in done.dropped
+                       for p in _prefixes(leaf)), f"{leaf} neither carried nor reported"
+    assert "gradient_clipping" in ds or resolved["training"]["grad_clip"] == 0  # DeepSpeed's default: no clipping
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _prefixes(leaf: str):
+    parts = leaf.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def test_every_corpus_config_validates_as_an_extension_of_a_base_recipe(tmp_path):
+    for path in CORPUS:
+        out = tmp_path / f"{path.stem}.json"
+        result = run_cli("convert", str(path), "--recipe", "quickstart", "--out", str(out)) if path == CORPUS[0] \
+            else None
+        if result is None:
+            done = convert_deepspeed(read_deepspeed_config(path), base="quickstart", out=out)
+            out.write_text(json.dumps(done.written))
+        else:
+            assert result.returncode == 0, result.stderr
+            assert "not carried" in result.stderr or "0 not" in result.stderr
+        written = json.loads(out.read_text())
+        assert (tmp_path / written["extends"]).resolve() == (REPO / "recipes" / "quickstart.json").resolve()
+        from toolkit.recipe.load import load_recipe
+
+        load_recipe(out)  # the written file validates as it stands
+
+
+def test_file_is_read_as_deepspeed_reads_it():
+    text = '{\n  // line\n  "a": "x // not a comment # nor this", # hash\n  /* block\n */ "b": [1, 2,],\n}\n'
+    assert parse_deepspeed_json(text) == {"a": "x // not a comment # nor this", "b": [1, 2]}
+    with pytest.raises(UserError, match=r"duplicate keys in DeepSpeed config: \['a'\]"):
+        parse_deepspeed_json('{"a": 1, "a": 2}')
+    with pytest.raises(UserError, match="line 2 column"):
+        parse_deepspeed_json('{\n  "a" 1}')
+
+
+def test_strict_exits_2_naming_each_key_not_carried_over(tmp_path):
+    result = run_cli("convert", str(CORPUS_BY_NAME["monitor"]), "--strict", "--out", str(tmp_path / "r.json"))
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert any("csv_monitor: not carried over" in line for line in errors)
+    assert any("wandb.team: not carried over" in line for line in errors)
+    assert not (tmp_path / "r.json").exists()
+
+
+CORPUS_BY_NAME = {p.stem: p for p in CORPUS}
+
+
+def test_dict_detection_tells_deepspeed_configs_from_recipes():
+    assert is_deepspeed_config(read_deepspeed_config(CORPUS_BY_NAME["cifar10"]))
+    assert not is_deepspeed_config(json.loads((REPO / "recipes" / "quickstart.json").read_text()))
+
+
+def test_converted_one_cycle_adam_config_trains_through_the_cli(tmp_path):
+    out = tmp_path / "one_cycle.json"
+    assert run_cli("convert", str(CORPUS_BY_NAME["one_cycle"]), "--recipe", "quickstart", "--out", str(out)).returncode == 0
+    result = run_cli("run", str(out), "training.max_steps=3", "training.eval_batches=0", "training.log_interval=1",
+                     "logging.console=false",
+                     "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [line["lr"] for line in lines if "lr" in line]
+    # OneCycle climbing from 1e-4 to 1e-3 over 1000 steps: the lr each step used
+    assert lrs == pytest.approx([1e-4, 1e-4 + 9e-7, 1e-4 + 2 * 9e-7])
+
+
+def test_initialize_takes_a_deepspeed_dict_and_trains(capsys):
+    import torch
+    import toolkit
+
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+    ds = read_deepspeed_config(CORPUS_BY_NAME["zero2"])
+    ds["bf16"]["enabled"] = False
+    engine = toolkit.initialize(ds, model=model)
+    assert engine.recipe.zero.stage == 2 and engine.recipe.batch.grad_accum_steps == 2
+    losses = []
+    for _ in range(4):  # two optimizer steps
+        loss = engine(torch.randint(0, 64, (4, 9)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    assert engine.global_step == 2 and all(0 < loss < 10 for loss in losses)
+    assert "zero_optimization.overlap_comm: not carried over" in capsys.readouterr().err
+    with pytest.raises(UserError, match="names no model"):
+        toolkit.initialize(ds)

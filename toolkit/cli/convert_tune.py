@@ -1,0 +1,96 @@
+"""The `toolkit convert` (DeepSpeed config -> recipe) and `toolkit tune` (fastest recipe that fits) commands.
+Thin: parse, call toolkit/recipe/deepspeed_config.py or toolkit/train/tune.py, print."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from toolkit.errors import UserError, failed_write
+
+
+def write_file(path: Path, text: str) -> None:
+    """Write an output file; a failed write is one line naming it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise UserError(failed_write(exc, path) or f"{path}: cannot write: {exc}") from None
+
+
+def _cmd_convert(args) -> int:
+    from toolkit.recipe.deepspeed_config import convert_deepspeed, read_deepspeed_config
+
+    ds = read_deepspeed_config(args.ds_config)
+    done = convert_deepspeed(ds, model=args.model, base=args.recipe, out=args.out, world_size=args.world_size,
+                             source=Path(args.ds_config).name, strict=args.strict)
+    for line in done.report:
+        print(line if line.startswith(("carried:", "note:")) else f"not carried: {line}", file=sys.stderr)
+    text = json.dumps(done.written, indent=2) + "\n"
+    b = done.recipe.batch
+    carried = sum(line.startswith("carried:") for line in done.report)
+    summary = (f"{carried} keys carried over, {len(done.dropped)} not; global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} x "
+               f"world {b.world_size} (hash {done.recipe.hash})")
+    if args.out is None:
+        print(text, end="")
+        print(summary, file=sys.stderr)
+        return 0
+    write_file(Path(args.out), text)
+    print(f"wrote {args.out}: {summary}", file=sys.stderr)
+    return 0
+
+
+def _cmd_tune(args) -> int:
+    from toolkit.train.tune import TuneSpace, tune
+    from toolkit.train.tune_report import write_outputs
+
+    if args.budget_minutes <= 0 or args.world_size < 1:
+        raise UserError("--budget-minutes must be positive and --world-size at least 1")
+    space = TuneSpace(stages=_ints(args.stages, "--stages"), micro_batches=_ints(args.micro, "--micro"))
+    out = Path(args.out or f"{Path(args.recipe).stem}.tuned.json")
+    result = tune(args.recipe, budget_s=60 * args.budget_minutes, world_size=args.world_size, space=space,
+                  cap_bytes=int(args.memory_gib * 2**30) if args.memory_gib else None,
+                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written = write_outputs(result, out)
+    print(next(p for p in written if p.name.endswith(".trials.md")).read_text(), end="")
+    print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
+    return 0 if result.best is not None else 1
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise UserError(f"{flag} {text}: expected integers separated by commas, e.g. 1,2,3") from None
+
+
+def add_parsers(sub) -> None:
+    """The convert and tune sub-commands on `toolkit`'s parser."""
+    p = sub.add_parser("convert", help="a DeepSpeed config (JSON, comments allowed) -> a recipe, reporting every key "
+                                       "not carried over")
+    p.add_argument("ds_config", metavar="DS_CONFIG", help="DeepSpeed config file (ds_config.json)")
+    p.add_argument("--model", default=None, metavar="FAMILY/SIZE", help="model of a standalone recipe (default "
+                                                                        "gpt2/tiny), e.g. gpt2/124m, llama/1b")
+    p.add_argument("--recipe", default=None, metavar="BASE", help="write a recipe that extends BASE (its model, data, "
+                                                                  "length) with the config's settings")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the recipe here (default: print it)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks to check the batch sizes for (default 1)")
+    p.add_argument("--strict", action="store_true", help="a key not carried over is an error (exit 2)")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("tune", help="the fastest variant of a recipe that fits: pruned by the memory estimate, "
+                                    "then short timed trials")
+    p.add_argument("recipe", help="recipe file, or the name of a shipped recipe")
+    p.add_argument("--budget-minutes", type=float, default=15, help="stop starting trials after this (default 15)")
+    p.add_argument("--out", default=None, metavar="FILE", help="tuned recipe (default RECIPE.tuned.json); the trial "
+                                                               "table goes beside it as FILE.trials.md/.json/.png")
+    p.add_argument("--world-size", type=int, default=1, help="ranks per trial (toolkit run --nproc; default 1)")
+    p.add_argument("--stages", default=None, help="ZeRO stages to try, e.g. 1,2 (default 0,1,2,3)")
+    p.add_argument("--micro", default=None, help="micro batches to try, e.g. 8,16 (default powers of 2 dividing "
+                                                 "the global batch)")
+    p.add_argument("--memory-gib", type=float, default=None, help="memory cap per rank (default 90%% of the "
+                                                                  "GPU's free memory, or of the host's RAM)")
+    p.set_defaults(func=_cmd_tune)
