@@ -35,19 +35,20 @@ class TimedWork:
     """A collective in flight: wait() blocks until it is done (and, under a simulated link, until the
     link would have delivered it), charging the blocked time to the ledger."""
 
-    def __init__(self, work, ledger: CommLedger, done_at: float):
-        self.work, self.ledger, self.done_at = work, ledger, done_at
+    def __init__(self, work, ledger: CommLedger, done_at: float, issued_at: float):
+        self.work, self.ledger, self.done_at, self.issued_at = work, ledger, done_at, issued_at
         self._waited = work is None
 
     def is_completed(self) -> bool:
         """True when waiting would not block."""
         return self._waited or ((self.work.is_completed()) and time.perf_counter() >= self.done_at)
 
-    def wait(self) -> None:
-        """Block until done; the time spent here is exposed communication."""
+    def wait(self, *, since_issued: bool = False) -> None:
+        """Block until done; the time spent here (since the collective was issued, for one waited for at
+        once: nothing ran meanwhile) is exposed communication."""
         if self._waited:
             return
-        start = time.perf_counter()
+        start = self.issued_at if since_issued else time.perf_counter()
         self.work.wait()
         late = self.done_at - time.perf_counter()
         if late > 0:
@@ -79,9 +80,9 @@ class Communicator:
         if gbps:
             self._link_free_at = max(self._link_free_at, now) + sent * 8 / (gbps * 1e9)
             done_at = self._link_free_at
-        work = TimedWork(start(), self.ledger, done_at)
+        work = TimedWork(start(), self.ledger, done_at, issued_at=now)
         if not self.overlap_comm:
-            work.wait()
+            work.wait(since_issued=True)
         return work
 
     # -- the collectives (async: a TimedWork; call .wait()) --------------------------------
@@ -89,7 +90,7 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, async_op: bool = True):
         """Sum (or `op`) `tensor` over the ranks in place."""
         work = self._issue("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(tensor, op=op, async_op=True))
-        return work if async_op else work.wait()
+        return work if async_op else work.wait(since_issued=True)
 
     def reduce_scatter_flat(self, output: torch.Tensor, source: torch.Tensor) -> TimedWork:
         """Sum `source` over the ranks; rank r receives chunk r of the sum in `output`."""
@@ -111,7 +112,8 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Rank `src`'s `tensor` on every rank (synchronous)."""
-        self._issue("broadcast", _nbytes(tensor), lambda: dist.broadcast(tensor, src=src, async_op=True)).wait()
+        work = self._issue("broadcast", _nbytes(tensor), lambda: dist.broadcast(tensor, src=src, async_op=True))
+        work.wait(since_issued=True)
 
     # -- the small ones the strategies need (toolkit/distributed.py's, counted) -----------------
 
