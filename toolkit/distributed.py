@@ -123,21 +123,22 @@ def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, *, async_op: bool
     return _all_gather(output, chunk, async_op=async_op)
 
 
-def any_true(flag: bool, info: DistInfo, device: torch.device) -> bool:
-    """True when `flag` is true on any rank (every rank gets the same answer)."""
+def any_true(flag: bool, info: DistInfo, device: torch.device, all_reduce=dist.all_reduce) -> bool:
+    """True when `flag` is true on any rank (every rank gets the same answer); `all_reduce` issues the
+    collective (the engine's counted one: toolkit/runtime/comm.py)."""
     if not info.active:
         return bool(flag)
     t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
 
-def sum_floats(values: list[float], info: DistInfo, device: torch.device) -> list[float]:
-    """Element-wise sum of a few floats over the ranks (float64 on the wire)."""
+def sum_floats(values: list[float], info: DistInfo, device: torch.device, all_reduce=dist.all_reduce) -> list[float]:
+    """Element-wise sum of a few floats over the ranks (float64 on the wire; `all_reduce` as for any_true)."""
     if not info.active:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    all_reduce(t)
     return t.tolist()
 
 

@@ -87,6 +87,7 @@ class ZeroSpec:
     reduce_bucket_size: int
     allgather_bucket_size: int
     prefetch_units: int
+    overlap_comm: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,12 @@ class OptimizerSpec:
     eps: float
     weight_decay: float
     implementation: str
+    freeze_step: int = 100000  # onebit_adam's uncompressed warm-up (schema)
+
+
+@dataclass(frozen=True)
+class CommunicationSpec:
+    simulated_link_gbps: float | None = None  # a simulated link speed (toolkit/runtime/comm.py); None: the real one
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,7 @@ class Recipe:
     kernels: KernelsSpec
     # Choices that run but may not be what the user meant, one line each naming the key; the CLI prints them.
     warnings: tuple[str, ...] = ()
+    communication: CommunicationSpec = CommunicationSpec()
 
     def to_json(self) -> str:
         """The resolved recipe as written to <run_dir>/recipe.json: a recipe that reruns as it stands, with its hash."""

@@ -25,12 +25,13 @@ SAME = {"train_batch_size": "batch.global_batch", "train_micro_batch_size_per_gp
         "wandb.project": "logging.wandb.project", "tensorboard.enabled": "logging.tensorboard",
         **{f"fp16.{k}": f"precision.fp16.{k}" for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
                                                         "hysteresis", "consecutive_hysteresis", "min_loss_scale")},
-        **{f"optimizer.params.{k}": f"optimizer.{k}" for k in ("lr", "betas", "eps", "weight_decay")}}
+        **{f"optimizer.params.{k}": f"optimizer.{k}" for k in ("lr", "betas", "eps", "weight_decay", "freeze_step")}}
 # Leaves whose value becomes another value: (recipe key, {DeepSpeed value: recipe value}).
 CHANGED = {"fp16.enabled": ("precision.dtype", {True: "fp16"}), "bf16.enabled": ("precision.dtype", {True: "bf16"}),
            "wandb.enabled": ("logging.wandb.mode", {True: "online", False: "disabled"}),
            "zero_optimization": ("zero.stage", {True: 1, False: 0}),
-           "optimizer.params.adam_w_mode": ("optimizer.type", {True: "adamw", False: "adam"})}
+           "optimizer.params.adam_w_mode": ("optimizer.type", {True: "adamw", False: "adam"}),
+           "optimizer.type": ("optimizer.type", {"OneBitAdam": "onebit_adam"})}
 
 
 def _leaves(node, prefix=""):

@@ -55,6 +55,9 @@ def engine_state(engine) -> dict:
         "skipped_steps": engine.skipped_steps,
     }
     if not is_sharded(engine):
+        if hasattr(engine.strategy, "error_feedback"):  # 1-bit Adam: each rank's error buffers in its own file
+            counters["error_feedback_files"] = [error_feedback_file_name(r, engine.dist.world_size)
+                                                for r in range(engine.dist.world_size)]
         return {"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict(), **counters}
     world = engine.dist.world_size
     zero = {"stage": engine.strategy.stage, "world_size": world, "step": engine.strategy.optimizer_steps(),
@@ -66,11 +69,28 @@ def shard_writer(engine):
     """A function that writes this rank's ZeRO shard file into a directory (returning its name), or None at
     stage 0 (nothing per rank)."""
     if not is_sharded(engine):
-        return None
+        return error_feedback_writer(engine) if hasattr(engine.strategy, "error_feedback") else None
 
     def write(directory) -> str:
         name = shard_file_name(engine.dist.rank, engine.dist.world_size)
         write_shard(Path(directory) / name, engine.strategy.owned_pieces(), engine.strategy.param_shapes())
+        return name
+    return write
+
+
+def error_feedback_file_name(rank: int, world_size: int) -> str:
+    """onebit-rank-00001-of-00004.safetensors: a rank's 1-bit Adam error-feedback buffers."""
+    return f"onebit-rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def error_feedback_writer(engine):
+    """A function that writes this rank's 1-bit Adam error buffers into a directory (returning its name)."""
+    from safetensors.torch import save_file
+
+    def write(directory) -> str:
+        name = error_feedback_file_name(engine.dist.rank, engine.dist.world_size)
+        save_file({k: v.detach().cpu().contiguous() for k, v in engine.strategy.error_feedback().items()},
+                  str(Path(directory) / name))
         return name
     return write
 
@@ -92,6 +112,8 @@ def load_engine_state(engine, state: dict, checkpoint_dir, param_names: list[str
         _load_model_states(engine, state, checkpoint_dir, param_names)
     else:
         _load_replicated(engine, state)
+    if hasattr(engine.strategy, "load_error_feedback") and state.get("error_feedback_files"):
+        engine.strategy.load_error_feedback(checkpoint_dir, state["error_feedback_files"])
     engine.scheduler.load_state_dict(state["scheduler"])
     if engine.loss_scaler is not None and state.get("loss_scaler") is not None:
         engine.loss_scaler.load_state_dict(state["loss_scaler"])

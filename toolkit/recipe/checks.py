@@ -224,6 +224,10 @@ def cross_section_errors(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
     if r["zero"]["offload_ratio"] != 1 and r["zero"]["offload_optimizer"] != "cpu":
         errors.append(f"recipe.zero.offload_ratio: {r['zero']['offload_ratio']} needs zero.offload_optimizer "
                       "'cpu' (it is the part of the optimizer kept in CPU memory)")
+    if r["optimizer"]["type"] == "onebit_adam" and (r["zero"]["stage"] != 0 or r["precision"]["dtype"] == "fp16"):
+        what = f"zero.stage {r['zero']['stage']}" if r["zero"]["stage"] != 0 else "precision.dtype 'fp16'"
+        errors.append(f"recipe.optimizer.type: 'onebit_adam' runs on zero.stage 0 in fp32 or bf16, not with {what} "
+                      "(as DeepSpeed's 1-bit Adam, it replaces stage 0's gradient all-reduce); use 'adamw' there")
     data, training = r["data"], r["training"]
     if data["kind"] != "synthetic":
         pass  # a real corpus's sizes are checked when it is read (toolkit/data/batches.py)

@@ -196,9 +196,12 @@ def optimizer(c: Conversion, ds: dict) -> None:
         return
     name = str(opt.get("type", "")).lower()
     params = opt.get("params", {})
+    if name == "onebitadam":
+        _onebit_adam(c, opt, params)
+        return
     if name not in ("adam", "adamw"):
-        c.drop(f"optimizer.type", f"{UNSUPPORTED}: {opt.get('type')!r}; the toolkit trains with AdamW or Adam "
-               f"(optimizer.type), so its params are not carried over either")
+        c.drop("optimizer.type", f"{UNSUPPORTED}: {opt.get('type')!r}; the toolkit trains with AdamW, Adam or "
+               "OneBitAdam (optimizer.type), so its params are not carried over either")
         return
     # NOTE: deepspeed/runtime/engine.py _configure_basic_optimizer: effective_adam_w_mode = name == adamw or
     # adam_w_mode (default True), so {"type": "Adam"} steps decoupled weight decay, as AdamW.
@@ -222,6 +225,19 @@ def optimizer(c: Conversion, ds: dict) -> None:
     if isinstance(c.recipe.get("optimizer", {}).get("weight_decay"), (int, float)) and c.recipe["optimizer"]["weight_decay"]:
         c.notes.append("optimizer.weight_decay: applied to matrices only, biases and norm weights are not decayed "
                        "(as Hugging Face's Trainer groups them); DeepSpeed decays whatever groups the model passes")
+
+
+def _onebit_adam(c: Conversion, opt: dict, params: dict) -> None:
+    """DeepSpeed's OneBitAdam: optimizer.type onebit_adam with the same freeze_step and Adam params."""
+    c.put("optimizer.type", "optimizer.type", "onebit_adam")
+    for key in (*ADAM_PARAMS, "freeze_step"):
+        if key in params:
+            c.put(f"optimizer.params.{key}", f"optimizer.{key}", params[key])
+    collectives = f"{NO_EFFECT}: the collectives are torch.distributed's, on gloo or NCCL"
+    reasons = {"cuda_aware": collectives, "comm_backend_name": collectives,
+               "bias_correction": f"{NO_EFFECT}: 1-bit Adam corrects no bias, as DeepSpeed's OnebitAdam"}
+    _rest(c, "optimizer.params", params, {*ADAM_PARAMS, "freeze_step"}, reasons)
+    _rest(c, "optimizer", opt, {"type", "params"}, {})
 
 
 SCHEDULER_PARAMS = {

@@ -25,8 +25,8 @@ from toolkit.recipe.checks import (cross_section_errors, data_spec, model_spec, 
 from toolkit.recipe.files import check_nesting, deep_merge, find_recipe_file, load_with_extends
 from toolkit.recipe.overrides import apply_overrides
 from toolkit.recipe.schema import RecipeError, coerce_integers, fill_defaults, load_schema, schema_errors
-from toolkit.specs import (CheckpointSpec, KernelsSpec, LoggingSpec, LossScaleSpec, OptimizerSpec, PrecisionSpec,
-                           Recipe, SchedulerSpec, TrainingSpec, WandbSpec, ZeroSpec)
+from toolkit.specs import (CheckpointSpec, CommunicationSpec, KernelsSpec, LoggingSpec, LossScaleSpec, OptimizerSpec,
+                           PrecisionSpec, Recipe, SchedulerSpec, TrainingSpec, WandbSpec, ZeroSpec)
 
 __all__ = ["RecipeError", "apply_overrides", "build_recipe", "deep_merge", "fill_defaults", "find_recipe_file",
            "load_recipe", "load_schema", "recipe_from_dict", "resolve_batch", "schema_errors"]
@@ -114,6 +114,7 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
         checkpoint=CheckpointSpec(**r["checkpoint"]),
         kernels=KernelsSpec(**r["kernels"]),
         warnings=tuple(warnings),
+        communication=CommunicationSpec(**r.get("communication", {})),
     )
 
 

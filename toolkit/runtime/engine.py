@@ -33,6 +33,7 @@ from toolkit.runtime.cpu_threads import apply_cpu_threads
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.specs import Recipe
 from toolkit.runtime.zero import build_strategy
+from toolkit.runtime.comm import Communicator
 from toolkit.distributed import init_distributed, select_cuda_device
 
 
@@ -62,10 +63,11 @@ class StepResult:
     """
 
     def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, lr: float, loss_scale: float,
-                 skipped: bool, check_finite=None):
+                 skipped: bool, check_finite=None, comm: dict | None = None):
         self.loss_tensor = loss  # 0-dim fp32, on the device (no sync)
         self._grad_norm = grad_norm
         self.lr, self.loss_scale, self.skipped = lr, loss_scale, skipped
+        self.comm = comm or {}  # this step's comm_bytes, comm_exposed_s, ... (toolkit/observe/comm.py)
         self._check_finite = check_finite
 
     @property
@@ -116,7 +118,12 @@ class Engine:
         if zero3_units is not None and recipe.zero.stage != 3:
             print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
                   "parameters by unit)", file=sys.stderr, flush=True)
-        self.strategy = build_strategy(self.model, recipe, self.device, self.dist, zero3_units, adamw=adamw)
+        # Every collective the engine issues goes through self.comm, which counts it (toolkit/runtime/comm.py).
+        self.comm = Communicator(self.dist, self.device, overlap_comm=recipe.zero.overlap_comm,
+                                 simulated_link_gbps=recipe.communication.simulated_link_gbps)
+        self.strategy = build_strategy(self.model, recipe, self.device, self.dist, zero3_units, adamw=adamw,
+                                       comm=self.comm)
+        self.comm.ledger.discard_open_step()  # the start-up broadcast is no step's traffic
         self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
         # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
         self._step_strategy = (OnePassStep(self.strategy) if self.strategy.stage == 0
@@ -217,7 +224,8 @@ class Engine:
         if self.loss_scaler is None:
             first = self._first_nonfinite_step
             first.masked_fill_(~torch.isfinite(loss) & (first == 0), self.global_step)
-        return StepResult(loss, grad_norm, lr, scale, skipped, check_finite=self.check_finite)
+        return StepResult(loss, grad_norm, lr, scale, skipped, check_finite=self.check_finite,
+                          comm=self.comm.ledger.take_step())
 
     def check_finite(self) -> None:
         """Raise the divergence error if any step's loss so far was inf/NaN (bf16 and fp32; waits for the GPU).
@@ -239,19 +247,21 @@ class Engine:
     def evaluate(self, batches) -> float:
         """Mean loss over held-out micro batches (dropout off)."""
         self.model.eval()
+        self.comm.ledger.paused = True  # evaluation's collectives are no optimizer step's
         try:
             losses = [self(batch) for batch in batches]
+            mean = torch.stack(losses).mean() if losses else torch.tensor(float("nan"), device=self.device)
+            return float(self._mean_loss_over_ranks(mean))
         finally:
             self.model.train()
-        mean = torch.stack(losses).mean() if losses else torch.tensor(float("nan"), device=self.device)
-        return float(self._mean_loss_over_ranks(mean))
+            self.comm.ledger.paused = False
 
     def _mean_loss_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean over all ranks of this rank's loss (0-dim, fp32), without waiting for it."""
         if not self.dist.active:
             return loss.detach().float()
         total = loss.detach().double().reshape(1)
-        torch.distributed.all_reduce(total)
+        self.comm.all_reduce(total, async_op=False)
         return (total[0] / self.dist.world_size).float()
 
     def offload_metrics(self) -> dict:

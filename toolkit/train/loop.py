@@ -25,7 +25,9 @@ from toolkit.runtime.engine import Engine, check_device, pick_device
 from toolkit.errors import UserError, write_failure
 from toolkit.observe.flops import MfuBasis, mfu_basis, unknown_peak_warning
 from toolkit.observe.memory_fit import check_memory_fit
+from toolkit.observe.comm import format_bytes, per_step
 from toolkit.observe.memory_monitor import MemoryMonitor
+from toolkit.runtime.comm import expected_bytes_per_step
 from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
 from toolkit.train.stop import RunStopped, StopSignals, under_elastic_launcher
 from toolkit.specs import Recipe
@@ -86,6 +88,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
         ("precision", precision[recipe.precision.dtype]),
         ("zero", engine.strategy.describe()),
+        ("comm", comm_row(engine)),
         ("kernels", engine.kernels.describe()),
         ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
                       f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
@@ -95,6 +98,16 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
+
+
+def comm_row(engine: Engine) -> str:
+    """The start-up table's comm row: the formula's bytes per rank per step, and how collectives run."""
+    if not engine.dist.active:
+        return engine.comm.describe()
+    expected = expected_bytes_per_step(engine.strategy, engine.grad_accum_steps)
+    kinds = " + ".join(f"{k.replace('_', '-')} {format_bytes(v)}" for k, v in expected.items())
+    return (f"expected {format_bytes(sum(expected.values()))} sent per rank per step ({kinds}; "
+            f"docs/communication.md); {engine.comm.describe()}")
 
 
 def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = False) -> RunResult:
@@ -201,6 +214,7 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
 
     start = window_start = time.perf_counter()
     window_steps = stopped_by = 0
+    window_comm: dict = {}  # summed comm_* fields of the steps since the last logged one
     stop.deferring = True  # from here a signal stops the run at the next step boundary, with a checkpoint
     try:
         while engine.global_step < training.max_steps:
@@ -212,6 +226,8 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
                 break
             step_result = engine.train_batch(stream.next_step())
             step, window_steps = engine.global_step, window_steps + 1
+            for key, value in step_result.comm.items():
+                window_comm[key] = window_comm.get(key, 0) + value
             if step % training.log_interval == 0 or step == training.max_steps:
                 now = time.perf_counter()
                 tokens_per_s = window_steps * tokens_per_step / (now - window_start)
@@ -226,8 +242,9 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
                     "elapsed_s": now - start,
                     **({"mfu": mfu.mfu(tokens_per_s)} if mfu.peak_flops is not None else {}),
                     **monitor.window_metrics(step),  # with the engine's offload_metrics()
+                    **per_step(window_comm, window_steps),  # comm_bytes, comm_exposed_s, ... per step
                 })
-                window_start, window_steps = now, 0
+                window_start, window_steps, window_comm = now, 0, {}
             if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
                 evaluate(step)
             checkpointer.after_step(engine, stream, trackers.wandb_run_id)
@@ -258,4 +275,6 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
         if checkpointer.last_saved_path is not None:
             print(f"checkpoint | {checkpointer.last_saved_path}", flush=True)
         print(monitor.summary() + "\n" + memory_note, flush=True)
+        if info.active:
+            print(engine.comm.ledger.summary(), flush=True)
     return result

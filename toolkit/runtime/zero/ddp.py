@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from toolkit.runtime.comm import Communicator
 from toolkit.runtime.optim import build_optimizer
 from toolkit.runtime.precision import has_inf_or_nan
-from toolkit.distributed import DistInfo, any_true
+from toolkit.distributed import DistInfo
 from toolkit.runtime.zero.flat import bucket_params
 from toolkit.runtime.zero.sharded import tensor_bytes
 
@@ -34,8 +34,9 @@ class DataParallel:
     stage = 0
     offload = False
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, adamw: str):
-        self.model, self.recipe, self.device, self.info = model, recipe, device, info
+    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, adamw: str,
+                 comm: Communicator):
+        self.model, self.recipe, self.device, self.info, self.comm = model, recipe, device, info, comm
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         self.flat_grads: list[torch.Tensor] = []  # several ranks: the all-reduce buckets the .grad views live in
@@ -91,7 +92,7 @@ class DataParallel:
     def _launch(self, b: int) -> None:
         flat = self.flat_grads[b]
         flat.div_(self.info.world_size)  # NOTE: pre-divide: exact for power-of-two worlds
-        self._works.append(dist.all_reduce(flat, async_op=True))
+        self._works.append(self.comm.all_reduce(flat))
         self._launched = b + 1
 
     def end_micro_step(self) -> None:
@@ -115,7 +116,7 @@ class DataParallel:
 
     def grads_overflow(self) -> bool:
         """True when the (already averaged, identical on every rank) gradients hold an inf or NaN."""
-        return any_true(has_inf_or_nan(self.grad_tensors()), self.info, self.device)
+        return self.comm.any_true(has_inf_or_nan(self.grad_tensors()))
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every gradient by `factor`."""

@@ -19,10 +19,10 @@ survives a micro-step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from toolkit.distributed import DistInfo, all_gather_flat, reduce_scatter_flat
+from toolkit.distributed import DistInfo
+from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, bucket_params, decay_param_ids
 from toolkit.runtime.zero.sharded import ShardedStrategy
 
@@ -30,13 +30,14 @@ from toolkit.runtime.zero.sharded import ShardedStrategy
 class PartitionedStrategy(ShardedStrategy):
     """ZeRO stage 1 or 2 over the process group in `info`."""
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, stage: int):
+    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, stage: int,
+                 comm: Communicator):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = named[0][1].dtype
         decay_ids = decay_param_ids(model)
         buckets = bucket_params(list(reversed(named)), recipe.zero.reduce_bucket_size)
         groups = [FlatGroup(b, decay_ids, info.world_size) for b in buckets]
-        super().__init__(recipe, device, info, groups, dtype)
+        super().__init__(recipe, device, info, groups, dtype, comm)
         self.stage = stage
         self.model = model
         self.flat_params = []
@@ -104,7 +105,7 @@ class PartitionedStrategy(ShardedStrategy):
             return
         source.div_(world)  # NOTE: pre-divide: for power-of-two worlds the mean is exact in binary
         out = torch.empty(group.chunk, dtype=source.dtype, device=self.device)
-        self._queue_reduced(g, reduce_scatter_flat(out, source), out)
+        self._queue_reduced(g, self.comm.reduce_scatter_flat(out, source), out)
 
     def end_micro_step(self) -> None:
         """Called after backward: launch buckets whose gradients never came, wait, keep this rank's chunks."""
@@ -133,12 +134,12 @@ class PartitionedStrategy(ShardedStrategy):
         for g, flat in zip(self.groups, self.flat_params):
             lo, hi = g.chunk_range(self.info.rank)
             if g.chunk <= per_piece:
-                works.append(all_gather_flat(flat, flat[lo:hi].clone()))
+                works.append(self.comm.all_gather_flat(flat, flat[lo:hi].clone()))
                 continue
             for a in range(0, g.chunk, per_piece):  # zero.allgather_bucket_size elements per collective
                 b = min(a + per_piece, g.chunk)
                 outs = [flat[k * g.chunk + a:k * g.chunk + b] for k in range(self.info.world_size)]
-                works.append(dist.all_gather(outs, flat[lo + a:lo + b].clone(), async_op=True))
+                works.append(self.comm.all_gather_list(outs, flat[lo + a:lo + b].clone()))
         for work in works:
             work.wait()
 

@@ -25,7 +25,8 @@ import torch
 
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.runtime.zero.adamw import ShardedAdamW
-from toolkit.distributed import DistInfo, any_true, sum_floats
+from toolkit.distributed import DistInfo
+from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.offload import OffloadedStep
 
@@ -114,8 +115,8 @@ class ShardedStrategy:
     stage = 1
 
     def __init__(self, recipe, device: torch.device, info: DistInfo, groups: list[FlatGroup],
-                 param_dtype: torch.dtype):
-        self.recipe, self.device, self.info = recipe, device, info
+                 param_dtype: torch.dtype, comm: Communicator):
+        self.recipe, self.device, self.info, self.comm = recipe, device, info, comm
         self.groups = groups
         self.layout = ShardLayout(groups, info.rank)
         self.param_dtype = param_dtype
@@ -190,7 +191,7 @@ class ShardedStrategy:
 
     def grads_overflow(self) -> bool:
         """True on every rank when any rank's gradient shard holds an inf or NaN."""
-        return any_true(has_inf_or_nan(self.grad_chunks), self.info, self.device)
+        return self.comm.any_true(has_inf_or_nan(self.grad_chunks))
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradient shard by `factor` (unscaling after fp16 loss scaling)."""
@@ -201,7 +202,7 @@ class ShardedStrategy:
         # NOTE: one fused norm per chunk, summed on the shard's device: a single host sync per step.
         norms = torch._foreach_norm([c for c in self.grad_chunks if c.numel()], 2.0)
         local = float(torch.stack(norms).double().square().sum()) if norms else 0.0
-        total = math.sqrt(sum_floats([local], self.info, self.device)[0])
+        total = math.sqrt(self.comm.sum_floats([local])[0])
         if max_norm > 0 and math.isfinite(max_norm):
             # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1
             coef = min(max_norm / (total + 1e-6), 1.0)

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.distributed import DistInfo, all_gather_flat, reduce_scatter_flat
+from toolkit.distributed import DistInfo
+from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, decay_param_ids
 from toolkit.runtime.zero.sharded import ShardedStrategy
 
@@ -112,7 +113,8 @@ class Stage3Strategy(ShardedStrategy):
     stage = 3
     group_kind = "units"
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, units=None):
+    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, units=None,
+                 comm: Communicator | None = None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = named[0][1].dtype
         decay_ids = decay_param_ids(model)
@@ -129,7 +131,7 @@ class Stage3Strategy(ShardedStrategy):
         groups = [FlatGroup(b, decay_ids, info.world_size) for b in per_block]
         self.root = len(groups)
         groups.append(FlatGroup(root, decay_ids, info.world_size))
-        super().__init__(recipe, device, info, groups, dtype)
+        super().__init__(recipe, device, info, groups, dtype, comm or Communicator(info, device))
         self.model = model
         self.prefetch = recipe.zero.prefetch_units
         # This rank's chunk of every unit, contiguous; then the full buffers, released.
@@ -174,7 +176,7 @@ class Stage3Strategy(ShardedStrategy):
         full.untyped_storage().resize_(full.numel() * full.element_size())
         chunk = self.param_chunks[g]
         if self.info.active:
-            self._works[g] = all_gather_flat(full, chunk)
+            self._works[g] = self.comm.all_gather_flat(full, chunk)
         else:
             full.copy_(chunk)
         self.state[g] = IN_FLIGHT
@@ -263,7 +265,7 @@ class Stage3Strategy(ShardedStrategy):
             return
         source.div_(self.info.world_size)  # NOTE: pre-divide: exact for power-of-two worlds
         out = torch.empty(group.chunk, dtype=source.dtype, device=self.device)
-        self._queue_reduced(g, reduce_scatter_flat(out, source), out)
+        self._queue_reduced(g, self.comm.reduce_scatter_flat(out, source), out)
 
     def end_micro_step(self) -> None:
         """Called after backward: reduce units whose gradients never all came, wait, accumulate."""
