@@ -1,0 +1,122 @@
+"""Tensor and pipeline parallelism (recipe.parallel) on gloo with 4 ranks, against one process.
+
+One torch.multiprocessing launch of 4 ranks runs every layout in turn for a tiny GPT-2 and a tiny
+Llama (4 layers, fp32, 10 steps, the same global batch of 16): (tp2, dp2), (pp2, dp2), (pp2, tp2) and
+(pp4); the ranks write their losses, gradient norms and consolidated parameters to files and the
+assertions run here against one process (the ordinary engine, no mesh).
+
+Tolerance: rtol 1e-5 plus atol 2e-5 on parameters, rtol 1e-5 on losses and norms. A tensor-parallel
+matmul sums its partial products in another order (the row-parallel all-reduce), a pipeline computes
+the micro-batches' losses separately and sums their gradients: the last bits differ, and AdamW turns a
+last-bit difference of a near-zero gradient into a visible fraction of lr (3e-3) for that element (see
+tests/runtime/test_zero_dist.py). A real bug (a missing reduction, a wrong shard, a stage's blocks
+skipped) moves parameters by ~lr per step, 100 times the tolerance.
+"""
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.dist
+
+STEPS = 10
+RTOL, ATOL = 1e-5, 2e-5
+BASE = {
+    "model": {"family": "gpt2", "size": "tiny", "n_layer": 4},
+    "data": {"kind": "synthetic", "seq_len": 32, "vocab_size": 256, "branching": 4, "num_samples": 512,
+             "eval_samples": 64, "seed": 0},
+    "batch": {"global_batch": 16},
+    "optimizer": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "implementation": "torch"},
+    "scheduler": {"type": "WarmupCosineLR", "warmup_num_steps": 3},
+    "training": {"max_steps": STEPS, "seed": 1234, "eval_interval": 0, "log_interval": 1, "grad_clip": 0.5},
+    "logging": {"console": False, "tensorboard": False, "wandb": {"mode": "disabled"}},
+    "checkpoint": {"save_final": False},
+}
+LAYOUTS = {
+    "tp2-dp2": ["parallel.tensor=2"],
+    "pp2-dp2": ["parallel.pipeline=2", "parallel.pipeline_microbatches=4"],
+    "pp2-tp2": ["parallel.pipeline=2", "parallel.tensor=2", "parallel.pipeline_schedule=gpipe",
+                "parallel.pipeline_microbatches=2", "batch.grad_accum_steps=2"],
+    "pp4": ["parallel.pipeline=4", "parallel.pipeline_microbatches=8"],
+}
+FAMILIES = {"gpt2": [], "llama": ["model.family=llama"]}
+
+
+def train(world, overrides, steps=STEPS):
+    """(engine, losses, grad norms) after `steps` optimizer steps."""
+    from toolkit.data.batches import BatchStream, Dataset
+    from toolkit.recipe.load import recipe_from_dict
+    from toolkit.runtime.engine import Engine
+
+    recipe = recipe_from_dict(BASE, overrides, world_size=world)
+    engine = Engine(recipe)
+    rank = engine.strategy.mesh.dp_rank if recipe.parallel.active else engine.dist.rank
+    stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=rank, seed=recipe.training.seed)
+    results = [engine.train_batch(stream.next_step()) for _ in range(steps)]
+    return engine, [r.loss for r in results], [r.grad_norm for r in results]
+
+
+def whole_parameters(engine) -> dict:
+    """Every parameter whole (this rank's owned pieces; every rank must call it)."""
+    return {name: views["param"].clone() for name, _, _, views in engine.strategy.owned_pieces()}
+
+
+def _rank_main(rank, world, port, out_dir, layouts):
+    warnings.filterwarnings("ignore")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    results = {}
+    for family, family_overrides in FAMILIES.items():
+        for name in layouts:
+            engine, losses, norms = train(world, family_overrides + LAYOUTS[name])
+            results[f"{family}-{name}"] = {"params": whole_parameters(engine), "losses": losses, "grad_norms": norms}
+    torch.save(results, out_dir / f"rank{rank}.pt")
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("parallel")
+    mp.spawn(_rank_main, args=(4, _free_port(), out_dir, list(LAYOUTS)), nprocs=4, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, the same global batch: the engine without a mesh."""
+    torch.set_num_threads(1)
+    out = {}
+    for family, family_overrides in FAMILIES.items():
+        engine, losses, norms = train(1, family_overrides)
+        params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        out[family] = {"params": params, "losses": losses, "grad_norms": norms}
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process_after_ten_steps(ranks, reference, family, layout):
+    key = f"{family}-{layout}"
+    ref = reference[family]
+    merged = {}
+    for r in ranks:
+        merged.update(r[key]["params"])
+    assert set(merged) == set(ref["params"])
+    for name, full in merged.items():
+        torch.testing.assert_close(full, ref["params"][name].reshape(-1), rtol=RTOL, atol=ATOL, msg=f"{key} {name}")
+    for r in ranks:  # every rank reports the same loss and norm as one process
+        torch.testing.assert_close(torch.tensor(r[key]["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor(r[key]["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=RTOL,
+                                   atol=0)
