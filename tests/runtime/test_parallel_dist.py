@@ -43,6 +43,7 @@ LAYOUTS = {
     "pp4": ["parallel.pipeline=4", "parallel.pipeline_microbatches=8"],
 }
 FAMILIES = {"gpt2": [], "llama": ["model.family=llama"]}
+SAVED = "gpt2-pp2-tp2"  # its checkpoint is loaded by one process
 
 
 def train(world, overrides, steps=STEPS):
@@ -74,6 +75,8 @@ def _rank_main(rank, world, port, out_dir, layouts):
         for name in layouts:
             engine, losses, norms = train(world, family_overrides + LAYOUTS[name])
             results[f"{family}-{name}"] = {"params": whole_parameters(engine), "losses": losses, "grad_norms": norms}
+            if f"{family}-{name}" == SAVED:
+                engine.save_checkpoint(out_dir / "checkpoints")
     torch.save(results, out_dir / f"rank{rank}.pt")
     import torch.distributed as dist
     dist.barrier()
@@ -87,10 +90,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("parallel")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("parallel")
+
+
+@pytest.fixture(scope="module")
+def ranks(out_dir):
     mp.spawn(_rank_main, args=(4, _free_port(), out_dir, list(LAYOUTS)), nprocs=4, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def merged_parameters(ranks, key) -> dict:
+    merged = {}
+    for r in ranks:
+        merged.update(r[key]["params"])
+    return merged
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +124,7 @@ def reference():
 def test_layout_matches_one_process_after_ten_steps(ranks, reference, family, layout):
     key = f"{family}-{layout}"
     ref = reference[family]
-    merged = {}
-    for r in ranks:
-        merged.update(r[key]["params"])
+    merged = merged_parameters(ranks, key)
     assert set(merged) == set(ref["params"])
     for name, full in merged.items():
         torch.testing.assert_close(full, ref["params"][name].reshape(-1), rtol=RTOL, atol=ATOL, msg=f"{key} {name}")
@@ -120,3 +132,24 @@ def test_layout_matches_one_process_after_ten_steps(ranks, reference, family, la
         torch.testing.assert_close(torch.tensor(r[key]["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(r[key]["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=RTOL,
                                    atol=0)
+
+
+def test_checkpoint_saved_at_pp2_tp2_resumes_on_one_process(ranks, out_dir):
+    """A checkpoint of (pp 2, tp 2, dp 1) loads into the one-process engine: the same whole weights and
+    AdamW moments, and training goes on from step 10."""
+    from toolkit.data.batches import BatchStream, Dataset
+    from toolkit.recipe.load import recipe_from_dict
+    from toolkit.runtime.engine import Engine
+
+    torch.set_num_threads(1)
+    recipe = recipe_from_dict(BASE, [], world_size=1)
+    engine = Engine(recipe)
+    path, _ = engine.load_checkpoint(out_dir / "checkpoints")
+    assert path is not None and engine.global_step == STEPS
+    saved = merged_parameters(ranks, SAVED)
+    for name, p in engine.model.named_parameters():
+        torch.testing.assert_close(p.detach().reshape(-1), saved[name], rtol=0, atol=0, msg=name)
+    assert engine.strategy.optimizer_steps() == STEPS
+    assert all(s["exp_avg"].abs().sum() > 0 for s in engine.optimizer.state.values())
+    stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=0, seed=recipe.training.seed)
+    assert engine.train_batch(stream.next_step()).loss < 6.0  # trains on from the loaded state
