@@ -91,6 +91,25 @@ class ZeroSpec:
 
 
 @dataclass(frozen=True)
+class ParallelSpec:
+    """recipe.parallel: ranks per model replica along the tensor and pipeline dimensions (1, 1: data parallel only)."""
+    tensor: int = 1
+    pipeline: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_microbatches: int = 4
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks holding one replica of the model: tensor x pipeline."""
+        return self.tensor * self.pipeline
+
+    @property
+    def active(self) -> bool:
+        """True when tensor or pipeline parallelism is on (else today's data-parallel path, unchanged)."""
+        return self.model_ranks > 1
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
     type: str
     lr: float
@@ -202,6 +221,12 @@ class Recipe:
     # Choices that run but may not be what the user meant, one line each naming the key; the CLI prints them.
     warnings: tuple[str, ...] = ()
     communication: CommunicationSpec = CommunicationSpec()
+    parallel: ParallelSpec = ParallelSpec()
+
+    @property
+    def world_size(self) -> int:
+        """Processes the run needs: data-parallel ranks (batch.world_size) x tensor x pipeline."""
+        return self.batch.world_size * self.parallel.model_ranks
 
     def to_json(self) -> str:
         """The resolved recipe as written to <run_dir>/recipe.json: a recipe that reruns as it stands, with its hash."""

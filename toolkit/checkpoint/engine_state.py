@@ -39,7 +39,7 @@ from toolkit.errors import UserError
 
 def is_sharded(engine) -> bool:
     """True when each rank saves its own shard (ZeRO stages 1-3); stage 0 saves one replicated state."""
-    return engine.strategy.stage > 0
+    return engine.strategy.stage > 0 or getattr(engine.strategy, "sharded_checkpoint", False)  # + parallel/
 
 
 def engine_state(engine) -> dict:

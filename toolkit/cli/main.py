@@ -51,6 +51,12 @@ def _cmd_estimate(args) -> int:
                           dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
                           stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,
                           offload_ratio=recipe.zero.offload_ratio))
+    if recipe.parallel.active:  # the mesh's busiest rank (toolkit/observe/parallel_estimate.py)
+        from toolkit.observe.parallel_estimate import format_parallel_estimate
+
+        print(format_parallel_estimate(recipe.model, recipe.parallel, micro_batch=recipe.batch.micro_batch_per_rank,
+                                       seq_len=recipe.data.seq_len, dtype=recipe.precision.dtype,
+                                       dp=recipe.batch.world_size, stage=recipe.zero.stage))
     return 0
 
 

@@ -24,6 +24,7 @@ from toolkit.recipe.checks import (cross_section_errors, data_spec, model_spec, 
                                    resolve_world_size, steps_per_epoch, training_max_steps)
 from toolkit.recipe.files import check_nesting, deep_merge, find_recipe_file, load_with_extends
 from toolkit.recipe.overrides import apply_overrides
+from toolkit.recipe.parallel_checks import parallel_spec, pipeline_batch_errors
 from toolkit.recipe.schema import RecipeError, coerce_integers, fill_defaults, load_schema, schema_errors
 from toolkit.specs import (CheckpointSpec, CommunicationSpec, KernelsSpec, LoggingSpec, LossScaleSpec, OptimizerSpec,
                            PrecisionSpec, Recipe, SchedulerSpec, TrainingSpec, WandbSpec, ZeroSpec)
@@ -73,8 +74,10 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
     _anchor_paths(r, recipe_dir)
     data, errors = data_spec(r["data"], raw["data"], recipe_dir)
     model, model_errors = model_spec(r["model"], raw["model"], r["data"], data.vocab_size if data else 2, recipe_dir)
-    batch, batch_errors = resolve_batch(r["batch"], world_size)
-    errors += model_errors + batch_errors
+    # recipe.parallel: the batch triple is over the data-parallel ranks, world / (tensor x pipeline)
+    parallel, dp_world, parallel_errors = parallel_spec(r["parallel"], r["zero"], model, world_size)
+    batch, batch_errors = resolve_batch(r["batch"], dp_world)
+    errors += model_errors + batch_errors + parallel_errors + pipeline_batch_errors(parallel, batch)
     max_steps, warnings = 0, []
     if batch is not None:
         max_steps, step_errors = training_max_steps(r["training"], r["data"], batch)
@@ -115,6 +118,7 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
         kernels=KernelsSpec(**r["kernels"]),
         warnings=tuple(warnings),
         communication=CommunicationSpec(**r.get("communication", {})),
+        parallel=parallel,
     )
 
 

@@ -90,12 +90,13 @@ class Engine:
         self.recipe = recipe
         select_cuda_device(recipe.training.device)  # cuda:LOCAL_RANK under torchrun
         self.device = check_device(recipe)
-        self.dist = init_distributed(recipe.batch.world_size, self.device)
+        self.dist = init_distributed(recipe.world_size, self.device)  # dp x tensor x pipeline processes
         if model is None or recipe.training.cpu_threads != "auto":
             # training.cpu_threads, as `toolkit run` applies it; "auto" sizes by the recipe's model, so a
             # model of the user's own keeps torch's setting unless the recipe names a count.
             apply_cpu_threads(recipe)
         torch.manual_seed(recipe.training.seed)
+        model_given = model is not None
         if model is None:
             model = build_model(recipe.model, recipe.training.seed, self.device)
         self.model = model.to(self.device)
@@ -110,19 +111,27 @@ class Engine:
                                       loader.needed_kernels(recipe.model.family, use_adamw_kernel))
         adamw = (choose_adamw(recipe.optimizer.implementation, self.device.type, self.kernels.active("adamw"))
                  if recipe.zero.stage == 0 else None)
+        # NOTE: not under recipe.parallel: the tensor-parallel plans name transformers' own modules.
         swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
-                                        if self.kernels.active(name)})
+                                        if self.kernels.active(name) and not recipe.parallel.active})
         # The loss below reads logits padded to aligned GEMM shapes on the GPU (on the CPU the extra
         # columns would only be extra work).
-        self._padded_head = pad_lm_head(self.model) if self.device.type == "cuda" else None
-        if zero3_units is not None and recipe.zero.stage != 3:
-            print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
-                  "parameters by unit)", file=sys.stderr, flush=True)
+        self._padded_head = (pad_lm_head(self.model) if self.device.type == "cuda" and not recipe.parallel.active
+                             else None)
         # Every collective the engine issues goes through self.comm, which counts it (toolkit/runtime/comm.py).
         self.comm = Communicator(self.dist, self.device, overlap_comm=recipe.zero.overlap_comm,
                                  simulated_link_gbps=recipe.communication.simulated_link_gbps)
-        self.strategy = build_strategy(self.model, recipe, self.device, self.dist, zero3_units, adamw=adamw,
-                                       comm=self.comm)
+        self.pipeline = None  # recipe.parallel.pipeline > 1: the schedule that runs forward and backward
+        if recipe.parallel.active:  # tensor/pipeline parallelism over a device mesh: toolkit/runtime/parallel/
+            if model_given:
+                raise UserError("recipe.parallel: tensor/pipeline parallelism splits the gpt2 and llama models the "
+                                "recipe builds, not a model passed to initialize(); set parallel.tensor and "
+                                "parallel.pipeline to 1")
+            from toolkit.runtime.parallel.build import build_parallel
+
+            self.strategy, self.pipeline = build_parallel(self.model, recipe, self.device, self.dist)
+        else:
+            self.strategy = self._data_parallel_strategy(recipe, zero3_units, adamw)
         self.comm.ledger.discard_open_step()  # the start-up broadcast is no step's traffic
         self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
         # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
@@ -141,11 +150,37 @@ class Engine:
         # does not wait for the GPU; check_finite() reads it. fp16 runs skip such steps instead.
         self._first_nonfinite_step = torch.zeros((), dtype=torch.int64, device=self.device)
 
+    def _data_parallel_strategy(self, recipe: Recipe, zero3_units, adamw):
+        """ZeRO stage 0-3 over every rank (toolkit/runtime/zero/)."""
+        if zero3_units is not None and recipe.zero.stage != 3:
+            print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
+                  "parameters by unit)", file=sys.stderr, flush=True)
+        return build_strategy(self.model, recipe, self.device, self.dist, zero3_units, adamw=adamw, comm=self.comm)
+
+    def _pipeline_call(self, batch) -> torch.Tensor:
+        """engine(batch) with parallel.pipeline > 1: the loss through the forward-only schedule (evaluation)."""
+        if torch.is_grad_enabled():
+            raise UserError("engine(batch): with parallel.pipeline > 1 the schedule runs forward and backward "
+                            "together; call engine.train_batch(micro_batches)")
+        with autocast_context(self.recipe.precision.dtype, self.device.type):
+            return self.pipeline.evaluate(batch.to(self.device))
+
+    def _pipeline_micro_step(self, batch) -> None:
+        """One micro batch through the pipeline schedule (forward and backward of its micro-batches)."""
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self.strategy.begin_micro_step(boundary=self.micro_step + 1 >= self.grad_accum_steps)
+        with autocast_context(self.recipe.precision.dtype, self.device.type):
+            self._loss_sum += self.pipeline.train(batch.to(self.device), scale / self.grad_accum_steps)
+        self.strategy.end_micro_step()
+        self.micro_step += 1
+
     # -- DeepSpeed-style API -------------------------------------------------
 
     def __call__(self, batch) -> torch.Tensor:
         """Forward one micro batch; returns the loss (fp32, 0-dim). What a batch is and what the model may
         return (a loss, an output with .loss, or logits the engine scores): toolkit/models/forward.py."""
+        if self.pipeline is not None:
+            return self._pipeline_call(batch)
         # Token ids: logits padded past the vocabulary (the loss below skips those columns). Not for a dict
         # batch: a Hugging Face model given labels computes its own loss over all the columns it gets.
         head = self._padded_head if isinstance(batch, torch.Tensor) else None
@@ -240,6 +275,9 @@ class Engine:
         if len(micro_batches) != self.grad_accum_steps:
             raise ValueError(f"expected {self.grad_accum_steps} micro batches, got {len(micro_batches)}")
         for micro_batch in micro_batches:
+            if self.pipeline is not None:
+                self._pipeline_micro_step(micro_batch)
+                continue
             self.backward(self(micro_batch))
         return self.step()
 

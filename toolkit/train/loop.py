@@ -118,7 +118,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     SIGTERM/SIGINT stop it at a step boundary with a checkpoint: `RunStopped` (toolkit/train/stop.py).
     """
     check_device(recipe)  # a recipe this machine cannot run leaves no run dir behind
-    info = start_process_group(recipe.batch.world_size, recipe.training.device)
+    info = start_process_group(recipe.world_size, recipe.training.device)
     check_memory_fit(recipe, pick_device(recipe.training.device))  # before anything large is allocated
     apply_cpu_threads(recipe)
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
@@ -180,8 +180,9 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
     if peak_warning and info.is_main:
         print(peak_warning, file=sys.stderr, flush=True)
     dataset = Dataset(recipe.data, run_dir=run_dir, log=None if quiet else print)
-    stream = BatchStream(dataset.train, recipe.batch, rank=info.rank, seed=recipe.training.seed)
-    held_out = eval_batches(dataset.eval, recipe.batch, rank=info.rank, count=recipe.training.eval_batches)
+    data_rank = engine.strategy.mesh.dp_rank if recipe.parallel.active else info.rank  # tp/pp ranks share data
+    stream = BatchStream(dataset.train, recipe.batch, rank=data_rank, seed=recipe.training.seed)
+    held_out = eval_batches(dataset.eval, recipe.batch, rank=data_rank, count=recipe.training.eval_batches)
     training = recipe.training
     if resumed is not None:
         checkpointer.restore(resumed, engine, stream)

@@ -1,0 +1,193 @@
+"""The engine's strategy over a (pp, dp, tp) mesh: the interface of toolkit/runtime/zero/__init__.py
+(begin/end_micro_step, grads_overflow, scale_grads, clip_grad_norm, optimizer_step, zero_grad, the
+checkpoint pieces) for a model that tensor_parallel.py sharded and pipeline.py cut into stages.
+
+Gradients: each rank's are those of its stage's parameters (a DTensor's local shard under tensor
+parallelism); at the accumulation boundary they are averaged over the data-parallel group, and GPT-2's
+tied embedding is summed over the pipeline (the first stage's input use plus the last stage's head use).
+The norm for clipping is global: each parameter counted once (a tensor shard by every tensor rank, a
+replicated parameter by tensor rank 0, the tied embedding by stage 0), summed over the whole mesh.
+AdamW is torch's, on each rank's local tensors, so each element sees the one-process arithmetic.
+
+Checkpoints are the ZeRO shard format (toolkit/checkpoint/zero_shards.py) with whole parameters: the
+(dp 0, tp 0) rank of each stage writes its stage's parameters gathered over the tensor group, with the
+optimizer moments, so a checkpoint loads at any layout, stage 0 on one process included, and `toolkit
+export` reads it as it reads any sharded checkpoint.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from toolkit.distributed import DistInfo, any_true
+from toolkit.runtime.optim import param_groups
+from toolkit.runtime.parallel.mesh import ParallelMesh
+from toolkit.runtime.parallel.tensor_parallel import ShardLayout
+from toolkit.runtime.precision import has_inf_or_nan
+
+TIED_EMBEDDING = "transformer.wte.weight"  # GPT-2's token embedding, also its LM head
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class MeshStrategy:
+    """Stage-0 data parallelism over the mesh's dp dimension, for a tensor- and/or pipeline-parallel model."""
+
+    stage = 0
+    offload = False
+    sharded_checkpoint = True  # whole parameters in ZeRO shard files (see the module docstring)
+
+    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, mesh: ParallelMesh,
+                 layouts: dict[str, ShardLayout], full_shapes: dict[str, tuple[int, ...]]):
+        self.model, self.device, self.info, self.mesh = model, device, info, mesh
+        self.layouts, self.full_shapes = layouts, full_shapes
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        with torch.no_grad():  # the optimizer steps each rank's local tensors (aliases of the DTensors' storage)
+            self._local_of = {id(p): _local(p) for p in self.params}
+        groups = [{**g, "params": [self._local_of[id(p)] for p in g["params"]]}
+                  for g in param_groups(model, recipe.optimizer.weight_decay)]
+        spec = recipe.optimizer
+        self.optimizer = torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+                                           weight_decay=spec.weight_decay)
+        self._boundary = False
+        # each parameter once in the global norm: shards on every tensor rank, the rest on tensor rank 0
+        self._counted = [p for n, p in self.named
+                         if (n in layouts or mesh.tp_rank == 0) and (n != TIED_EMBEDDING or mesh.pp_rank == 0)]
+
+    def describe(self) -> str:
+        """One line for the start-up table."""
+        return f"stage 0 (data parallel) over dp {self.mesh.dp}; {self.mesh.describe()}"
+
+    # -- gradients -----------------------------------------------------------------------
+
+    def begin_micro_step(self, boundary: bool) -> None:
+        """Called before backward: only the boundary micro-step communicates."""
+        self._boundary = boundary
+
+    def end_micro_step(self) -> None:
+        """At the boundary: average gradients over dp, sum the tied embedding's over the pipeline."""
+        if not self._boundary:
+            return
+        self._boundary = False
+        for name, p in self.named:
+            if p.grad is None and name == TIED_EMBEDDING and self.mesh.pp > 1:
+                p.grad = torch.zeros_like(p)  # a middle stage holds it unused; it steps with the sum too
+            if p.grad is None:
+                continue
+            grad = _local(p.grad)
+            if name == TIED_EMBEDDING and self.mesh.pp > 1:
+                dist.all_reduce(grad, group=self.mesh.group("pp"))
+            if self.mesh.dp > 1:
+                grad.div_(self.mesh.dp)
+                dist.all_reduce(grad, group=self.mesh.group("dp"))
+
+    def _grads(self, params=None) -> list[torch.Tensor]:
+        return [_local(p.grad) for p in (params or self.params) if p.grad is not None]
+
+    def grads_overflow(self) -> bool:
+        """True when any rank's gradients hold an inf or NaN (the same answer everywhere)."""
+        return any_true(has_inf_or_nan(self._grads()), self.info, self.device)
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every gradient by `factor`."""
+        grads = self._grads()
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global L2 norm over the whole mesh (each parameter once), clipped to max_norm (<= 0: measure)."""
+        grads = self._grads(self._counted)
+        square = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros((), device=self.device))
+        total = square.double().reshape(1)
+        dist.all_reduce(total)  # dp replicas hold the same averaged gradients: each counted dp times
+        norm = (total[0] / self.mesh.dp).sqrt().float()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            grads = self._grads()
+            if grads:
+                torch._foreach_mul_(grads, coef)
+        return norm
+
+    def optimizer_step(self) -> None:
+        """torch AdamW on this rank's local tensors."""
+        for p in self.params:
+            local = self._local_of[id(p)]
+            if local is not p:
+                local.grad = None if p.grad is None else _local(p.grad)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (the next backward writes them)."""
+        for p in self.params:
+            p.grad = None
+            self._local_of[id(p)].grad = None
+
+    # -- checkpoint pieces (toolkit/checkpoint/zero_shards.py) ----------------------------------
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of a parameter (or a moment) from its local shard: gathered over tp."""
+        layout = self.layouts.get(name)
+        if layout is None:
+            return local
+        shards = [torch.empty_like(local) for _ in range(self.mesh.tp)]
+        dist.all_gather(shards, local.contiguous(), group=self.mesh.group("tp"))
+        return layout.unshard(shards)
+
+    def _owns(self, name: str) -> bool:
+        return self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0 and (name != TIED_EMBEDDING or self.mesh.pp_rank == 0)
+
+    def owned_pieces(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
+        """Whole parameters and moments of this stage (on its dp 0, tp 0 rank; every rank gathers with it)."""
+        pieces = []
+        for name, p in self.named:
+            local = self._local_of[id(p)].detach()
+            state = self.optimizer.state.get(self._local_of[id(p)], {})
+            views = {"param": local, "exp_avg": state.get("exp_avg", torch.zeros_like(local)),
+                     "exp_avg_sq": state.get("exp_avg_sq", torch.zeros_like(local))}
+            full = {kind: self._full(name, t).reshape(-1) for kind, t in views.items()}
+            if self._owns(name):
+                pieces.append((name, 0, full["param"].numel(), full))
+        return pieces
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's whole shape by name (the whole model's, whatever this rank holds)."""
+        return dict(self.full_shapes)
+
+    def optimizer_steps(self) -> int:
+        """AdamW steps applied so far."""
+        steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+        return int(steps[0]) if steps else 0
+
+    @torch.no_grad()
+    def load_pieces(self, reader) -> None:
+        """This rank's shards of whole parameters and moments from any checkpoint reader."""
+        for name, p in self.named:
+            local = self._local_of[id(p)]
+            shape = self.full_shapes[name]
+
+            def read(kind: str) -> torch.Tensor:
+                full = reader.read(kind, name, 0, math.prod(shape)).view(shape)
+                layout = self.layouts.get(name)
+                part = layout.shard(full, self.mesh.tp, self.mesh.tp_rank) if layout is not None else full
+                return part.to(local.device, local.dtype)
+            local.copy_(read("param"))
+            if reader.step:
+                self.optimizer.state[local] = {"step": torch.tensor(float(reader.step)),
+                                               "exp_avg": read("exp_avg"), "exp_avg_sq": read("exp_avg_sq")}
+
+    def memory_bytes(self) -> dict:
+        """Model-state bytes this rank holds now, from live tensors."""
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        locals_ = list(self._local_of.values())
+        optim = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        params = size(locals_)
+        return {"mem_params_bytes": params, "mem_grads_bytes": params, "mem_optim_bytes": size(optim),
+                "mem_master_bytes": 0, "mem_offload_bytes": 0}
