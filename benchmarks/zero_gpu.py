@@ -16,6 +16,10 @@ on many; with --gpus N, N ranks launched by torchrun (NCCL_NVLS_ENABLE=0), micro
   stageN-offload  the same with zero.offload_optimizer cpu (master and moments in CPU memory)
   fsdp2           torch FSDP2 `fully_shard` per block and root, bf16 compute, fp32 reduce and
                   master, torch AdamW (foreach): ZeRO-3's torch peer
+  tpT, ppP, ppP-tpT  toolkit.Engine with recipe.parallel (stage 0, bf16): tensor T and/or pipeline P ranks per
+                  replica (1F1B over the largest divisor of --micro up to 4P micro-batches), data parallel
+                  over the rest of --gpus; tokens/s counts each replica's batch once. stage0 is their
+                  tensor 1, pipeline 1 row. E.g. --gpus 8 --configs stage0,tp2,tp4,pp2,pp4,pp2-tp2 --scaling
 
 GPT-2 shapes (transformers), vocabulary 50257, sequence 1024, random tokens, clip 1.0.
 After --warmup steps, tokens/s over --steps steps (and per GPU; --scaling also runs each config
@@ -47,11 +51,32 @@ def model_overrides(args) -> list[str]:
     return [f"model.size={args.size}"]
 
 
-def engine_recipe(args, config: str):
+def layout_of(config: str) -> tuple[int, int]:
+    """(tensor, pipeline) ranks per replica of a config name: tp2 -> (2, 1), pp2-tp2 -> (2, 2), stage1 -> (1, 1)."""
+    tp = pp = 1
+    if config.startswith(("tp", "pp")):
+        for part in config.split("-"):
+            if part[:2] not in ("tp", "pp") or not part[2:].isdigit() or int(part[2:]) < 1:
+                raise SystemExit(f"--configs: {config!r} is not tpT, ppP or ppP-tpT (e.g. tp2, pp4, pp2-tp2)")
+            tp, pp = (int(part[2:]), pp) if part.startswith("tp") else (tp, int(part[2:]))
+    return tp, pp
+
+
+def parallel_overrides(args, config: str) -> list[str]:
+    """recipe.parallel overrides of a tpT / ppP / ppP-tpT config (empty for the others)."""
+    tp, pp = layout_of(config)
+    if tp == pp == 1:
+        return []
+    microbatches = max(m for m in range(1, min(args.micro, 4 * pp) + 1) if args.micro % m == 0)
+    return [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", "parallel.pipeline_schedule=1f1b",
+            f"parallel.pipeline_microbatches={microbatches}"]
+
+
+def engine_recipe(args, config: str, world_size: int | None = None):
     from toolkit.recipe.load import load_recipe
 
-    stage = int(config[5])
-    overrides = [*model_overrides(args), f"zero.stage={stage}",
+    stage = int(config[5]) if config.startswith("stage") else 0
+    overrides = [*model_overrides(args), *parallel_overrides(args, config), f"zero.stage={stage}",
                  f"zero.offload_optimizer={'cpu' if config.endswith('offload') else 'none'}",
                  *([f"zero.offload_ratio={args.offload_ratio}"] if config.endswith("offload") else []),
                  f"batch.micro_batch_per_rank={args.micro}", "batch.grad_accum_steps=1", "precision.dtype=bf16",
@@ -60,7 +85,7 @@ def engine_recipe(args, config: str):
                  "logging.tensorboard=false"]
     if args.kernels_off:
         overrides += [f"kernels.{k}=off" for k in ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")]
-    return load_recipe("gpt2-124m", overrides)
+    return load_recipe("gpt2-124m", overrides, world_size=world_size)
 
 
 def build(args, config: str, device: torch.device):
@@ -117,7 +142,9 @@ def child(args) -> dict | None:
     model, step = build(args, args.config, device)
     n_params = sum(p.numel() for p in model.parameters())  # FSDP2's DTensors count their global size
     build_s = time.perf_counter() - started
-    generator = torch.Generator().manual_seed(rank)
+    tp, pp = layout_of(args.config)
+    dp = world // (tp * pp)
+    generator = torch.Generator().manual_seed(rank // tp % dp)  # a replica's tensor/pipeline ranks share its data
     batches = [torch.randint(0, VOCAB, (args.micro, SEQ + 1), generator=generator).to(device) for _ in range(2)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for i in range(args.warmup):
@@ -146,7 +173,15 @@ def child(args) -> dict | None:
     offload = "cpu" if args.config.endswith("offload") else "none"
     estimate = None if args.config == "fsdp2" else estimate_model_state_bytes(
         n_params, stage=stage, world_size=world, dtype="bf16", offload=offload, offload_ratio=args.offload_ratio)
-    tokens_per_s = args.micro * SEQ * args.steps * world / elapsed
+    if tp * pp > 1:  # the busiest rank's share (toolkit estimate's formula); the whole model's parameter count
+        from toolkit.observe.estimate import parameter_count
+        from toolkit.observe.parallel_estimate import estimate_parallel_memory
+
+        recipe = engine_recipe(args, args.config, world_size=world)
+        n_params = parameter_count(recipe.model)
+        estimate = estimate_parallel_memory(recipe.model, recipe.parallel, micro_batch=args.micro, seq_len=SEQ,
+                                            dtype="bf16", dp=dp, stage=0).states
+    tokens_per_s = args.micro * SEQ * args.steps * dp / elapsed  # each replica's batch once
     return {"config": args.config, "gpus": world, "params": n_params, "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": tokens_per_s / world, "ms_per_step": 1e3 * elapsed / args.steps,
             "loss": float(loss), "build_s": build_s,
@@ -200,7 +235,8 @@ def table(args, results: list[dict]) -> list[str]:
             lines.append(f"| {r['config']} | {r['gpus']} | | failed: {r['error']} | | | | | | | | |")
             continue
         plain = next((q for q in results if q["config"] == "plain" and q["gpus"] == r["gpus"] and "error" not in q), None)
-        one = next((q for q in results if q["config"] == r["config"] and q["gpus"] == 1 and "error" not in q), None)
+        baseline = "stage0" if layout_of(r["config"]) != (1, 1) else r["config"]  # tp/pp: against one GPU's stage 0
+        one = next((q for q in results if q["config"] == baseline and q["gpus"] == 1 and "error" not in q), None)
         vs_plain = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if plain else ""
         scaling = f"{r['tokens_per_s_per_gpu'] / one['tokens_per_s']:.0%}" if one and r["gpus"] > 1 else ""
         estimate = (f"{r['estimate_gpu_gib']:.1f} / {r['estimate_cpu_gib']:.1f}"
@@ -241,8 +277,15 @@ def main() -> int:
         return 0
     results = []
     counts = [1, args.gpus] if args.scaling and args.gpus > 1 else [args.gpus]
+    configs = args.configs.split(",")
+    for config in configs:  # a wrong name or a layout that does not divide --gpus: before anything runs
+        tp, pp = layout_of(config)
+        if args.gpus % (tp * pp):
+            raise SystemExit(f"--configs {config}: {tp * pp} ranks per replica do not divide --gpus {args.gpus}")
     for gpus in counts:
-        for config in args.configs.split(","):
+        for config in configs:
+            if gpus % (layout_of(config)[0] * layout_of(config)[1]):
+                continue  # --scaling's one-GPU pass: a layout of several ranks has no one-GPU row
             results.append(run_child(args, config, gpus))
             print(json.dumps(results[-1]), flush=True)
     lines = table(args, results)

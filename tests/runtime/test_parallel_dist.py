@@ -5,7 +5,7 @@ tiny Llama (4 layers, fp32, 5 steps, the same global batch of 16): (tp2, dp2), (
 under interleaved 1F1B, (pp2, tp2) under GPipe, and (pp4); the ranks write their losses, gradient norms
 and consolidated parameters to files and the assertions run here against one process (the ordinary
 engine, no mesh). The (pp2, tp2) run saves a checkpoint that resumes in the same launch at (dp 4, ZeRO-1)
-and here on one process: both go on exactly as the one-process run that never stopped.
+and here on one process: both go on as the one-process run that never stopped (same tolerance).
 
 Tolerance: rtol 1e-5 plus atol 2e-5 on parameters, rtol 1e-5 on losses and norms. A tensor-parallel
 matmul sums its partial products in another order (the row-parallel all-reduce), a pipeline computes
