@@ -207,10 +207,11 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
     def left() -> float:
         return budget_s - (time.monotonic() - start)
 
-    def attempt(trial: Trial) -> Trial:
-        # NOTE: the slowest trial so far stands for the next one; keep its time for the confirm rerun too.
+    def attempt(trial: Trial, slots: int = 2) -> Trial:
+        # NOTE: the slowest trial so far stands for the next one; a search trial also keeps one such slot for
+        # the confirm rerun, which then spends it (slots=1).
         slowest = max((t.wall_s for t in result.trials if t.status in ("ok", "failed")), default=0.0)
-        if left() < 2 * slowest:
+        if left() < slots * slowest:
             trial = replace(trial, status="not run", why="budget spent")
         else:
             trial = run_trial(path, trial, world_size=world_size, warmup=warmup, measure=measure,
@@ -235,7 +236,7 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
             attempt(Trial(changes, predicted_bytes=predict(path, changes, world_size, on_cuda)[0]))
         best = _best(result.trials)
     if best is not None and confirm:
-        confirm = attempt(Trial(best.changes, predicted_bytes=best.predicted_bytes))
+        confirm = attempt(Trial(best.changes, predicted_bytes=best.predicted_bytes), slots=1)
         confirm.confirms = result.trials.index(best)
         confirm.status = "confirm" if confirm.status == "ok" else confirm.status
     result.best, result.elapsed_s = best, time.monotonic() - start

@@ -50,7 +50,7 @@ def trial_table(result: TuneResult) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in trial_rows(result):
         tps = f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] else ""
-        why = row["why"] + (f"rerun of #{row['confirms']}" if "confirms" in row else "")
+        why = "; ".join(filter(None, (row["why"], f"rerun of #{row['confirms']}" if "confirms" in row else "")))
         lines.append(f"| {row['trial']} | {row['config']} | {row['status']} | {row['predicted_gib']:.2f} | "
                      f"{_gib(result.trials[row['trial']].peak_bytes)} | {tps} | {row['wall_s']} | {why.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
