@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam ...]
+#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|infinity ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -141,6 +141,10 @@ stage_body() {
       return "$scaling_rc" ;;
     cpu_adam)  # the toolkit's CPU Adam against torch's CPU AdamW on this host's cores
       timeout 120 python3 -m benchmarks.cpu_adam --steps 10 2>&1 | tee "$OUT/cpu_adam.txt" ;;
+    infinity)  # ZeRO-Infinity's swap I/O on this host's disk (issue #21): thread pool vs one thread, block
+               # sizes, 1 GiB file, page cache dropped before reads; ~1-2 minutes. SWAP_DIR: the disk to measure
+      timeout 300 python3 -m benchmarks.swap_io --dir "${SWAP_DIR:-/tmp}" --mib 1024 --rounds 3 \
+        --out "$OUT/swap_io.md" 2>&1 | tee "$OUT/infinity.txt" ;;
     *)
       echo "unknown stage '$stage'; see the stages at the top of benchmarks/gpu_check.sh" >&2
       return 2 ;;

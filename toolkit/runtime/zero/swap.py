@@ -28,8 +28,11 @@ import torch
 
 from toolkit.errors import UserError
 
-IO_THREADS = 8          # NOTE: the device's disk gave ~1.5 GB/s with one writer, ~1.9 GB/s with 8 (dd)
-IO_BLOCK = 8 << 20      # bytes per syscall; benchmarks/swap_io.py compares 1, 8 and 64 MiB
+# NOTE: half the cores, at most 8. The device's disk gave ~1.5 GB/s with one dd writer and ~1.9 GB/s with
+# 8; on a loaded 2-core VM (benchmarks/swap_io.py, RESULTS.md) one thread beat 4 and 8 (1.3 vs 0.5 GB/s
+# write), so a small machine gets one I/O thread, which still overlaps the I/O with the CPU step.
+IO_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+IO_BLOCK = 8 << 20      # bytes per syscall; benchmarks/swap_io.py compares 1, 8, 16 and 64 MiB and one call
 SWAP_PREFIX = "toolkit-swap-"
 
 _pool: ThreadPoolExecutor | None = None
