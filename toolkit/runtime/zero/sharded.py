@@ -196,7 +196,21 @@ class ShardedStrategy:
         return (f"stage {self.stage}: {what} sharded over {self.info.world_size} rank(s) "
                 f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
                 f"AdamW {' + '.join(adams)}"
-                + (f"; offload: master, moments and step of {offloaded:.0%} in CPU memory" if self.offload else ""))
+                + (f"; offload: master, moments and step of {offloaded:.0%} in "
+                   f"{'swap files' if self.recipe.zero.offload_optimizer == 'nvme' else 'CPU memory'}"
+                   if self.offload else "") + self._describe_swap())
+
+    def _describe_swap(self) -> str:
+        """Where the parameter shard lives and the swap bytes one optimizer step reads and writes."""
+        tier = self.weights.tier if self.weights is not None else "none"
+        text = f"; parameters in {'CPU memory' if tier == 'cpu' else 'a swap file'}" if tier != "none" else ""
+        if self.swap_dir is None:
+            return text
+        optim = sum(12 * p.layout.numel for p in self.parts if p.swap is not None)
+        param_bytes = self.layout.numel * torch.empty(0, dtype=self.param_dtype).element_size() if tier == "nvme" else 0
+        # NOTE: parameters are read at every gather (forward and backward: about twice per micro-step)
+        return (text + f"; swap {self.swap_dir.path}: per step reads {(optim + 2 * param_bytes) / 2**20:,.0f} MiB "
+                f"+ the parameters per extra micro-step, writes {(optim + param_bytes) / 2**20:,.0f} MiB")
 
     group_kind = "buckets"
 
