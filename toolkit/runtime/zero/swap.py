@@ -46,6 +46,15 @@ def io_pool() -> ThreadPoolExecutor:
     return _pool
 
 
+def _forget_pool() -> None:
+    global _pool
+    _pool = None
+
+
+# NOTE: a forked child inherits the pool but not its threads; work it submitted would wait forever.
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def check_nvme_path(path: str | None, need_bytes: int) -> Path:
     """zero.nvme_path as a folder that exists, is writable and has `need_bytes` free; else one UserError line."""
     if not path:
