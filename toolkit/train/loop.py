@@ -86,6 +86,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
         ("precision", precision[recipe.precision.dtype]),
         ("zero", engine.strategy.describe()),
+        *([("tiers", engine.strategy.describe_tiers())] if hasattr(engine.strategy, "describe_tiers") else []),
         ("kernels", engine.kernels.describe()),
         ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
                       f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),

@@ -198,19 +198,34 @@ class ShardedStrategy:
                 f"AdamW {' + '.join(adams)}"
                 + (f"; offload: master, moments and step of {offloaded:.0%} in "
                    f"{'swap files' if self.recipe.zero.offload_optimizer == 'nvme' else 'CPU memory'}"
-                   if self.offload else "") + self._describe_swap())
+                   if self.offload else ""))
 
-    def _describe_swap(self) -> str:
-        """Where the parameter shard lives and the swap bytes one optimizer step reads and writes."""
-        tier = self.weights.tier if self.weights is not None else "none"
-        text = f"; parameters in {'CPU memory' if tier == 'cpu' else 'a swap file'}" if tier != "none" else ""
+    def describe_tiers(self) -> str:
+        """One line for the start-up table: where parameters, gradients, master + moments live (bytes per
+        rank, counted from live tensors and swap files) and the swap bytes one optimizer step reads and writes."""
+        from toolkit.observe.estimate import format_bytes
+
+        mem = self.memory_bytes()
+        param_tier = self.weights.tier if self.weights is not None else "none"
+        elem = torch.empty(0, dtype=self.param_dtype).element_size()
+        where = {"none": "device", "cpu": "CPU memory", "nvme": "swap file"}
+        states = [f"params {where[param_tier]} ({format_bytes(elem * self.layout.numel)})",
+                  f"fp32 grads device ({format_bytes(mem['mem_grads_bytes'])})"]
+        for part in self.parts:
+            tier = "nvme" if part.swap is not None else "cpu" if part.offloaded else "none"
+            numel = part.layout.numel
+            share = f" {numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
+            nbytes = 12 * numel if tier != "none" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
+            states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
+        text = "; ".join(states)
         if self.swap_dir is None:
             return text
         optim = sum(12 * p.layout.numel for p in self.parts if p.swap is not None)
-        param_bytes = self.layout.numel * torch.empty(0, dtype=self.param_dtype).element_size() if tier == "nvme" else 0
-        # NOTE: parameters are read at every gather (forward and backward: about twice per micro-step)
-        return (text + f"; swap {self.swap_dir.path}: per step reads {(optim + 2 * param_bytes) / 2**20:,.0f} MiB "
-                f"+ the parameters per extra micro-step, writes {(optim + param_bytes) / 2**20:,.0f} MiB")
+        param_bytes = self.layout.numel * elem if param_tier == "nvme" else 0
+        # NOTE: parameters are read at every gather (forward and backward: twice per micro-step)
+        reads = optim + 2 * self.recipe.batch.grad_accum_steps * param_bytes
+        return (text + f"; swap {self.swap_dir.path}: per step reads {format_bytes(reads)}, "
+                f"writes {format_bytes(optim + param_bytes)}")
 
     group_kind = "buckets"
 
