@@ -94,7 +94,7 @@ def format_tiers(rows: list[TierBytes], *, stage: int, activations: int, mark: t
         lines.append("  ".join(row[c].ljust(widths[c]) if c < 2 else row[c].rjust(widths[c])
                                for c in range(len(header) - 1)).rstrip() + ("  " + row[-1] if row[-1] else ""))
     lines.append("swap reads count each unit's parameters twice per micro-step (forward and backward gathers; the "
-                 "root unit is read once, so a bound); nvme rows' cpu is the step's three buffer slots")
+                 "root unit is read once, so a bound); nvme optimizer rows' cpu is the bound on the step's three buffer slots")
     return lines
 
 
