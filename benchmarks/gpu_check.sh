@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune ...]
+#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -152,6 +152,17 @@ stage_body() {
       python3 -c "import json, sys; rows = json.load(open(sys.argv[1]))['trials']; best = max((r['tokens_per_s'] or 0)
 for r in rows if r['status'] == 'ok'); print(f'best {best:,.0f} tokens/s = {best / 46000:.0%} of the hand-found 46.0k')" \
         "$OUT/autotune/gpt2-1.5b-zero3.tuned.trials.json" | tee -a "$OUT/autotune.md" ;;
+    infinity)  # ZeRO-Infinity's swap I/O on this host's disk (issue #21): thread pool vs one thread, block
+               # sizes, 1 GiB file, page cache dropped before reads; ~1-2 minutes. SWAP_DIR: the disk to measure
+      timeout 300 python3 -m benchmarks.swap_io --dir "${SWAP_DIR:-/tmp}" --mib 1024 --rounds 3 \
+        --out "$OUT/swap_io.md" 2>&1 | tee "$OUT/infinity.txt" ;;
+    infinity-train)  # ZeRO-Infinity training (issue #21, benchmarks/infinity_gpu.py): width 4096, micro 4,
+                     # checkpointing; the largest that fits with NVMe, then 8B and 5B with the optimizer on NVMe vs
+                     # CPU (offload_ratio 0.3); rows written as runs end, runs skipped past the 520-s budget
+      df -h "${SWAP_DIR:-/tmp}" | tee "$OUT/infinity-train.txt"
+      timeout 560 python3 -m benchmarks.infinity_gpu --swap-dir "${SWAP_DIR:-/tmp}/toolkit-swap-bench" \
+        --budget-s 520 --markdown "$OUT/infinity_train.md" 2>&1 | tee -a "$OUT/infinity-train.txt"
+      rm -rf "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ;;
     *)
       echo "unknown stage '$stage'; see the stages at the top of benchmarks/gpu_check.sh" >&2
       return 2 ;;

@@ -84,6 +84,8 @@ class ZeroSpec:
     stage: int
     offload_optimizer: str
     offload_ratio: float
+    offload_param: str
+    nvme_path: str | None
     reduce_bucket_size: int
     allgather_bucket_size: int
     prefetch_units: int

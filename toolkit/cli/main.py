@@ -45,12 +45,18 @@ def _cmd_validate(args) -> int:
 
 def _cmd_estimate(args) -> int:
     from toolkit.observe.estimate import format_estimate
+    from toolkit.observe.tiers import format_tier_estimate
 
     recipe = _load_recipe_and_warn(args, args.world_size, warn=False)
     print(format_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
                           dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
                           stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,
                           offload_ratio=recipe.zero.offload_ratio))
+    print(format_tier_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank,
+                               seq_len=recipe.data.seq_len, dtype=recipe.precision.dtype,
+                               world_size=recipe.batch.world_size, stage=recipe.zero.stage,
+                               offload=recipe.zero.offload_optimizer, offload_param=recipe.zero.offload_param,
+                               offload_ratio=recipe.zero.offload_ratio, grad_accum_steps=recipe.batch.grad_accum_steps))
     if recipe.parallel.active:  # the mesh's busiest rank (toolkit/observe/parallel_estimate.py)
         from toolkit.observe.parallel_estimate import format_parallel_estimate
 

@@ -114,8 +114,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     # always a separate fp32 copy, so fp32 runs hold 12 bytes there too (toolkit/runtime/zero/offload.py).
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not one of 0, 1, 2, 3")
-    if offload not in ("none", "cpu") or (offload == "cpu" and stage == 0):
-        raise ValueError(f"offload {offload!r} with stage {stage}: cpu offload needs stage >= 1")
+    if offload not in ("none", "cpu", "nvme") or (offload != "none" and stage == 0):
+        raise ValueError(f"offload {offload!r} with stage {stage}: offload needs stage >= 1")
     if layout not in ("paper", "toolkit"):
         raise ValueError(f"layout {layout!r} is not 'paper' or 'toolkit'")
     n = world_size
@@ -129,9 +129,10 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
             params, grads, optim = 4 * num_params, 4 * num_params, 8 * num_params
         else:  # the reduced fp32 shard (stage 1 also keeps its full 16-bit gradient buffer)
             grads = 4 * shard + (2 * num_params if stage == 1 else 0)
-    if offload == "cpu":
+    if offload in ("cpu", "nvme"):  # nvme: the same bytes in swap files, streamed through bounded buffers
         host = round(offload_ratio * shard)
-        return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host), 12 * host)
+        # NOTE: under nvme the 12 * host bytes sit in swap files, in neither column (swap.py checks the disk)
+        return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host), 12 * host if offload == "cpu" else 0)
     return ModelStateBytes(params, grads, optim, 0)
 
 

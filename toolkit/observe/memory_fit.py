@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass
 
 from toolkit.errors import UserError
-from toolkit.observe.estimate import estimate_memory, format_bytes
+from toolkit.observe.estimate import estimate_memory, format_bytes, parameter_count, resolve_model_shape
+from toolkit.observe.tiers import estimate_tiers
 from toolkit.recipe.checks import gpu_driver_visible
 from toolkit.specs import Recipe
 
@@ -65,7 +66,11 @@ def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]
                           offload_ratio=z.offload_ratio)
     shape = "model.pretrained" if m.pretrained else (f"model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
                                                      f"vocabulary {m.vocab_size}")
-    states = Term("model states", est.states.gpu, f"{shape}, zero.stage {z.stage}, world size {b.world_size}")
+    shape_spec, tied = resolve_model_shape(m)
+    tiers = estimate_tiers(parameter_count(shape_spec, tied_embeddings=tied), stage=z.stage,
+                           world_size=b.world_size, dtype=recipe.precision.dtype, offload_optimizer=z.offload_optimizer,
+                           offload_param=z.offload_param, offload_ratio=z.offload_ratio)
+    states = Term("model states", tiers.gpu, f"{shape}, zero.stage {z.stage}, world size {b.world_size}")
     activations = est.activations.checkpointed if m.activation_checkpointing else est.activations.full
     acts = Term("activations", activations, f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len "
                                             f"{d.seq_len}, model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
@@ -75,7 +80,8 @@ def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]
     samples = d.num_samples + d.eval_samples
     data = Term("data", samples * (d.seq_len + 1) * TOKEN_BYTES,
                 f"data.num_samples + data.eval_samples {samples} x data.seq_len {d.seq_len}")
-    offloaded = Term("offloaded optimizer", est.states.cpu_optim, f"zero.offload_optimizer {z.offload_optimizer}")
+    offloaded = Term("offloaded optimizer", tiers.cpu, f"zero.offload_optimizer {z.offload_optimizer}, "
+                                                       f"zero.offload_param {z.offload_param}")
     device = [states, acts]
     host = [data, offloaded] if on_cuda else [states, acts, data, offloaded]
     return device, [t for t in host if t.nbytes]

@@ -219,11 +219,18 @@ def cross_section_errors(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
         if total is not None and total <= sched["warmup_num_steps"]:
             errors.append(f"recipe.scheduler.total_num_steps: {total} must exceed warmup_num_steps "
                           f"{sched['warmup_num_steps']}")
-    if r["zero"]["offload_optimizer"] != "none" and r["zero"]["stage"] < 1:
-        errors.append("recipe.zero.offload_optimizer: 'cpu' needs zero.stage >= 1 (stage is 0)")
-    if r["zero"]["offload_ratio"] != 1 and r["zero"]["offload_optimizer"] != "cpu":
-        errors.append(f"recipe.zero.offload_ratio: {r['zero']['offload_ratio']} needs zero.offload_optimizer "
-                      "'cpu' (it is the part of the optimizer kept in CPU memory)")
+    zero = r["zero"]
+    if zero["offload_optimizer"] != "none" and zero["stage"] < 1:
+        errors.append(f"recipe.zero.offload_optimizer: {zero['offload_optimizer']!r} needs zero.stage >= 1 (stage is 0)")
+    if zero["offload_ratio"] != 1 and zero["offload_optimizer"] == "none":
+        errors.append(f"recipe.zero.offload_ratio: {zero['offload_ratio']} needs zero.offload_optimizer "
+                      "'cpu' (it is the part of the optimizer kept in CPU memory) or 'nvme' (in swap files)")
+    if zero["offload_param"] != "none" and zero["stage"] != 3:
+        errors.append(f"recipe.zero.offload_param: {zero['offload_param']!r} needs zero.stage 3 (stage is "
+                      f"{zero['stage']}; only stage 3 partitions the parameters)")
+    nvme = [key for key in ("offload_optimizer", "offload_param") if zero[key] == "nvme"]
+    if nvme and not zero["nvme_path"]:
+        errors.append(f"recipe.zero.nvme_path: needed by zero.{nvme[0]} 'nvme' (a folder for the swap files)")
     if r["optimizer"]["type"] == "onebit_adam" and (r["zero"]["stage"] != 0 or r["precision"]["dtype"] == "fp16"):
         what = f"zero.stage {r['zero']['stage']}" if r["zero"]["stage"] != 0 else "precision.dtype 'fp16'"
         errors.append(f"recipe.optimizer.type: 'onebit_adam' runs on zero.stage 0 in fp32 or bf16, not with {what} "

@@ -89,6 +89,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("precision", precision[recipe.precision.dtype]),
         ("zero", engine.strategy.describe()),
         ("comm", comm_row(engine)),
+        *([("tiers", engine.strategy.describe_tiers())] if hasattr(engine.strategy, "describe_tiers") else []),
         ("kernels", engine.kernels.describe()),
         ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
                       f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.runtime.zero.flat import ShardLayout
+from toolkit.runtime.zero.swap import wait
 
 PIECE_NUMEL = 1 << 24  # 16M elements: 64 MiB of fp32 gradient per transfer, ~10 ms of CPU AdamW on 16 cores
 
@@ -48,16 +49,17 @@ def split_pieces(layout: ShardLayout, piece_numel: int) -> list[Piece]:
 
 
 class OffloadedStep:
-    """AdamW for a rank's shard with master and moments in CPU memory, gradients and weights on `device`."""
+    """AdamW for a rank's shard with master and moments in CPU memory, gradients on `device`, new weights
+    written to `weights` (param_offload.py: the device's chunks, or the CPU / swap tier of offload_param)."""
 
-    def __init__(self, layout: ShardLayout, optimizer, master: torch.Tensor, grad_chunks: list[torch.Tensor],
-                 param_chunks: list[torch.Tensor], device: torch.device, piece_numel: int | None = None):
+    def __init__(self, layout: ShardLayout, optimizer, master: torch.Tensor | None, grad_chunks: list[torch.Tensor],
+                 weights, groups: range, device: torch.device, piece_numel: int | None = None):
         self.optimizer, self.master = optimizer, master
-        self.grad_chunks, self.param_chunks = grad_chunks, param_chunks
+        self.grad_chunks, self.weights, self.groups = grad_chunks, weights, groups
         self.pieces = split_pieces(layout, piece_numel or PIECE_NUMEL)
         self.cuda = device.type == "cuda"
         size = max((p.numel for p in self.pieces), default=0)
-        dtype = param_chunks[0].dtype if param_chunks else torch.float32
+        dtype = weights.read(groups[0]).dtype if len(groups) else torch.float32
         # NOTE: two of each, so piece k+1 arrives and piece k-1 leaves while piece k is stepped.
         self.grad_staging = [torch.empty(size, dtype=torch.float32, pin_memory=self.cuda) for _ in range(2)]
         self.out_staging = [torch.empty(size, dtype=dtype, pin_memory=self.cuda) for _ in range(2)]
@@ -79,34 +81,98 @@ class OffloadedStep:
 
     def _send(self, k: int, weights: torch.Tensor) -> None:
         piece = self.pieces[k]
-        target = self.param_chunks[piece.group][piece.start:piece.start + piece.numel]
-        if not self.cuda:
-            target.copy_(weights)
+        if not (self.cuda and self.weights.on_device):  # CPU copies, or offload_param's host / swap tier
+            self.weights.write(self.groups[piece.group], piece.start, weights)
             return
+        target = self.weights.chunks[self.groups[piece.group]][piece.start:piece.start + piece.numel]
         with torch.cuda.stream(self.h2d):
             target.copy_(weights, non_blocking=True)
             self.sent[k % 2].record()
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """One AdamW step over every piece; on return the device's weights are the new ones (stream-ordered)."""
+    def _begin(self) -> bool:
         self.optimizer.begin_step()
         if not self.pieces:
-            return
+            return False
         if self.cuda:  # the gradients are final (unscaled, clipped) once the compute stream gets here
             self.d2h.wait_stream(torch.cuda.current_stream())
             self.h2d.wait_stream(torch.cuda.current_stream())
         self._fetch(0)
+        return True
+
+    def _arrived(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Piece k's gradients in staging and its free output slot, once their copies are done."""
+        slot, n = k % 2, self.pieces[k].numel
+        if self.cuda:
+            self.arrived[slot].synchronize()
+            self.sent[slot].synchronize()  # piece k-2's weights have left this staging slot
+        return self.grad_staging[slot][:n], self.out_staging[slot][:n]
+
+    def _end(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.h2d)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One AdamW step over every piece; on return the device's weights are the new ones (stream-ordered)."""
+        if not self._begin():
+            return
         for k, piece in enumerate(self.pieces):
             if k + 1 < len(self.pieces):
                 self._fetch(k + 1)  # its staging slot was read by piece k-1's CPU step, which has returned
-            slot, sl = k % 2, slice(piece.shard_offset, piece.shard_offset + piece.numel)
-            out = self.out_staging[slot][:piece.numel]
-            if self.cuda:
-                self.arrived[slot].synchronize()
-                self.sent[slot].synchronize()  # piece k-2's weights have left this staging slot
-            self.optimizer.update(piece.decay, self.master[sl], self.grad_staging[slot][:piece.numel],
-                                  self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
+            sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
+            grads, out = self._arrived(k)
+            self.optimizer.update(piece.decay, self.master[sl], grads, self.optimizer.exp_avg[sl],
+                                  self.optimizer.exp_avg_sq[sl], out)
             self._send(k, out)
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.h2d)
+        self._end()
+
+
+class SwappedStep(OffloadedStep):
+    """offload_optimizer nvme: as OffloadedStep, with master and moments streamed from a swap file
+    (regions: master, exp_avg, exp_avg_sq, each the shard's length in fp32) through three buffer slots:
+
+        read piece k+1 (I/O threads)  |  CPU AdamW piece k  |  write piece k-1 (I/O threads)
+
+    so CPU memory holds 3 x 12 bytes x PIECE_NUMEL of state (576 MiB at the default), whatever the model.
+    """
+
+    def __init__(self, layout: ShardLayout, optimizer, swap, grad_chunks, weights, groups: range,
+                 device: torch.device, piece_numel: int | None = None):
+        super().__init__(layout, optimizer, None, grad_chunks, weights, groups, device, piece_numel)
+        self.swap, self.region = swap, 4 * layout.numel
+        size = max((p.numel for p in self.pieces), default=0)
+        self.slots = [torch.empty(3, size, dtype=torch.float32) for _ in range(3)]
+        self._writes: dict[int, list] = {}
+
+    def _read(self, k: int) -> list:
+        slot, piece = k % 3, self.pieces[k]
+        wait(self._writes.pop(slot, []))  # piece k-3 has left this slot
+        return [f for kind in range(3) for f in self.swap.read_async(
+            self.slots[slot][kind, :piece.numel], kind * self.region + 4 * piece.shard_offset)]
+
+    def _write(self, k: int) -> None:
+        slot, piece = k % 3, self.pieces[k]
+        self._writes[slot] = [f for kind in range(3) for f in self.swap.write_async(
+            self.slots[slot][kind, :piece.numel], kind * self.region + 4 * piece.shard_offset)]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One AdamW step over every piece, states read from and written back to the swap file."""
+        if not self._begin():
+            return
+        reading = self._read(0)
+        for k, piece in enumerate(self.pieces):
+            ahead = None
+            if k + 1 < len(self.pieces):
+                self._fetch(k + 1)
+                ahead = self._read(k + 1)
+            wait(reading)
+            master, m, v = self.slots[k % 3][:, :piece.numel]
+            grads, out = self._arrived(k)
+            self.optimizer.update(piece.decay, master, grads, m, v, out)
+            self._write(k)
+            self._send(k, out)
+            reading = ahead
+        for slot in list(self._writes):
+            wait(self._writes.pop(slot))
+        self._end()

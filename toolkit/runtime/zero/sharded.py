@@ -28,7 +28,11 @@ from toolkit.runtime.zero.adamw import ShardedAdamW
 from toolkit.distributed import DistInfo
 from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
-from toolkit.runtime.zero.offload import OffloadedStep
+from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
+from toolkit.runtime.zero.param_offload import DeviceWeights
+from toolkit.runtime.zero.swap import SwapDir, check_nvme_path
+
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
 
 
 def tensor_bytes(tensors) -> int:
@@ -43,28 +47,41 @@ def tensor_bytes(tensors) -> int:
 
 
 class ShardPart:
-    """A run of consecutive groups whose master weights and AdamW moments live on one device."""
+    """A run of consecutive groups whose master weights and AdamW moments live on one tier: the device,
+    CPU memory (offload_optimizer cpu) or a swap file (offload_optimizer nvme: `swap` is set)."""
 
-    def __init__(self, recipe, groups: range, all_groups: list[FlatGroup], rank: int, param_chunks, grad_chunks,
-                 device: torch.device, offloaded: bool):
+    def __init__(self, recipe, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
+                 device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None):
         self.groups = groups
         self.layout = ShardLayout([all_groups[g] for g in groups], rank)
-        self.param_chunks, self.grad_chunks = [param_chunks[g] for g in groups], [grad_chunks[g] for g in groups]
+        self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
         self.offloaded = offloaded
         opt_device = torch.device("cpu") if offloaded else device
-        self.optimizer = ShardedAdamW(recipe.optimizer, self.layout.numel, opt_device, offload=offloaded)
-        dtype = param_chunks[0].dtype
+        numel = self.layout.numel
+        # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros)
+        self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
+                     if offloaded and swap_dir is not None else None)
+        self.optimizer = ShardedAdamW(recipe.optimizer, 0 if self.swap else numel, opt_device, offload=offloaded)
         self.master: torch.Tensor | None = None
-        self.master_chunks = self.param_chunks  # fp32 weights are their own master, unless offloaded
-        if offloaded or dtype != torch.float32:
-            self.master = torch.empty(self.layout.numel, dtype=torch.float32, device=opt_device)
+        self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
+        if self.swap is not None:
+            for local, g in enumerate(groups):
+                self.swap.write(weights.read(g).to("cpu", torch.float32).contiguous(), 4 * self.layout.offsets[local])
+            self.master_chunks = []
+        elif offloaded or dtype != torch.float32 or not weights.on_device:
+            self.master = torch.empty(numel, dtype=torch.float32, device=opt_device)
             self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
-            for master, chunk in zip(self.master_chunks, self.param_chunks):
-                master.copy_(chunk)
-        self.moment_chunks = [(self.layout.chunk_of(self.optimizer.exp_avg, g),
-                               self.layout.chunk_of(self.optimizer.exp_avg_sq, g)) for g in range(len(groups))]
-        self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
-                                             self.param_chunks, device) if offloaded else None)
+            for master, g in zip(self.master_chunks, groups):
+                master.copy_(weights.read(g))
+        self.moment_chunks = [] if self.swap is not None else [
+            (self.layout.chunk_of(self.optimizer.exp_avg, g), self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
+            for g in range(len(groups))]
+        if self.swap is not None:
+            self.offloaded_step = SwappedStep(self.layout, self.optimizer, self.swap, self.grad_chunks, weights,
+                                              groups, device)
+        else:
+            self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
+                                                 weights, groups, device) if offloaded else None)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -83,12 +100,27 @@ class ShardPart:
 
     def publish(self) -> None:
         """Copy a separate master into the parameter chunks (after a device step, or a load)."""
-        if self.master is not None:
-            for chunk, master in zip(self.param_chunks, self.master_chunks):
-                chunk.copy_(master)
+        if self.master is None and self.swap is None:
+            return
+        for local, g in enumerate(self.groups):
+            self.weights.write(g, 0, self.chunk_states(local)[0])
+
+    def chunk_states(self, local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of the part's group `local`: views, or (nvme) copies read from the file."""
+        if self.swap is None:
+            return (self.master_chunks[local], *self.moment_chunks[local])
+        n, numel = self.layout.groups[local].chunk, self.layout.numel
+        return tuple(self.swap.read(torch.empty(n, dtype=torch.float32), 4 * (kind * numel + self.layout.offsets[local]))
+                     for kind in range(3))
+
+    def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
+        """Write back what `chunk_states` returned, after filling it (nvme; views need nothing)."""
+        if self.swap is not None:
+            for kind, tensor in enumerate(states):
+                self.swap.write(tensor.contiguous(), 4 * (kind * self.layout.numel + self.layout.offsets[local]))
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Moments and the separate master, if any."""
+        """Moments and the separate master, if any, in memory (a swapped part holds none)."""
         return [self.optimizer.exp_avg, self.optimizer.exp_avg_sq] + ([self.master] if self.master is not None else [])
 
 
@@ -120,11 +152,30 @@ class ShardedStrategy:
         self.groups = groups
         self.layout = ShardLayout(groups, info.rank)
         self.param_dtype = param_dtype
-        self.offload = recipe.zero.offload_optimizer == "cpu"
-        self.separate_master = self.offload or param_dtype != torch.float32
+        zero = recipe.zero
+        self.offload = zero.offload_optimizer != "none"
+        self.separate_master = self.offload or param_dtype != torch.float32 or zero.offload_param != "none"
         self.param_chunks: list[torch.Tensor] = []
+        self.weights = None  # where the parameter chunks live (param_offload.py); DeviceWeights unless stage 3 says
         self.grad_chunks: list[torch.Tensor] = []
         self.parts: list[ShardPart] = []
+        self.swap_dir: SwapDir | None = None
+        if "nvme" in (zero.offload_optimizer, zero.offload_param):
+            self.swap_dir = SwapDir(check_nvme_path(zero.nvme_path, self._swap_bytes_needed()))
+
+    def _swap_bytes_needed(self) -> int:
+        """Swap bytes of every rank on this host (they share the disk): 12 per offloaded optimizer element
+        under nvme, plus the parameter shard under offload_param nvme."""
+        import os
+
+        zero = self.recipe.zero
+        need = 0
+        if zero.offload_optimizer == "nvme":
+            _, offloaded = split_groups(self.groups, True, zero.offload_ratio)
+            need += 12 * sum(self.groups[g].chunk for g in offloaded)
+        if zero.offload_param == "nvme":
+            need += self.layout.numel * torch.empty(0, dtype=self.param_dtype).element_size()
+        return need * int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size))
 
     def describe(self) -> str:
         """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
@@ -146,7 +197,36 @@ class ShardedStrategy:
         return (f"stage {self.stage}: {what} sharded over {self.info.world_size} rank(s) "
                 f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
                 f"AdamW {' + '.join(adams)}"
-                + (f"; offload: master, moments and step of {offloaded:.0%} in CPU memory" if self.offload else ""))
+                + (f"; offload: master, moments and step of {offloaded:.0%} in "
+                   f"{'swap files' if self.recipe.zero.offload_optimizer == 'nvme' else 'CPU memory'}"
+                   if self.offload else ""))
+
+    def describe_tiers(self) -> str:
+        """One line for the start-up table: where parameters, gradients, master + moments live (bytes per
+        rank, counted from live tensors and swap files) and the swap bytes one optimizer step reads and writes."""
+        from toolkit.observe.estimate import format_bytes
+
+        mem = self.memory_bytes()
+        param_tier = self.weights.tier if self.weights is not None else "none"
+        elem = torch.empty(0, dtype=self.param_dtype).element_size()
+        where = {"none": "device", "cpu": "CPU memory", "nvme": "swap file"}
+        states = [f"params {where[param_tier]} ({format_bytes(elem * self.layout.numel)})",
+                  f"fp32 grads device ({format_bytes(mem['mem_grads_bytes'])})"]
+        for part in self.parts:
+            tier = "nvme" if part.swap is not None else "cpu" if part.offloaded else "none"
+            numel = part.layout.numel
+            share = f" {numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
+            nbytes = 12 * numel if tier != "none" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
+            states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
+        text = "; ".join(states)
+        if self.swap_dir is None:
+            return text
+        optim = sum(12 * p.layout.numel for p in self.parts if p.swap is not None)
+        param_bytes = self.layout.numel * elem if param_tier == "nvme" else 0
+        # NOTE: parameters are read at every gather (forward and backward: twice per micro-step)
+        reads = optim + 2 * self.recipe.batch.grad_accum_steps * param_bytes
+        return (text + f"; swap {self.swap_dir.path}: per step reads {format_bytes(reads)}, "
+                f"writes {format_bytes(optim + param_bytes)}")
 
     group_kind = "buckets"
 
@@ -155,8 +235,12 @@ class ShardedStrategy:
     def _init_master(self) -> None:
         """The shard's parts (master copies, moments, AdamW), once param_chunks and grad_chunks exist."""
         kept, offloaded = split_groups(self.groups, self.offload, self.recipe.zero.offload_ratio)
-        self.parts = [ShardPart(self.recipe, groups, self.groups, self.info.rank, self.param_chunks,
-                                self.grad_chunks, self.device, offloaded=on_cpu)
+        if self.weights is None:
+            self.weights = DeviceWeights(self.param_chunks)
+        swap = self.swap_dir if self.recipe.zero.offload_optimizer == "nvme" else None
+        self.parts = [ShardPart(self.recipe, groups, self.groups, self.info.rank, self.weights,
+                                self.grad_chunks, self.device, offloaded=on_cpu, dtype=self.param_dtype,
+                                swap_dir=swap if on_cpu else None)
                       for groups, on_cpu in ((kept, False), (offloaded, True)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
         for part in self.parts[1:]:  # NOTE: one set of param_groups, so the schedule's lr reaches every part
@@ -225,19 +309,24 @@ class ShardedStrategy:
 
     # -- checkpoint state (toolkit/checkpoint/zero_shards.py) --------------------------------------
 
+    def _owned_slices(self, g: int):
+        """(name, start, stop, slice of the chunk) for each piece of a parameter in this rank's chunk of group g."""
+        group = self.groups[g]
+        lo, hi = group.chunk_range(self.info.rank)
+        for slot in group.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                yield slot.name, a - slot.offset, b - slot.offset, slice(a - lo, b - lo)
+
     def owned_pieces(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
-        """(name, start, stop, {param, exp_avg, exp_avg_sq: view}) for each parameter piece this rank owns."""
+        """(name, start, stop, {param, exp_avg, exp_avg_sq: view}) for each parameter piece this rank owns
+        (views of copies under offload_optimizer nvme)."""
         pieces = []
         for part in self.parts:
             for local, g in enumerate(part.groups):
-                group, master, (m, v) = self.groups[g], part.master_chunks[local], part.moment_chunks[local]
-                lo, hi = group.chunk_range(self.info.rank)
-                for slot in group.slots:
-                    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                    if a < b:
-                        sl = slice(a - lo, b - lo)
-                        pieces.append((slot.name, a - slot.offset, b - slot.offset,
-                                       {"param": master[sl], "exp_avg": m[sl], "exp_avg_sq": v[sl]}))
+                states = part.chunk_states(local)
+                for name, start, stop, sl in self._owned_slices(g):
+                    pieces.append((name, start, stop, {kind: s[sl] for kind, s in zip(STATE_KINDS, states)}))
         return pieces
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -251,9 +340,13 @@ class ShardedStrategy:
     @torch.no_grad()
     def load_pieces(self, reader) -> None:
         """Fill this rank's master weights and moments from any checkpoint reader, then publish the weights."""
-        for name, start, stop, views in self.owned_pieces():
-            for kind, view in views.items():
-                view.copy_(reader.read(kind, name, start, stop))
+        for part in self.parts:
+            for local, g in enumerate(part.groups):
+                states = part.chunk_states(local)
+                for name, start, stop, sl in self._owned_slices(g):
+                    for kind, state in zip(STATE_KINDS, states):
+                        state[sl].copy_(reader.read(kind, name, start, stop))
+                part.store_chunk_states(local, states)
         for part in self.parts:
             part.optimizer.step_count = reader.step
             part.publish()
@@ -278,7 +371,8 @@ class ShardedStrategy:
                 "mem_grads_bytes": tensor_bytes(self.grad_tensors()),
                 "mem_optim_bytes": tensor_bytes(t for p in kept for t in (p.optimizer.exp_avg, p.optimizer.exp_avg_sq)),
                 "mem_master_bytes": tensor_bytes(p.master for p in kept if p.master is not None),
-                "mem_offload_bytes": tensor_bytes(t for p in self.parts if p.offloaded for t in p.state_tensors())}
+                "mem_offload_bytes": tensor_bytes([*(t for p in self.parts if p.offloaded for t in p.state_tensors()),
+                                                   *self.weights.host_tensors()])}
 
     def param_tensors(self) -> list[torch.Tensor]:
         """Live parameter buffers (subclasses)."""

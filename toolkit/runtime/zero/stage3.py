@@ -36,6 +36,7 @@ from toolkit.errors import UserError
 from toolkit.distributed import DistInfo
 from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, decay_param_ids
+from toolkit.runtime.zero.param_offload import make_weights
 from toolkit.runtime.zero.sharded import ShardedStrategy
 
 RELEASED, IN_FLIGHT, GATHERED = "released", "in flight", "gathered"
@@ -134,22 +135,25 @@ class Stage3Strategy(ShardedStrategy):
         super().__init__(recipe, device, info, groups, dtype, comm or Communicator(info, device))
         self.model = model
         self.prefetch = recipe.zero.prefetch_units
-        # This rank's chunk of every unit, contiguous; then the full buffers, released.
-        self.param_shard = torch.empty(self.layout.numel, dtype=dtype, device=device)
+        # This rank's chunk of every unit, contiguous, on the tier zero.offload_param names (param_offload.py);
+        # then the full buffers on the device, released.
+        self.weights = make_weights(recipe.zero.offload_param, self.layout, dtype, device, self.swap_dir, info.rank)
         self.full: list[torch.Tensor] = []
         for gi, g in enumerate(groups):
             full = torch.empty(g.padded_numel, dtype=dtype, device=device)
             g.flatten_into(full, [p.detach() for p in g.params])
             g.point_params_at(full)
-            self.layout.chunk_of(self.param_shard, gi).copy_(full[slice(*g.chunk_range(info.rank))])
+            self.weights.write(gi, 0, full[slice(*g.chunk_range(info.rank))])
             self.full.append(full)
-        self.param_chunks = [self.layout.chunk_of(self.param_shard, g) for g in range(len(groups))]
+        self.param_chunks = self.weights.chunks  # empty under offload_param nvme: the chunks are in the file
         self.grad_shard = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
         self.grad_chunks = [self.layout.chunk_of(self.grad_shard, g) for g in range(len(groups))]
         self._init_master()
         self.state = [GATHERED] * len(groups)
         self.peak_gathered = 0  # most units holding whole parameters at once (root included)
         self._works: dict[int, object] = {}
+        self._fetches: dict[int, object] = {}   # units whose chunk is on its way to the device
+        self._sources: dict[int, torch.Tensor] = {}  # the chunk a gather in flight reads
         for g in range(len(groups)):
             self._release(g)
         self.forward_order = list(range(len(self.blocks)))  # replaced by the order seen in the first forward
@@ -174,20 +178,31 @@ class Stage3Strategy(ShardedStrategy):
             return
         full = self.full[g]
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        chunk = self.param_chunks[g]
-        if self.info.active:
-            self._works[g] = self.comm.all_gather_flat(full, chunk)
-        else:
-            full.copy_(chunk)
+        self._fetches[g] = self.weights.fetch(g)  # swap: the read starts now, on the I/O threads
+        if self.weights.tier != "nvme":
+            self._launch_gather(g)
         self.state[g] = IN_FLIGHT
         self.peak_gathered = max(self.peak_gathered, self.gathered_units())
+
+    def _launch_gather(self, g: int) -> None:
+        # NOTE: a swapped unit's collective starts in _gather, once its read is done: every rank gathers
+        # units in the same order either way, so the collectives still match across ranks.
+        chunk = self.weights.fetched(self._fetches.pop(g))
+        if self.info.active:
+            self._works[g] = self.comm.all_gather_flat(self.full[g], chunk)
+            self._sources[g] = chunk  # kept until the collective is done (a device copy under offload_param)
+        else:
+            self.full[g].copy_(chunk)
 
     def _gather(self, g: int) -> None:
         self._gather_async(g)
         if self.state[g] == IN_FLIGHT:
+            if g in self._fetches:
+                self._launch_gather(g)
             work = self._works.pop(g, None)
             if work is not None:
                 work.wait()
+            self._sources.pop(g, None)
             self.state[g] = GATHERED
 
     def _release(self, g: int) -> None:
@@ -297,7 +312,7 @@ class Stage3Strategy(ShardedStrategy):
         return sum(state != RELEASED for state in self.state)
 
     def param_tensors(self) -> list[torch.Tensor]:
-        return [self.param_shard] + [f for f in self.full]
+        return [*self.weights.resident_tensors(), *self.full]
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [self.grad_shard]

@@ -1,0 +1,114 @@
+"""Where a rank's model states live under ZeRO-Infinity, before a run: the bytes per rank on the
+GPU, in CPU memory and in swap files (NVMe) for every `zero.offload_optimizer` x `zero.offload_param`
+combination, and the swap bytes one optimizer step reads and writes. `toolkit estimate` prints
+the table below its stage table; memory_fit.py holds the recipe's row against the machine.
+
+The accounting is the engine's (toolkit/runtime/zero/): the reduced fp32 gradient shard stays on
+the device whatever is offloaded; master weights and moments (12 bytes per offloaded element) go
+to CPU memory or a swap file, `offload_ratio` of the shard; the parameter shard (stage 3) goes to
+CPU memory or a swap file whole. Under offload_optimizer nvme the CPU holds the step's three
+buffer slots (offload.py: 3 x 12 bytes x a piece) instead of the states. Activations, gathered
+units and transfer staging are working memory, not counted here (estimate.py has activations).
+
+Torch-free, like estimate.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.observe.estimate import (PARAM_BYTES, estimate_memory, estimate_model_state_bytes, format_bytes,
+                                      parameter_count, resolve_model_shape)
+from toolkit.specs import ModelSpec
+
+# NOTE: toolkit/runtime/zero/offload.py's PIECE_NUMEL (this layer may not import runtime; a test
+# checks the two agree).
+PIECE_NUMEL = 1 << 24
+TIERS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """One rank's model-state bytes per tier, and swap traffic per optimizer step."""
+
+    offload_optimizer: str
+    offload_param: str
+    gpu: int        # parameters, fp32 gradient shard, device part of the optimizer
+    cpu: int        # CPU memory: offloaded optimizer (cpu), parameter shard (cpu), swap buffers (nvme optimizer)
+    nvme: int       # swap files
+    read: int       # swap bytes read per optimizer step
+    written: int    # swap bytes written per optimizer step
+
+
+def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, offload_optimizer: str = "none",
+                   offload_param: str = "none", offload_ratio: float = 1.0, grad_accum_steps: int = 1) -> TierBytes:
+    """Bytes per tier for one rank and one offload combination (offload_param needs stage 3)."""
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"offload_param {offload_param!r} needs stage 3, not {stage}")
+    states = estimate_model_state_bytes(num_params, stage=stage, world_size=world_size, dtype=dtype,
+                                        offload=offload_optimizer, offload_ratio=offload_ratio)
+    shard = -(-num_params // world_size)
+    host = round(offload_ratio * shard) if offload_optimizer != "none" else 0
+    params, optim = states.params, states.optim
+    if offload_param != "none":
+        params = 0
+        if dtype == "fp32" and shard > host:  # NOTE: the device's master is then a separate copy (sharded.py)
+            optim = 12 * (shard - host)
+    param_shard = PARAM_BYTES[dtype] * shard
+    cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
+    nvme = read = written = 0
+    if offload_optimizer == "nvme":
+        cpu += 3 * 12 * min(PIECE_NUMEL, host)
+        nvme = read = written = 12 * host
+    if offload_param == "nvme":
+        nvme += param_shard
+        read += 2 * grad_accum_steps * param_shard  # every unit is read at its forward and its backward gather
+        written += param_shard                      # the step writes the new weights once
+    return TierBytes(offload_optimizer, offload_param, params + states.grads + optim, cpu, nvme, read, written)
+
+
+def tier_rows(num_params: int, *, stage: int, world_size: int, dtype: str, offload_ratio: float = 1.0,
+              grad_accum_steps: int = 1) -> list[TierBytes]:
+    """Every offload combination the stage allows (stage 0: none; stages 1-2: the optimizer's three)."""
+    optimizers = TIERS if stage >= 1 else ("none",)
+    params = TIERS if stage == 3 else ("none",)
+    return [estimate_tiers(num_params, stage=stage, world_size=world_size, dtype=dtype, offload_optimizer=o,
+                           offload_param=p, offload_ratio=offload_ratio, grad_accum_steps=grad_accum_steps)
+            for p in params for o in optimizers]
+
+
+def format_tiers(rows: list[TierBytes], *, stage: int, activations: int, mark: tuple[str, str] | None = None) -> list[str]:
+    """The tier table's lines; `mark` (optimizer, param) gets `<- recipe`."""
+    # NOTE: rows start with the optimizer tier, never with a digit or '*', so the stage table's
+    # readers (tests, scripts) that pick rows by their first cell keep finding exactly those.
+    lines = [f"where the model states live at stage {stage} (per rank; activations, {format_bytes(activations)}, "
+             f"are on the GPU in every row):"]
+    header = ["optimizer", "params", "gpu", "gpu+activ.", "cpu", "nvme", "swap read/step", "swap write/step", ""]
+    table = [header]
+    for r in rows:
+        table.append([r.offload_optimizer, r.offload_param, format_bytes(r.gpu), format_bytes(r.gpu + activations),
+                      format_bytes(r.cpu) if r.cpu else "-", format_bytes(r.nvme) if r.nvme else "-",
+                      format_bytes(r.read) if r.read else "-", format_bytes(r.written) if r.written else "-",
+                      "<- recipe" if mark == (r.offload_optimizer, r.offload_param) else ""])
+    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    for row in table:
+        lines.append("  ".join(row[c].ljust(widths[c]) if c < 2 else row[c].rjust(widths[c])
+                               for c in range(len(header) - 1)).rstrip() + ("  " + row[-1] if row[-1] else ""))
+    lines.append("swap reads count each unit's parameters twice per micro-step (forward and backward gathers; the "
+                 "root unit is read once, so a bound); nvme optimizer rows' cpu is the bound on the step's three buffer slots")
+    return lines
+
+
+def format_tier_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
+                         stage: int, offload: str = "none", offload_param: str = "none", offload_ratio: float = 1.0,
+                         grad_accum_steps: int = 1) -> str:
+    """The tier table `toolkit estimate` prints below format_estimate's: the recipe's stage (stage 3 when the
+    recipe's is 0), its row marked."""
+    tier_stage = stage or 3
+    shape, tied = resolve_model_shape(model)
+    probe = estimate_memory(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, world_size=world_size,
+                            stage=tier_stage)
+    activations = probe.activations.checkpointed if model.activation_checkpointing else probe.activations.full
+    rows = tier_rows(parameter_count(shape, tied_embeddings=tied), stage=tier_stage, world_size=world_size,
+                     dtype=dtype, offload_ratio=offload_ratio, grad_accum_steps=grad_accum_steps)
+    return "\n".join(format_tiers(rows, stage=tier_stage, activations=activations,
+                                  mark=(offload, offload_param) if stage == tier_stage else None))
