@@ -110,7 +110,7 @@ def test_ctrl_c_checkpoints_every_rank_then_one_process_resumes_with_the_global_
 
 def test_the_launcher_holds_the_run_dir_and_sigterm_stops_every_rank_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    launcher = _launch(run_dir)
+    launcher = _launch(run_dir, "training.max_steps=100000")  # still running after both refusals, however slow
     _wait_for_step(run_dir, 3, launcher)
     busy = (f"error: {run_dir}: another toolkit run (pid {launcher.pid}) is writing this run directory; "
             "wait for it to end or choose another --run-dir")

@@ -10,8 +10,10 @@ from toolkit.train.tune import TuneSpace, predict, tune
 from toolkit.train.tune_report import write_outputs
 
 TINY = {"model": {"family": "gpt2", "size": "tiny"},
-        "data": {"kind": "synthetic", "seq_len": 64, "num_samples": 512, "eval_samples": 64},
-        "batch": {"micro_batch_per_rank": 1, "global_batch": 32}, "training": {"max_steps": 100}}
+        "data": {"kind": "synthetic", "seq_len": 16, "num_samples": 512, "eval_samples": 64},
+        "batch": {"micro_batch_per_rank": 1, "global_batch": 32}, "training": {"max_steps": 100, "cpu_threads": 1}}
+# NOTE: 16-token sequences and one thread: a micro step's fixed cost outweighs its compute, so micro 1 (32 micro
+# steps) is several times slower than micro 4 (8), a gap no neighbour's load on a 2-core machine closes.
 
 
 def test_tune_finds_the_known_best_and_writes_a_recipe_extending_the_original(tmp_path):
@@ -21,13 +23,12 @@ def test_tune_finds_the_known_best_and_writes_a_recipe_extending_the_original(tm
                         1, False)[0] for m in (4, 32)}
     cap = (sizes[4] + sizes[32]) // 2
     space = TuneSpace(stages=(0,), micro_batches=(1, 4, 32), checkpointing=(False,), offloads=("none",))
-    result = tune(recipe, space=space, budget_s=120, cap_bytes=cap, warmup=1, measure=2, confirm=False,
+    result = tune(recipe, space=space, budget_s=120, cap_bytes=cap, warmup=1, measure=4, confirm=False,
                   log=lambda line: None)
     by_micro = {t.changes["batch.micro_batch_per_rank"]: t for t in result.trials}
     assert by_micro[32].status == "pruned" and "cap" in by_micro[32].why and by_micro[32].wall_s == 0
     assert by_micro[4].status == by_micro[1].status == "ok"
-    # four times fewer micro steps: 2-2.5x faster alone, 1.4x measured with four other jobs on the 2 cores
-    assert by_micro[4].tokens_per_s > 1.2 * by_micro[1].tokens_per_s
+    assert by_micro[4].tokens_per_s > 1.5 * by_micro[1].tokens_per_s  # four times fewer micro steps
     assert result.best is by_micro[4] and by_micro[4].peak_bytes > 0
     written = write_outputs(result, tmp_path / "tuned.json")
     tuned = json.loads((tmp_path / "tuned.json").read_text())
