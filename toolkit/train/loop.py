@@ -101,10 +101,17 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
     return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
 
 
+# NOTE: DTensor and torch.distributed.pipelining issue their own collectives, outside the Communicator.
+MESH_NOT_COUNTED = ("tensor/pipeline parallelism: not counted yet (DTensor and torch.distributed.pipelining issue "
+                    "their own collectives; only the engine's loss and norm all-reduces are)")
+
+
 def comm_row(engine: Engine) -> str:
     """The start-up table's comm row: the formula's bytes per rank per step, and how collectives run."""
     if not engine.dist.active:
         return engine.comm.describe()
+    if engine.recipe.parallel.active:
+        return MESH_NOT_COUNTED
     expected = expected_bytes_per_step(engine.strategy, engine.grad_accum_steps)
     kinds = " + ".join(f"{k.replace('_', '-')} {format_bytes(v)}" for k, v in expected.items())
     return (f"expected {format_bytes(sum(expected.values()))} sent per rank per step ({kinds}; "
@@ -278,5 +285,6 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
             print(f"checkpoint | {checkpointer.last_saved_path}", flush=True)
         print(monitor.summary() + "\n" + memory_note, flush=True)
         if info.active:
-            print(engine.comm.ledger.summary(), flush=True)
+            mesh = f" [{MESH_NOT_COUNTED}]" if recipe.parallel.active else ""
+            print(engine.comm.ledger.summary() + mesh, flush=True)
     return result
