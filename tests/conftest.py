@@ -1,5 +1,6 @@
 """Shared test set-up: GPU tests carry the `cuda` marker and are skipped without CUDA."""
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -42,3 +43,23 @@ def wait_for_step(out_file: Path, step: int, proc, timeout: float = 180) -> None
             return
         time.sleep(0.1)
     raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (a process group's rendezvous, a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def become_rank(rank: int, world: int, port: int, **env: str) -> None:
+    """In a test's rank process: the environment torch.distributed reads, warnings off, one torch thread each
+    (several ranks share the machine's cores)."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), **env)
+    torch.set_num_threads(1)

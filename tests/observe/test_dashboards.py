@@ -3,7 +3,6 @@ TensorBoard server (its HTTP API) see every scalar of metrics.jsonl; W&B offline
 writes a run under <run_dir>/wandb holding our metrics, and a resumed tracker
 continues the same run id. No network: the server binds 127.0.0.1, W&B is offline."""
 import json
-import socket
 import struct
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from tests.conftest import free_port
 from toolkit.recipe.load import load_recipe
 from toolkit.observe.trackers import WandbTracker
 from toolkit.train.loop import run
@@ -68,12 +68,6 @@ def test_event_accumulator_sees_every_scalar_with_its_values(logged_run):
         assert seen.keys() == by_step.keys(), tag
         for step, value in by_step.items():  # event files store float32
             assert seen[step] == pytest.approx(value, rel=1e-6), (tag, step)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str):

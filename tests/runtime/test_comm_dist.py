@@ -4,13 +4,11 @@ toolkit/runtime/comm.py, equal the ZeRO formulas (toolkit/observe/comm.py) for s
 (>= 16x less than AdamW's) and its exact resume (error-feedback buffers included).
 One torch.multiprocessing launch per world size runs every check; the asserts run here.
 """
-import os
-import socket
-import warnings
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from tests.conftest import become_rank, free_port
 
 pytestmark = pytest.mark.dist
 
@@ -75,10 +73,7 @@ def _onebit_resume(world, out_dir):
 
 
 def _rank_main(rank, world, port, out_dir):
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    become_rank(rank, world, port)
     # NOTE: the 4-rank launch is kept small (one step per stage): 4 processes share 2 cores in CI.
     results = {name: _steps(world, overrides, 2 if world == 2 else 1) for name, overrides in STAGES.items()}
     results["onebit"] = _steps(world, ONEBIT, 4 if world == 2 else 3)
@@ -92,19 +87,13 @@ def _rank_main(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world, out_dir):
     # NOTE: forked ranks inherit the parent's imports (transformers, the engine): on a loaded 2-core machine
     # importing them costs several seconds per process, more than all the training here.
     from transformers import GPT2LMHeadModel  # noqa: F401
     import toolkit.runtime.engine  # noqa: F401
 
-    mp.start_processes(_rank_main, args=(world, _free_port(), out_dir), nprocs=world, join=True,
+    mp.start_processes(_rank_main, args=(world, free_port(), out_dir), nprocs=world, join=True,
                        start_method="fork")
     return [torch.load(out_dir / f"rank{r}-of-{world}.pt", weights_only=False) for r in range(world)]
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from tests.conftest import REPO
+from tests.conftest import REPO, become_rank, free_port
 from toolkit.runtime.engine import initialize
 from toolkit.errors import UserError
 from toolkit.recipe.load import recipe_from_dict
@@ -282,12 +282,7 @@ DIST_STEPS = 4
 
 
 def _dist_rank(rank, world, port, out_dir):
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    become_rank(rank, world, port)
     global_batches = token_batches(DIST_STEPS, rows=MICRO * world)
     results = {}
     for name, overrides, units in [("stage0", ["zero.stage=0"], None), ("stage1", ["zero.stage=1"], None),
@@ -308,10 +303,9 @@ def _dist_rank(rank, world, port, out_dir):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    from tests.runtime.test_zero_dist import _free_port
 
     out_dir = tmp_path_factory.mktemp("engine-api-dist")
-    mp.spawn(_dist_rank, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+    mp.spawn(_dist_rank, args=(2, free_port(), out_dir), nprocs=2, join=True)
     return out_dir, torch.load(out_dir / "results.pt", weights_only=False)
 
 

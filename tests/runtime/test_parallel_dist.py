@@ -15,12 +15,12 @@ tests/runtime/test_zero_dist.py). A real bug (a missing reduction, a wrong shard
 skipped) moves parameters by ~lr per step, 100 times the tolerance.
 """
 import os
-import socket
-import warnings
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from tests.conftest import become_rank, free_port
 
 pytestmark = pytest.mark.dist
 
@@ -92,10 +92,7 @@ def whole_parameters(engine) -> dict:
 
 
 def _rank_main(rank, world, port, out_dir, keys):
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    become_rank(rank, world, port)
     results = {}
     for key in keys:
         family, name = key.split("-", 1)
@@ -111,12 +108,6 @@ def _rank_main(rank, world, port, out_dir, keys):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("parallel")
@@ -128,7 +119,7 @@ def launch(out_dir, keys):
     from transformers import GPT2LMHeadModel  # noqa: F401
     import toolkit.runtime.engine  # noqa: F401
 
-    mp.start_processes(_rank_main, args=(4, _free_port(), out_dir, keys), nprocs=4, join=True, start_method="fork")
+    mp.start_processes(_rank_main, args=(4, free_port(), out_dir, keys), nprocs=4, join=True, start_method="fork")
     return [torch.load(out_dir / f"rank{r}-{len(keys)}.pt", weights_only=False) for r in range(4)]
 
 

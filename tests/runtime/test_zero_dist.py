@@ -16,13 +16,11 @@ by its own gradient scale, so for elements whose gradient is close to zero
 missing reduction, a wrong weight-decay group, a stale shard) moves parameters
 by ~lr per step, 300 times the tolerance.
 """
-import os
-import socket
-import warnings
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from tests.conftest import become_rank, free_port
 
 pytestmark = pytest.mark.dist
 
@@ -154,10 +152,7 @@ def _resharding(world, out_dir, results):
 
 
 def _rank_main(rank, world, port, out_dir, mode):
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    become_rank(rank, world, port)
     results = {"memory": {}, "stage3_gathered_after_step": None}
     if mode == "full":
         for name, overrides in {**CONFIGS, **EXTRA}.items():
@@ -180,14 +175,8 @@ def _rank_main(rank, world, port, out_dir, mode):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world, out_dir, mode):
-    mp.spawn(_rank_main, args=(world, _free_port(), out_dir, mode), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), out_dir, mode), nprocs=world, join=True)
     return [torch.load(out_dir / f"rank{r}-of-{world}-{mode}.pt", weights_only=False) for r in range(world)]
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import REPO
-from tests.runtime.test_zero_dist import (RTOL, STEPS, _engine, _free_port, assert_params_close, train)
+from tests.conftest import REPO, become_rank, free_port
+from tests.runtime.test_zero_dist import RTOL, STEPS, _engine, assert_params_close, train
 
 STAGE3 = ["zero.stage=3", "zero.prefetch_units=1"]
 
@@ -27,12 +27,7 @@ def configs(swap: Path) -> dict[str, list[str]]:
 
 
 def _rank_main(rank, world, port, out_dir):
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    become_rank(rank, world, port)
     results = {}
     for name, overrides in configs(out_dir / "swap").items():
         engine, _, losses, norms = train(world, overrides)
@@ -59,7 +54,7 @@ def world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("infinity")
     (out / "swap").mkdir()
     _import_before_fork()
-    mp.start_processes(_rank_main, args=(2, _free_port(), out), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_rank_main, args=(2, free_port(), out), nprocs=2, join=True, start_method="fork")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 

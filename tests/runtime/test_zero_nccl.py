@@ -11,14 +11,12 @@ tiny GPT-2 of tests/runtime/test_zero_dist.py for 20 steps per configuration:
 - a stage 2 checkpoint written at step 10 on N GPUs resumes in one process on one GPU
   with identical master weights and moments, and the same losses as the N-GPU run.
 """
-import os
-import warnings
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.runtime.test_zero_dist import SMALL_BUCKETS, _engine, _free_port, assert_params_close
+from tests.conftest import become_rank, free_port
+from tests.runtime.test_zero_dist import SMALL_BUCKETS, _engine, assert_params_close
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                    reason="needs 2 or more GPUs")]
@@ -36,10 +34,7 @@ def _states(engine):
 
 
 def _rank_main(rank, world, port, out_dir, device):
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    torch.set_num_threads(1)
+    become_rank(rank, world, port, NCCL_NVLS_ENABLE="0")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from toolkit.checkpoint.checkpointer import Checkpointer
@@ -62,7 +57,7 @@ def _rank_main(rank, world, port, out_dir, device):
 
 
 def launch(world, out_dir, device="cuda"):
-    mp.spawn(_rank_main, args=(world, _free_port(), out_dir, device), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), out_dir, device), nprocs=world, join=True)
     return torch.load(out_dir / "rank0.pt", weights_only=False)
 
 
