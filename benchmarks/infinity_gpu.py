@@ -66,7 +66,10 @@ def machine(args) -> dict:
     """What this machine offers: GPU bytes, host bytes, free disk under the swap folder."""
     import torch
 
-    gpu = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else args.cpu_gpu_gib * GiB
+    if "gpu" in args.assume or args.device != "cuda":  # NOTE: --dry-run --assume plans on a machine without CUDA
+        gpu = args.cpu_gpu_gib * GiB
+    else:
+        gpu = torch.cuda.get_device_properties(0).total_memory
     with open("/proc/meminfo") as f:
         host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     have = {"gpu": gpu, "host": host, "disk": shutil.disk_usage(args.swap_dir).free}
