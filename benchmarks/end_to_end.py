@@ -6,6 +6,7 @@ tokens/s over --steps optimizer steps, peak allocated memory and MFU:
 
   toolkit fused           toolkit.Engine, recipe.kernels auto (fused LayerNorm, bias+GELU,
                           cross-entropy, AdamW), eager
+  toolkit fused parallel 1x1  as the first with parallel.tensor = parallel.pipeline = 1 named
   toolkit fallbacks       toolkit.Engine, recipe.kernels off (torch everywhere), eager
   toolkit fused compiled  as the first, training.compile: true
   ... unpadded head      the same with the LM head at the vocabulary's width (the engine pads it
@@ -117,6 +118,10 @@ def measure_interleaved(built: dict, steps: int, rounds: int) -> dict:
 
 CONFIGS = {
     "toolkit fused": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16"]),
+    # issue 24: a recipe that names tensor = pipeline = 1 must cost nothing against one without a parallel section
+    "toolkit fused parallel 1x1": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16",
+                                                                              "parallel.tensor=1",
+                                                                              "parallel.pipeline=1"]),
     "toolkit fallbacks": lambda size, steps: run_toolkit(
         size, steps, ["precision.dtype=bf16"] + [f"kernels.{k}=off" for k in
                                                  ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")]),

@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train ...]
+#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -46,6 +46,7 @@ if [[ -e ${wheels[0]} ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
   record wheels $?
   PYTHONPATH=$PYTHONPATH:$SITE
+  SITE_PATH=$SITE
 fi
 
 {
@@ -158,11 +159,28 @@ for r in rows if r['status'] == 'ok'); print(f'best {best:,.0f} tokens/s = {best
         --out "$OUT/swap_io.md" 2>&1 | tee "$OUT/infinity.txt" ;;
     infinity-train)  # ZeRO-Infinity training (issue #21, benchmarks/infinity_gpu.py): width 4096, micro 4,
                      # checkpointing; the largest that fits with NVMe, then 8B and 5B with the optimizer on NVMe vs
-                     # CPU (offload_ratio 0.3); rows written as runs end, runs skipped past the 520-s budget
+                     # CPU (offload_ratio 0.3); rows written as runs end, runs skipped past the INF_BUDGET_S budget
+                     # (INF_RUNS: infinity_gpu.py's --runs, to split the runs over two calls)
       df -h "${SWAP_DIR:-/tmp}" | tee "$OUT/infinity-train.txt"
-      timeout 560 python3 -m benchmarks.infinity_gpu --swap-dir "${SWAP_DIR:-/tmp}/toolkit-swap-bench" \
-        --budget-s 520 --markdown "$OUT/infinity_train.md" 2>&1 | tee -a "$OUT/infinity-train.txt"
+      timeout $(( ${INF_BUDGET_S:-520} + 40 )) python3 -m benchmarks.infinity_gpu \
+        --swap-dir "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ${INF_RUNS:+--runs "$INF_RUNS"} \
+        --budget-s "${INF_BUDGET_S:-520}" --markdown "$OUT/infinity_train.md" 2>&1 | tee -a "$OUT/infinity-train.txt"
       rm -rf "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ;;
+    tp1pp1)  # issue 24: tensor = pipeline = 1 against today's engine, GPT-2 124M eager; three alternations of
+             # one process timing "toolkit fused" and "toolkit fused parallel 1x1" interleaved, and (BASELINE_TREE:
+             # a `git archive` of a commit before recipe.parallel existed) that tree's "toolkit fused"
+      local i table
+      table=$(mktemp)
+      for i in 1 2 3; do
+        timeout 150 python3 -m benchmarks.end_to_end --steps 20 --rounds 5 \
+          --only "toolkit fused,toolkit fused parallel 1x1" --markdown "$table" 2>&1 | tee -a "$OUT/tp1pp1.txt"
+        { echo "alternation $i, today's tree"; cat "$table"; } >> "$OUT/tp1pp1.md"
+        if [[ -n ${BASELINE_TREE:-} ]]; then
+          (cd "$BASELINE_TREE" && PYTHONPATH=$PWD${SITE_PATH:+:$SITE_PATH} timeout 150 python3 -m benchmarks.end_to_end \
+            --steps 20 --rounds 5 --only "toolkit fused" --markdown "$table") 2>&1 | tee -a "$OUT/tp1pp1.txt"
+          { echo "alternation $i, $BASELINE_TREE"; cat "$table"; } >> "$OUT/tp1pp1.md"
+        fi
+      done ;;
     *)
       echo "unknown stage '$stage'; see the stages at the top of benchmarks/gpu_check.sh" >&2
       return 2 ;;
