@@ -4,11 +4,12 @@ the optimizer offloaded to CPU memory or to swap files (NVMe), and the largest t
     python -m benchmarks.infinity_gpu --swap-dir /tmp/swap [--runs max:nvme,39:nvme,39:cpu,24:nvme,24:cpu]
         [--width 4096 --heads 32 --micro 4] [--budget-s 540] [--markdown FILE] [--device cpu]
 
-A run is LAYERS:TIER[:RATIO]: LAYERS a depth or `max` (the deepest model the estimator fits on this
-machine with the optimizer in swap files and the parameter shard in CPU memory); TIER cpu or nvme
+A run is LAYERS:TIER[:RATIO[:NVME_RATIO]]: LAYERS a depth or `max` (the deepest model the estimator fits
+on this machine with the optimizer in swap files and the parameter shard in CPU memory); TIER cpu or nvme
 (zero.offload_optimizer); RATIO zero.offload_ratio, default `auto`: the pair's common ratio, the largest
 (at most 1) whose swap files fit 92% of the swap folder's free disk; for `max`, the smallest that
-leaves the GPU room. Every run: stage 3, bf16, activation checkpointing, sequence 1024, random tokens,
+leaves the GPU room, with the largest zero.nvme_ratio (NVME_RATIO, default 1) whose swap files fit the
+disk, the rest of the offloaded optimizer in CPU memory. Every run: stage 3, bf16, activation checkpointing, sequence 1024, random tokens,
 one process per run (its own CUDA context, peaks, and failure), --warmup then --steps timed steps.
 Rows are written to --markdown as each run ends; a run whose predicted time (model build + swap
 writes at --disk-gbps + its steps) exceeds the budget left is skipped, with its prediction.
@@ -46,15 +47,15 @@ def spec_for(args, layers: int):
     return dataclasses.replace(_base_spec(args.width, args.heads), n_layer=layers)
 
 
-def plan(args, layers: int, tier: str, ratio: float, param: str):
-    """(parameters, ratio, {gpu, host, disk} bytes, predicted seconds) for one run, from the estimator."""
+def plan(args, layers: int, tier: str, ratio: float, param: str, nvme_ratio: float = 1.0):
+    """(parameters, {gpu, host, disk} bytes, predicted seconds) for one run, from the estimator."""
     from toolkit.observe.estimate import estimate_activation_bytes, parameter_count
     from toolkit.observe.tiers import estimate_tiers
 
     spec = spec_for(args, layers)
     n = parameter_count(spec)
     t = estimate_tiers(n, stage=3, world_size=1, dtype="bf16", offload_optimizer=tier, offload_param=param,
-                       offload_ratio=ratio)
+                       offload_ratio=ratio, nvme_ratio=nvme_ratio)
     act = estimate_activation_bytes(spec, micro_batch=args.micro, seq_len=SEQ, dtype="bf16").checkpointed
     disk_s = (t.read + t.written) * (args.warmup + args.steps) / (args.disk_gbps * 1e9)
     cpu_s = 12 * n * ratio / 10e9 * (args.warmup + args.steps)  # NOTE: ~10 GB/s of CPU Adam traffic, 28 B/param
@@ -85,23 +86,25 @@ def fits(args, have: dict, need: dict) -> bool:
             and need["disk"] <= 0.92 * have["disk"])
 
 
-def choose_ratio(args, have: dict, layers: int, tier: str, param: str, smallest: bool) -> float | None:
-    """The ratio (steps of 0.05) that fits: the smallest (most on the GPU) or the largest; None when none does."""
+def choose_ratio(args, have: dict, layers: int, tier: str, param: str, smallest: bool) -> tuple[float, float] | None:
+    """(offload_ratio, nvme_ratio) in steps of 0.05 that fit: the smallest offload_ratio (most on the GPU) or the
+    largest, with the largest nvme_ratio (least in CPU memory; 1 unless tier is nvme); None when none does."""
     ratios = [round(0.05 * k, 2) for k in range(1, 21)]
     for ratio in (ratios if smallest else ratios[::-1]):
-        if fits(args, have, plan(args, layers, tier, ratio, param)[1]):
-            return ratio
+        for nvme_ratio in (ratios[::-1] if tier == "nvme" else [1.0]):
+            if fits(args, have, plan(args, layers, tier, ratio, param, nvme_ratio)[1]):
+                return ratio, nvme_ratio
     return None
 
 
-def largest(args, have: dict) -> tuple[int, float] | None:
-    """The deepest model (and its ratio) that fits with the optimizer in swap files, parameters in CPU memory."""
+def largest(args, have: dict) -> tuple[int, float, float] | None:
+    """The deepest model (and its two ratios) that fits with the optimizer in swap files, parameters in CPU memory."""
     best = None
     for layers in range(8, 201, 1):
-        ratio = choose_ratio(args, have, layers, "nvme", "cpu", smallest=True)
-        if ratio is None:
+        ratios = choose_ratio(args, have, layers, "nvme", "cpu", smallest=True)
+        if ratios is None:
             break
-        best = (layers, ratio)
+        best = (layers, *ratios)
     return best
 
 
@@ -136,7 +139,7 @@ def child(args) -> dict:
     recipe = load_recipe("gpt2-124m", [
         f"model.n_layer={args.layers}", f"model.n_embd={args.width}", f"model.n_head={args.heads}",
         "model.activation_checkpointing=true", "zero.stage=3", f"zero.offload_optimizer={args.tier}",
-        f"zero.offload_ratio={args.ratio}", f"zero.offload_param={args.param}", f"zero.nvme_path={args.swap_dir}",
+        f"zero.offload_ratio={args.ratio}", f"zero.nvme_ratio={args.nvme_ratio}", f"zero.offload_param={args.param}", f"zero.nvme_path={args.swap_dir}",
         f"batch.micro_batch_per_rank={args.micro}", "batch.grad_accum_steps=1", "precision.dtype=bf16",
         f"data.seq_len={SEQ}", f"training.device={args.device}", "training.max_steps=1000",
         "training.memory_check=warn", "checkpoint.save_final=false", "logging.tensorboard=false"])
@@ -161,7 +164,8 @@ def child(args) -> dict:
     moved = sum(f.bytes_read + f.bytes_written for f in files) - moved
     done.append(1)
     sampler.join()
-    result = {"layers": args.layers, "tier": args.tier, "ratio": args.ratio, "params": engine.num_parameters,
+    result = {"layers": args.layers, "tier": args.tier, "ratio": args.ratio, "nvme_ratio": args.nvme_ratio,
+              "params": engine.num_parameters,
               "tokens_per_s": args.micro * SEQ * args.steps / elapsed, "s_per_step": elapsed / args.steps,
               "build_s": build_s, "host_peak_gib": rss_peak_bytes() / GiB, "disk_peak_gib": disk_peak[0] / GiB,
               "swap_mb_s": moved / elapsed / 1e6, "loss": float(loss),
@@ -172,7 +176,7 @@ def child(args) -> dict:
     return result
 
 
-def run_child(args, layers: int, tier: str, ratio: float, param: str, timeout: float) -> dict:
+def run_child(args, layers: int, tier: str, ratio: float, nvme_ratio: float, param: str, timeout: float) -> dict:
     """One run in a child process: its figures, or {"error": ...}."""
     import socket
 
@@ -180,7 +184,7 @@ def run_child(args, layers: int, tier: str, ratio: float, param: str, timeout: f
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "benchmarks.infinity_gpu", "--child", "--layers", str(layers), "--tier", tier,
-               "--ratio", str(ratio), "--param", param, "--port", str(port), "--swap-dir", args.swap_dir,
+               "--ratio", str(ratio), "--nvme-ratio", str(nvme_ratio), "--param", param, "--port", str(port), "--swap-dir", args.swap_dir,
                "--width", str(args.width), "--heads", str(args.heads), "--micro", str(args.micro),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
     try:
@@ -196,17 +200,22 @@ def run_child(args, layers: int, tier: str, ratio: float, param: str, timeout: f
     return {"error": (lines[-1] if lines else f"exit {done.returncode}")[:160]}
 
 
-def parse_runs(text: str) -> list[tuple[str, str, str]]:
-    """'max:nvme,39:cpu:0.5' -> [('max', 'nvme', 'auto'), ('39', 'cpu', '0.5')]; a ValueError names a bad item."""
+def parse_runs(text: str) -> list[tuple[str, str, str, float]]:
+    """'max:nvme,39:cpu:0.5,24:nvme:0.6:0.5' -> [('max', 'nvme', 'auto', 1.0), ('39', 'cpu', '0.5', 1.0),
+    ('24', 'nvme', '0.6', 0.5)]; a ValueError names a bad item."""
     runs = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) not in (2, 3) or not (parts[0] == "max" or parts[0].isdigit()) or parts[1] not in ("cpu", "nvme"):
-            raise ValueError(f"--runs item {item!r}: LAYERS:TIER[:RATIO], LAYERS a number or max, TIER cpu or nvme")
-        ratio = parts[2] if len(parts) == 3 else "auto"
-        if ratio != "auto" and not 0 < float(ratio) <= 1:
-            raise ValueError(f"--runs item {item!r}: RATIO in (0, 1] or auto")
-        runs.append((parts[0], parts[1], ratio))
+        if len(parts) not in (2, 3, 4) or not (parts[0] == "max" or parts[0].isdigit()) or parts[1] not in ("cpu", "nvme"):
+            raise ValueError(f"--runs item {item!r}: LAYERS:TIER[:RATIO[:NVME_RATIO]], LAYERS a number or max, "
+                             "TIER cpu or nvme")
+        ratio = parts[2] if len(parts) >= 3 else "auto"
+        nvme_ratio = float(parts[3]) if len(parts) == 4 else 1.0
+        if ratio != "auto" and not 0 < float(ratio) <= 1 or not 0 < nvme_ratio <= 1:
+            raise ValueError(f"--runs item {item!r}: RATIO in (0, 1] or auto, NVME_RATIO in (0, 1]")
+        if nvme_ratio != 1 and parts[1] != "nvme":
+            raise ValueError(f"--runs item {item!r}: NVME_RATIO needs TIER nvme")
+        runs.append((parts[0], parts[1], ratio, nvme_ratio))
     return runs
 
 
@@ -214,7 +223,8 @@ def row(args, run: dict, predicted: float, note: str = "") -> str:
     """One markdown row."""
     from toolkit.observe.estimate import format_count
 
-    head = f"| {run['layers']} x {args.width} | {format_count(run.get('params', 0))} | {run['tier']} | {run['ratio']} "
+    ratio = f"{run['ratio']}" + (f" (nvme {run['nvme_ratio']})" if run.get("nvme_ratio", 1) != 1 else "")
+    head = f"| {run['layers']} x {args.width} | {format_count(run.get('params', 0))} | {run['tier']} | {ratio} "
     if "error" in run or "skipped" in run:
         return head + f"| {run.get('error') or run['skipped']} | | | | | | predicted {predicted:.0f} s |"
     return (head + f"| {run['tokens_per_s']:,.0f} | {run['s_per_step']:.1f} | {run['host_peak_gib']:.1f} "
@@ -243,7 +253,8 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plan (and predicted seconds), run nothing")
     parser.add_argument("--assume", default="", help="gpu=GiB,host=GiB,disk=GiB: plan for that machine instead")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    for name, kind in (("--layers", int), ("--tier", str), ("--ratio", float), ("--param", str), ("--port", int)):
+    for name, kind in (("--layers", int), ("--tier", str), ("--ratio", float), ("--nvme-ratio", float),
+                       ("--param", str), ("--port", int)):
         parser.add_argument(name, type=kind, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
@@ -268,13 +279,15 @@ def main() -> int:
 
     g_layers = next((n for n in range(8, 400) if parameter_count(spec_for(args, n)) >= 13e9), None)
     if g_layers is not None:
-        g_ratio = choose_ratio(args, have, g_layers, "nvme", "cpu", smallest=True)
+        g_ratios = choose_ratio(args, have, g_layers, "nvme", "cpu", smallest=True)
         print(f"13B goal: {g_layers} layers ({parameter_count(spec_for(args, g_layers)) / 1e9:.2f}B) "
-              + ("fits" if g_ratio else "does not fit this machine by the estimate (GPU: grads 4 B/param + the "
-                 "optimizer not on disk; disk: 12 B/param of the optimizer)"), flush=True)
+              + (f"fits (offload_ratio {g_ratios[0]}, nvme_ratio {g_ratios[1]})" if g_ratios else
+                 "does not fit this machine by the estimate (GPU: grads 4 B/param + the optimizer not offloaded; "
+                 "host and disk: 12 B/param of the offloaded optimizer between them)"), flush=True)
     if top:
         print(f"largest that fits: {top[0]} layers, {parameter_count(spec_for(args, top[0])) / 1e9:.2f}B, "
-              f"offload_ratio {top[1]}, parameters in CPU memory; estimate {plan(args, top[0], 'nvme', top[1], 'cpu')[1]}", flush=True)
+              f"offload_ratio {top[1]}, nvme_ratio {top[2]}, parameters in CPU memory; estimate "
+              f"{plan(args, top[0], 'nvme', top[1], 'cpu', top[2])[1]}", flush=True)
     lines = [f"### ZeRO-Infinity, width {args.width}, micro batch {args.micro} x {SEQ}, bf16, activation "
              f"checkpointing, stage 3; {args.warmup} warm-up + {args.steps} timed step(s)", "",
              "| model | params | optimizer | ratio | tokens/s | s/step | host peak GiB | disk peak GiB "
@@ -283,21 +296,21 @@ def main() -> int:
         with open(args.markdown, "a") as f:
             f.write("\n".join(lines) + "\n")
     started, failed = time.perf_counter(), False
-    for layers_text, tier, ratio_text in runs:
+    for layers_text, tier, ratio_text, nvme_ratio in runs:
         if layers_text == "max":
             if top is None:
                 continue
-            layers, ratio, param = top[0], top[1], "cpu"
+            layers, ratio, nvme_ratio, param = *top, "cpu"
         else:
             layers, param = int(layers_text), "none"
             if ratio_text == "auto":  # the pair's common ratio: as much as the disk takes
-                ratio = choose_ratio(args, have, layers, "nvme", "none", smallest=False) or 0.05
+                ratio = (choose_ratio(args, have, layers, "nvme", "none", smallest=False) or (0.05,))[0]
             else:
                 ratio = float(ratio_text)
-        params, need, predicted = plan(args, layers, tier, ratio, param)
+        params, need, predicted = plan(args, layers, tier, ratio, param, nvme_ratio)
         left = args.budget_s - (time.perf_counter() - started)
         run = {"layers": layers, "tier": tier + (" (params cpu)" if param == "cpu" else ""), "ratio": ratio,
-               "params": params}
+               "nvme_ratio": nvme_ratio, "params": params}
         if args.dry_run:
             run["skipped"] = f"dry run: gpu {need['gpu'] / GiB:.0f}, host {need['host'] / GiB:.1f}, disk " \
                              f"{need['disk'] / GiB:.0f} GiB" + ("" if fits(args, have, need) else ", does not fit")
@@ -307,7 +320,7 @@ def main() -> int:
         elif not fits(args, have, need):
             run["skipped"] = "skipped: does not fit by the estimate"
         else:
-            got = run_child(args, layers, tier, ratio, param, timeout=left)
+            got = run_child(args, layers, tier, ratio, nvme_ratio, param, timeout=left)
             run.update(got)
             failed |= "error" in got
         run["tier"] = tier + (" (params cpu)" if param == "cpu" else "")

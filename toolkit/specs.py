@@ -90,6 +90,7 @@ class ZeroSpec:
     allgather_bucket_size: int
     prefetch_units: int
     overlap_comm: bool = True
+    nvme_ratio: float = 1.0  # of the offloaded optimizer, the part in swap files (the rest: CPU memory)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,28 @@ def test_tier_bytes_equal_what_the_engine_holds_for_every_offload_combination(st
             assert counted == {**got, "read": got["read"] - (root if param == "nvme" else 0)}, (optimizer, param)
 
 
+def test_three_tier_optimizer_bytes_equal_what_the_engine_holds(tmp_path, monkeypatch):
+    """offload_optimizer nvme with nvme_ratio below 1: the estimate at the engine's whole-group split."""
+    import toolkit.runtime.zero.offload as offload
+    import toolkit.observe.tiers as tiers
+    from tests.runtime.test_zero_dist import _engine
+
+    monkeypatch.setattr(offload, "PIECE_NUMEL", 1 << 12)
+    monkeypatch.setattr(tiers, "PIECE_NUMEL", 1 << 12)
+    overrides = ["zero.stage=3", "zero.offload_optimizer=nvme", "zero.offload_ratio=0.7", "zero.nvme_ratio=0.5",
+                 f"zero.nvme_path={tmp_path}"]
+    _, engine, _ = _engine(1, overrides)
+    parts = engine.strategy.parts
+    shard, off, swapped = (engine.strategy.layout.numel, sum(p.layout.numel for p in parts if p.offloaded),
+                           sum(p.layout.numel for p in parts if p.swap is not None))
+    engine.strategy.swap_dir.remove()
+    assert 0 < swapped < off < shard  # three tiers
+    n, counted, _ = _engine_tiers(overrides)
+    want = estimate_tiers(n, stage=3, world_size=1, dtype="fp32", offload_optimizer="nvme",
+                          offload_ratio=off / shard, nvme_ratio=swapped / off)
+    assert counted == {k: getattr(want, k) for k in counted}
+
+
 def test_tiers_piece_is_the_runtime_piece():
     from toolkit.observe.tiers import PIECE_NUMEL
     from toolkit.runtime.zero.offload import PIECE_NUMEL as runtime

@@ -23,7 +23,10 @@ def configs(swap: Path) -> dict[str, list[str]]:
     return {"stage0": ["zero.stage=0"],
             "param-cpu": [*STAGE3, "zero.offload_param=cpu"],
             "param-nvme": [*STAGE3, "zero.offload_param=nvme", nvme],
-            "optimizer-nvme": [*STAGE3, "zero.offload_optimizer=nvme", nvme]}
+            "optimizer-nvme": [*STAGE3, "zero.offload_optimizer=nvme", nvme],
+            # the optimizer on three tiers: the root unit on the device, a block in CPU memory, a block swapped
+            "optimizer-three-tiers": [*STAGE3, "zero.offload_optimizer=nvme", "zero.offload_ratio=0.7",
+                                      "zero.nvme_ratio=0.5", nvme]}
 
 
 def _rank_main(rank, world, port, out_dir):
@@ -39,6 +42,8 @@ def _rank_main(rank, world, port, out_dir):
             seen["swap_files"] = sorted(p.name for p in strategy.swap_dir.path.iterdir())
         if strategy.stage == 3:
             seen["shard_numel"] = strategy.layout.numel
+            seen["tiers"] = [("nvme" if p.swap is not None else "cpu" if p.offloaded else "device", p.layout.numel)
+                             for p in strategy.parts]
         seen["params"] = strategy.full_parameters()
         results[name] = seen
         if getattr(strategy, "swap_dir", None) is not None:  # NOTE: forked ranks skip atexit; a test below checks it
@@ -66,7 +71,7 @@ def _import_before_fork():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["param-cpu", "param-nvme", "optimizer-nvme"])
+@pytest.mark.parametrize("name", ["param-cpu", "param-nvme", "optimizer-nvme", "optimizer-three-tiers"])
 def test_zero_infinity_matches_stage0_after_ten_steps_on_two_ranks(name, world2):
     ranks, _ = world2
     reference = ranks[0]["stage0"]
@@ -93,6 +98,20 @@ def test_offloaded_parameters_leave_the_device_and_swap_folders_go_at_exit(world
         assert opt["memory"]["mem_offload_bytes"] == 0 and opt["swap_bytes"] >= 12 * n  # master + moments
         assert Path(opt["swap_dir"]).parent == out / "swap"
     assert ranks[0]["optimizer-nvme"]["swap_dir"] != ranks[1]["optimizer-nvme"]["swap_dir"]  # one per process
+
+
+@pytest.mark.dist
+def test_nvme_ratio_splits_the_offloaded_optimizer_between_cpu_memory_and_swap_files(world2):
+    ranks, _ = world2
+    for index, rank in enumerate(ranks):
+        three = rank["optimizer-three-tiers"]
+        (_, device), (_, cpu), (_, nvme) = three["tiers"]
+        assert [tier for tier, _ in three["tiers"]] == ["device", "cpu", "nvme"]
+        assert device + cpu + nvme == three["shard_numel"]
+        assert three["memory"]["mem_offload_bytes"] == 12 * cpu  # fp32 master + two moments in CPU memory
+        assert three["memory"]["mem_optim_bytes"] == 8 * device
+        assert three["swap_files"] == [f"optimizer-rank{index}-units2-3.bin"]
+        assert 12 * nvme <= three["swap_bytes"] < 12 * nvme + 65536  # disk usage: whole file-system blocks
 
 
 EXIT_SCRIPT = r"""
@@ -134,14 +153,15 @@ def test_swapped_parameters_are_read_from_the_file_at_every_gather(tmp_path):
 
 
 def test_checkpoints_move_between_nvme_offload_and_none(tmp_path):
-    """Saved without offload at step 5, resumed with both nvme tiers and saved at step 7, resumed without:
-    each resumed run's losses are the uninterrupted run's."""
+    """Saved without offload at step 5, resumed with both nvme tiers (the optimizer over three: device, CPU
+    memory, swap file) and saved at step 7, resumed without: each resumed run's losses are the uninterrupted run's."""
     from toolkit.checkpoint.checkpointer import Checkpointer
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
 
     plain = STAGE3
-    nvme = [*STAGE3, "zero.offload_param=nvme", "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}"]
+    nvme = [*STAGE3, "zero.offload_param=nvme", "zero.offload_optimizer=nvme", "zero.offload_ratio=0.7",
+            "zero.nvme_ratio=0.5", f"zero.nvme_path={tmp_path}"]
 
     def run(overrides, resume_from, save_at, folder):
         recipe, engine, stream = _engine(1, overrides)

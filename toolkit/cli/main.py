@@ -56,7 +56,8 @@ def _cmd_estimate(args) -> int:
                                seq_len=recipe.data.seq_len, dtype=recipe.precision.dtype,
                                world_size=recipe.batch.world_size, stage=recipe.zero.stage,
                                offload=recipe.zero.offload_optimizer, offload_param=recipe.zero.offload_param,
-                               offload_ratio=recipe.zero.offload_ratio, grad_accum_steps=recipe.batch.grad_accum_steps))
+                               offload_ratio=recipe.zero.offload_ratio, nvme_ratio=recipe.zero.nvme_ratio,
+                               grad_accum_steps=recipe.batch.grad_accum_steps))
     if recipe.parallel.active:  # the mesh's busiest rank (toolkit/observe/parallel_estimate.py)
         from toolkit.observe.parallel_estimate import format_parallel_estimate
 

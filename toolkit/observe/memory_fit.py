@@ -69,7 +69,7 @@ def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]
     shape_spec, tied = resolve_model_shape(m)
     tiers = estimate_tiers(parameter_count(shape_spec, tied_embeddings=tied), stage=z.stage,
                            world_size=b.world_size, dtype=recipe.precision.dtype, offload_optimizer=z.offload_optimizer,
-                           offload_param=z.offload_param, offload_ratio=z.offload_ratio)
+                           offload_param=z.offload_param, offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio)
     states = Term("model states", tiers.gpu, f"{shape}, zero.stage {z.stage}, world size {b.world_size}")
     activations = est.activations.checkpointed if m.activation_checkpointing else est.activations.full
     acts = Term("activations", activations, f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len "

@@ -5,9 +5,10 @@ the table below its stage table; memory_fit.py holds the recipe's row against th
 
 The accounting is the engine's (toolkit/runtime/zero/): the reduced fp32 gradient shard stays on
 the device whatever is offloaded; master weights and moments (12 bytes per offloaded element) go
-to CPU memory or a swap file, `offload_ratio` of the shard; the parameter shard (stage 3) goes to
-CPU memory or a swap file whole. Under offload_optimizer nvme the CPU holds the step's three
-buffer slots (offload.py: 3 x 12 bytes x a piece) instead of the states. Activations, gathered
+to CPU memory or a swap file, `offload_ratio` of the shard (under nvme, `nvme_ratio` of that in
+swap files and the rest in CPU memory); the parameter shard (stage 3) goes to CPU memory or a swap
+file whole. Under offload_optimizer nvme the CPU holds the step's three buffer slots (offload.py:
+3 x 12 bytes x a piece) for the swapped states. Activations, gathered
 units and transfer staging are working memory, not counted here (estimate.py has activations).
 
 Torch-free, like estimate.py.
@@ -40,7 +41,8 @@ class TierBytes:
 
 
 def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, offload_optimizer: str = "none",
-                   offload_param: str = "none", offload_ratio: float = 1.0, grad_accum_steps: int = 1) -> TierBytes:
+                   offload_param: str = "none", offload_ratio: float = 1.0, nvme_ratio: float = 1.0,
+                   grad_accum_steps: int = 1) -> TierBytes:
     """Bytes per tier for one rank and one offload combination (offload_param needs stage 3)."""
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param {offload_param!r} needs stage 3, not {stage}")
@@ -57,8 +59,9 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
     cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
     nvme = read = written = 0
     if offload_optimizer == "nvme":
-        cpu += 3 * 12 * min(PIECE_NUMEL, host)
-        nvme = read = written = 12 * host
+        swapped = round(nvme_ratio * host)
+        cpu += 12 * (host - swapped) + 3 * 12 * min(PIECE_NUMEL, swapped)
+        nvme = read = written = 12 * swapped
     if offload_param == "nvme":
         nvme += param_shard
         read += 2 * grad_accum_steps * param_shard  # every unit is read at its forward and its backward gather
@@ -67,12 +70,13 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
 
 
 def tier_rows(num_params: int, *, stage: int, world_size: int, dtype: str, offload_ratio: float = 1.0,
-              grad_accum_steps: int = 1) -> list[TierBytes]:
+              nvme_ratio: float = 1.0, grad_accum_steps: int = 1) -> list[TierBytes]:
     """Every offload combination the stage allows (stage 0: none; stages 1-2: the optimizer's three)."""
     optimizers = TIERS if stage >= 1 else ("none",)
     params = TIERS if stage == 3 else ("none",)
     return [estimate_tiers(num_params, stage=stage, world_size=world_size, dtype=dtype, offload_optimizer=o,
-                           offload_param=p, offload_ratio=offload_ratio, grad_accum_steps=grad_accum_steps)
+                           offload_param=p, offload_ratio=offload_ratio, nvme_ratio=nvme_ratio,
+                           grad_accum_steps=grad_accum_steps)
             for p in params for o in optimizers]
 
 
@@ -100,7 +104,7 @@ def format_tiers(rows: list[TierBytes], *, stage: int, activations: int, mark: t
 
 def format_tier_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
                          stage: int, offload: str = "none", offload_param: str = "none", offload_ratio: float = 1.0,
-                         grad_accum_steps: int = 1) -> str:
+                         nvme_ratio: float = 1.0, grad_accum_steps: int = 1) -> str:
     """The tier table `toolkit estimate` prints below format_estimate's: the recipe's stage (stage 3 when the
     recipe's is 0), its row marked."""
     tier_stage = stage or 3
@@ -109,6 +113,6 @@ def format_tier_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dt
                             stage=tier_stage)
     activations = probe.activations.checkpointed if model.activation_checkpointing else probe.activations.full
     rows = tier_rows(parameter_count(shape, tied_embeddings=tied), stage=tier_stage, world_size=world_size,
-                     dtype=dtype, offload_ratio=offload_ratio, grad_accum_steps=grad_accum_steps)
+                     dtype=dtype, offload_ratio=offload_ratio, nvme_ratio=nvme_ratio, grad_accum_steps=grad_accum_steps)
     return "\n".join(format_tiers(rows, stage=tier_stage, activations=activations,
                                   mark=(offload, offload_param) if stage == tier_stage else None))

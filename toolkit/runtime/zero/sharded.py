@@ -13,9 +13,10 @@ and `after_step()` (stages 1-2 all-gather the new weights; stage 3 need not).
 Master weights are the parameter chunks themselves for fp32 training; they are
 a separate fp32 buffer for bf16/fp16 models and always for offload, where they
 live in CPU memory with the moments and the step runs on the CPU piece by piece
-(offload.py, kernels/cpu_adam.cpp). The shard's groups form one or two `ShardPart`s:
+(offload.py, kernels/cpu_adam.cpp). The shard's groups form one to three `ShardPart`s:
 with zero.offload_ratio below 1 the first groups keep their master and moments on
-the device (stepped there, asynchronously) and the rest are offloaded.
+the device (stepped there, asynchronously) and the rest are offloaded; under nvme with
+zero.nvme_ratio below 1 the offloaded groups split again, CPU memory then swap files.
 """
 from __future__ import annotations
 
@@ -171,11 +172,23 @@ class ShardedStrategy:
         zero = self.recipe.zero
         need = 0
         if zero.offload_optimizer == "nvme":
-            _, offloaded = split_groups(self.groups, True, zero.offload_ratio)
-            need += 12 * sum(self.groups[g].chunk for g in offloaded)
+            need += 12 * sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
         if zero.offload_param == "nvme":
             need += self.layout.numel * torch.empty(0, dtype=self.param_dtype).element_size()
         return need * int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size))
+
+    def _optimizer_tiers(self) -> tuple[range, range, range]:
+        """(groups whose optimizer stays on the device, in CPU memory, in swap files): offload_ratio of the
+        shard leaves the device; under nvme, nvme_ratio of that goes to swap files (the last groups)."""
+        zero = self.recipe.zero
+        kept, offloaded = split_groups(self.groups, self.offload, zero.offload_ratio)
+        if zero.offload_optimizer != "nvme":
+            return kept, offloaded, range(len(self.groups), len(self.groups))
+        if zero.nvme_ratio == 1:
+            return kept, range(offloaded.start, offloaded.start), offloaded
+        in_memory, swapped = split_groups([self.groups[g] for g in offloaded], True, zero.nvme_ratio)
+        start = offloaded.start
+        return kept, range(start, start + len(in_memory)), range(start + swapped.start, offloaded.stop)
 
     def describe(self) -> str:
         """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
@@ -193,13 +206,12 @@ class ShardedStrategy:
                 where = part.optimizer.mode
             share = f" for {part.layout.numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
             adams.append(where + share)
-        offloaded = sum(p.layout.numel for p in self.parts if p.offloaded) / max(1, self.layout.numel)
+        where = [f"{p.layout.numel / max(1, self.layout.numel):.0%} in "
+                 f"{'swap files' if p.swap is not None else 'CPU memory'}" for p in self.parts if p.offloaded]
         return (f"stage {self.stage}: {what} sharded over {self.info.world_size} rank(s) "
                 f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
                 f"AdamW {' + '.join(adams)}"
-                + (f"; offload: master, moments and step of {offloaded:.0%} in "
-                   f"{'swap files' if self.recipe.zero.offload_optimizer == 'nvme' else 'CPU memory'}"
-                   if self.offload else ""))
+                + (f"; offload: master, moments and step of {' + '.join(where)}" if self.offload else ""))
 
     def describe_tiers(self) -> str:
         """One line for the start-up table: where parameters, gradients, master + moments live (bytes per
@@ -234,14 +246,15 @@ class ShardedStrategy:
 
     def _init_master(self) -> None:
         """The shard's parts (master copies, moments, AdamW), once param_chunks and grad_chunks exist."""
-        kept, offloaded = split_groups(self.groups, self.offload, self.recipe.zero.offload_ratio)
+        kept, in_memory, swapped = self._optimizer_tiers()
         if self.weights is None:
             self.weights = DeviceWeights(self.param_chunks)
-        swap = self.swap_dir if self.recipe.zero.offload_optimizer == "nvme" else None
+        # NOTE: the CPU-memory part steps before the swapped one, so the disk's part comes last in a step
         self.parts = [ShardPart(self.recipe, groups, self.groups, self.info.rank, self.weights,
                                 self.grad_chunks, self.device, offloaded=on_cpu, dtype=self.param_dtype,
-                                swap_dir=swap if on_cpu else None)
-                      for groups, on_cpu in ((kept, False), (offloaded, True)) if len(groups)]
+                                swap_dir=swap)
+                      for groups, on_cpu, swap in ((kept, False, None), (in_memory, True, None),
+                                                   (swapped, True, self.swap_dir)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
         for part in self.parts[1:]:  # NOTE: one set of param_groups, so the schedule's lr reaches every part
             part.optimizer.param_groups = self.optimizer.param_groups
