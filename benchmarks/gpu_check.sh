@@ -168,12 +168,14 @@ for r in rows if r['status'] == 'ok'); print(f'best {best:,.0f} tokens/s = {best
       rm -rf "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ;;
     tp1pp1)  # issue 24: tensor = pipeline = 1 against today's engine, GPT-2 124M eager; three alternations of
              # one process timing "toolkit fused" and "toolkit fused parallel 1x1" interleaved, and (BASELINE_TREE:
-             # a `git archive` of a commit before recipe.parallel existed) that tree's "toolkit fused"
+             # a `git archive` of a commit before recipe.parallel existed) that tree's "toolkit fused";
+             # TP1PP1_ONLY="toolkit fused": today's tree alone in its process too, as the baseline's is
       local i table
       table=$(mktemp)
       for i in 1 2 3; do
         timeout 150 python3 -m benchmarks.end_to_end --steps 20 --rounds 5 \
-          --only "toolkit fused,toolkit fused parallel 1x1" --markdown "$table" 2>&1 | tee -a "$OUT/tp1pp1.txt"
+          --only "${TP1PP1_ONLY:-toolkit fused,toolkit fused parallel 1x1}" --markdown "$table" 2>&1 \
+          | tee -a "$OUT/tp1pp1.txt"
         { echo "alternation $i, today's tree"; cat "$table"; } >> "$OUT/tp1pp1.md"
         if [[ -n ${BASELINE_TREE:-} ]]; then
           (cd "$BASELINE_TREE" && PYTHONPATH=$PWD${SITE_PATH:+:$SITE_PATH} timeout 150 python3 -m benchmarks.end_to_end \
