@@ -2,10 +2,12 @@
 
 One torch.multiprocessing launch of 4 (forked) ranks runs every layout in turn for a tiny GPT-2 and a
 tiny Llama (4 layers, fp32, 5 steps, the same global batch of 16): (tp2, dp2), (pp2, dp2) under 1F1B and
-under interleaved 1F1B, (pp2, tp2) under GPipe, and (pp4); the ranks write their losses, gradient norms
-and consolidated parameters to files and the assertions run here against one process (the ordinary
-engine, no mesh). The (pp2, tp2) run saves a checkpoint that resumes in the same launch at (dp 4, ZeRO-1)
-and here on one process: both go on as the one-process run that never stopped (same tolerance).
+under interleaved 1F1B, (pp2, tp2) under GPipe, (pp4), and (tp2, dp2) and (pp2, dp2) with ZeRO-1 over dp;
+the ranks write their losses, gradient norms and consolidated parameters to files and the assertions run
+here against one process (the ordinary engine, no mesh). The (pp2, dp2, ZeRO-1) run saves a checkpoint
+(each dp rank holding half the moments) that resumes in the same launch at (dp 4, ZeRO-1) and at (tp2,
+dp2, ZeRO-1), and here on one process: all go on as the one-process run that never stopped (same
+tolerance).
 
 Tolerance: rtol 1e-5 plus atol 2e-5 on parameters, rtol 1e-5 on losses and norms. A tensor-parallel
 matmul sums its partial products in another order (the row-parallel all-reduce), a pipeline computes
@@ -46,11 +48,14 @@ LAYOUTS = {
     "pp2-tp2": ["parallel.pipeline=2", "parallel.tensor=2", "parallel.pipeline_schedule=gpipe",
                 "parallel.pipeline_microbatches=2", "batch.grad_accum_steps=2"],
     "pp4": ["parallel.pipeline=4", "parallel.pipeline_microbatches=8"],
+    "tp2-dp2-zero1": ["parallel.tensor=2", "zero.stage=1"],
+    "pp2-dp2-zero1": ["parallel.pipeline=2", "parallel.pipeline_microbatches=4", "zero.stage=1"],
 }
 FAMILIES = {"gpt2": [], "llama": ["model.family=llama"]}
-SAVED = "gpt2-pp2-tp2"  # its checkpoint resumes at dp4 (in the launch) and on one process (here)
+SAVED = "gpt2-pp2-dp2-zero1"  # its checkpoint resumes at dp4 and tp2-dp2-zero1 (in the launch), on one process (here)
 RESUMED_KEY = "gpt2-resumed-dp4"
-DP4 = ["zero.stage=1"]  # the resume layout: plain data parallelism over 4 ranks
+RESUMED_TP_KEY = "gpt2-resumed-tp2-dp2-zero1"
+DP4 = ["zero.stage=1"]  # a resume layout: plain data parallelism over 4 ranks
 # NOTE: CI budget: the default launch runs GPT-2 in every layout and Llama in the two that cover both of its
 # plans (tensor and pipeline); Llama's other layouts run in a second launch, with TOOLKIT_ALL_LAYOUTS=1.
 FAST = [f"gpt2-{name}" for name in LAYOUTS] + ["llama-tp2-dp2", "llama-pp2-tp2"]
@@ -97,11 +102,14 @@ def _rank_main(rank, world, port, out_dir, keys):
     for key in keys:
         family, name = key.split("-", 1)
         engine, stream = start(world, FAMILIES[family] + LAYOUTS[name])
-        results[key] = {**steps(engine, stream, STEPS), "params": whole_parameters(engine)}
+        results[key] = {**steps(engine, stream, STEPS), "params": whole_parameters(engine),
+                        "memory": engine.strategy.memory_bytes()}
         if key == SAVED:
             engine.save_checkpoint(out_dir / "checkpoints")
             engine, stream = start(world, DP4, resume_from=out_dir / "checkpoints")
             results[RESUMED_KEY] = {**steps(engine, stream, RESUMED), "params": replica_parameters(engine)}
+            engine, stream = start(world, LAYOUTS["tp2-dp2-zero1"], resume_from=out_dir / "checkpoints")
+            results[RESUMED_TP_KEY] = {**steps(engine, stream, RESUMED), "params": whole_parameters(engine)}
     torch.save(results, out_dir / f"rank{rank}-{len(keys)}.pt")
     import torch.distributed as dist
     dist.barrier()
@@ -179,13 +187,24 @@ def check_against_one_process(ranks, reference, key, ref_key=None):
                                    atol=0)
 
 
-def test_checkpoint_saved_at_pp2_tp2_resumes_at_dp4(ranks, reference):
-    """The (pp 2, tp 2) checkpoint loaded by (dp 4, ZeRO-1) trains on as the one process that never stopped."""
-    check_against_one_process(ranks, reference, RESUMED_KEY, RESUMED_KEY)
+@pytest.mark.parametrize("key", [RESUMED_KEY, RESUMED_TP_KEY])
+def test_checkpoint_saved_at_pp2_dp2_zero1_resumes_in_another_layout(ranks, reference, key):
+    """The (pp 2, dp 2, ZeRO-1) checkpoint loaded by (dp 4, ZeRO-1) and by (tp 2, dp 2, ZeRO-1) trains on as
+    the one process that never stopped."""
+    check_against_one_process(ranks, reference, key, RESUMED_KEY)
 
 
-def test_checkpoint_saved_at_pp2_tp2_resumes_on_one_process(ranks, reference, out_dir):
-    """A checkpoint of (pp 2, tp 2, dp 1) loads into the one-process engine: the same whole weights and
+def test_zero1_over_a_mesh_keeps_a_share_of_the_moments_per_dp_rank(ranks):
+    """Under (tp 2, dp 2, ZeRO-1) each tensor rank's moments are split between its two dp ranks: every rank holds
+    fewer than without ZeRO-1, and the four together half as many (each once per tensor rank, not twice)."""
+    mem = [r["gpt2-tp2-dp2-zero1"]["memory"] for r in ranks]
+    plain = [r["gpt2-tp2-dp2"]["memory"] for r in ranks]
+    assert all(m["mem_optim_bytes"] < p["mem_optim_bytes"] for m, p in zip(mem, plain))
+    assert sum(m["mem_optim_bytes"] for m in mem) == sum(p["mem_optim_bytes"] for p in plain) // 2
+
+
+def test_checkpoint_saved_at_pp2_dp2_zero1_resumes_on_one_process(ranks, reference, out_dir):
+    """A checkpoint of (pp 2, dp 2, ZeRO-1) loads into the one-process engine: the same whole weights and
     AdamW moments, and training goes on as the one process that never stopped."""
     torch.set_num_threads(1)
     engine, stream = start(1, [], resume_from=out_dir / "checkpoints")

@@ -25,9 +25,12 @@ def parallel_spec(parallel: dict, zero: dict, model: ModelSpec | None, world: in
         errors.append(f"recipe.zero.stage: {zero['stage']} with parallel.pipeline {pp}: gradients and parameters "
                       "partitioned across data-parallel ranks do not fit the pipeline's micro-batch schedule (DeepSpeed "
                       "refuses it too); use zero.stage 0 or 1")
-    elif zero["stage"] >= 1:
-        errors.append(f"recipe.zero.stage: {zero['stage']} with parallel tensor {tp} / pipeline {pp}: the data-parallel "
-                      "dimension of a mesh is plain data parallelism (stage 0) for now")
+    elif zero["stage"] >= 2:
+        errors.append(f"recipe.zero.stage: {zero['stage']} with parallel tensor {tp}: the data-parallel dimension of a "
+                      "mesh shards optimizer states (stage 1) but not gradients or parameters; use zero.stage 0 or 1")
+    if zero["offload_optimizer"] != "none":
+        errors.append(f"recipe.zero.offload_optimizer: {zero['offload_optimizer']!r} with parallel tensor {tp} / "
+                      f"pipeline {pp}: a mesh steps its optimizer on the device; set it to 'none'")
     if model is not None:
         errors += _model_errors(spec, model)
     return spec, max(world // spec.model_ranks, 1), errors

@@ -7,11 +7,13 @@ parallelism); at the accumulation boundary they are averaged over the data-paral
 tied embedding is summed over the pipeline (the first stage's input use plus the last stage's head use).
 The norm for clipping is global: each parameter counted once (a tensor shard by every tensor rank, a
 replicated parameter by tensor rank 0, the tied embedding by stage 0), summed over the whole mesh.
-AdamW is torch's, on each rank's local tensors, so each element sees the one-process arithmetic.
+AdamW is torch's, on each rank's local tensors, so each element sees the one-process arithmetic. Under
+zero.stage 1 it is wrapped in torch's ZeroRedundancyOptimizer over the dp group: each dp rank keeps the
+moments of about 1/dp of its local tensors, steps those and broadcasts them (ZeRO-1, DeepSpeed's "3D").
 
 Checkpoints are the ZeRO shard format (toolkit/checkpoint/zero_shards.py) with whole parameters: the
 (dp 0, tp 0) rank of each stage writes its stage's parameters gathered over the tensor group, with the
-optimizer moments, so a checkpoint loads at any layout, stage 0 on one process included, and `toolkit
+optimizer moments (under ZeRO-1 broadcast from the dp rank that owns them), so a checkpoint loads at any layout, stage 0 on one process included, and `toolkit
 export` reads it as it reads any sharded checkpoint.
 """
 from __future__ import annotations
@@ -37,9 +39,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class MeshStrategy:
-    """Stage-0 data parallelism over the mesh's dp dimension, for a tensor- and/or pipeline-parallel model."""
+    """Data parallelism (zero.stage 0, or 1: optimizer states sharded) over the mesh's dp dimension, for a
+    tensor- and/or pipeline-parallel model."""
 
-    stage = 0
     offload = False
     sharded_checkpoint = True  # whole parameters in ZeRO shard files (see the module docstring)
 
@@ -54,16 +56,38 @@ class MeshStrategy:
         groups = [{**g, "params": [self._local_of[id(p)] for p in g["params"]]}
                   for g in param_groups(model, recipe.optimizer.weight_decay)]
         spec = recipe.optimizer
-        self.optimizer = torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
-                                           weight_decay=spec.weight_decay)
+        adamw = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
+        self.stage = recipe.zero.stage  # 0 or 1 (recipe/parallel_checks.py refuses more)
+        if self.stage == 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=mesh.group("dp"),
+                                                     **adamw)
+            self._local_optimizer = self.optimizer.optim  # AdamW over the tensors this dp rank owns
+        else:
+            self.optimizer = self._local_optimizer = torch.optim.AdamW(groups, **adamw)
+        self._owner = self._moment_owners()
+        self._steps = 0
         self._boundary = False
         # each parameter once in the global norm: shards on every tensor rank, the rest on tensor rank 0
         self._counted = [p for n, p in self.named
                          if (n in layouts or mesh.tp_rank == 0) and (n != TIED_EMBEDDING or mesh.pp_rank == 0)]
 
+    def _moment_owners(self) -> dict[int, int]:
+        """id(local tensor) -> the global rank holding its AdamW moments in this rank's dp group (stage 1)."""
+        if self.stage == 0:
+            return {}
+        mine = {id(t) for g in self._local_optimizer.param_groups for t in g["params"]}
+        owned = [i for i, (_, p) in enumerate(self.named) if id(self._local_of[id(p)]) in mine]
+        everyone = [None] * self.mesh.dp
+        dist.all_gather_object(everyone, (self.info.rank, owned), group=self.mesh.group("dp"))
+        return {id(self._local_of[id(self.named[i][1])]): rank for rank, indices in everyone for i in indices}
+
     def describe(self) -> str:
         """One line for the start-up table."""
-        return f"stage 0 (data parallel) over dp {self.mesh.dp}; {self.mesh.describe()}"
+        what = ("stage 1 (optimizer states sharded, torch ZeroRedundancyOptimizer)" if self.stage == 1
+                else "stage 0 (data parallel)")
+        return f"{what} over dp {self.mesh.dp}; {self.mesh.describe()}"
 
     # -- gradients -----------------------------------------------------------------------
 
@@ -122,6 +146,7 @@ class MeshStrategy:
             if local is not p:
                 local.grad = None if p.grad is None else _local(p.grad)
         self.optimizer.step()
+        self._steps += 1
 
     def zero_grad(self) -> None:
         """Drop the gradients (the next backward writes them)."""
@@ -148,9 +173,14 @@ class MeshStrategy:
         pieces = []
         for name, p in self.named:
             local = self._local_of[id(p)].detach()
-            state = self.optimizer.state.get(self._local_of[id(p)], {})
+            state = self._local_optimizer.state.get(self._local_of[id(p)], {})
             views = {"param": local, "exp_avg": state.get("exp_avg", torch.zeros_like(local)),
                      "exp_avg_sq": state.get("exp_avg_sq", torch.zeros_like(local))}
+            owner = self._owner.get(id(self._local_of[id(p)]))
+            if owner is not None and self.mesh.dp > 1:  # ZeRO-1: the moments come from the dp rank that steps them
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    views[kind] = views[kind].clone()
+                    dist.broadcast(views[kind], src=owner, group=self.mesh.group("dp"))
             full = {kind: self._full(name, t).reshape(-1) for kind, t in views.items()}
             if self._owns(name):
                 pieces.append((name, 0, full["param"].numel(), full))
@@ -161,9 +191,8 @@ class MeshStrategy:
         return dict(self.full_shapes)
 
     def optimizer_steps(self) -> int:
-        """AdamW steps applied so far."""
-        steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
-        return int(steps[0]) if steps else 0
+        """AdamW steps applied so far (counted: under ZeRO-1 a dp rank may own no moments)."""
+        return self._steps
 
     @torch.no_grad()
     def load_pieces(self, reader) -> None:
@@ -178,16 +207,17 @@ class MeshStrategy:
                 part = layout.shard(full, self.mesh.tp, self.mesh.tp_rank) if layout is not None else full
                 return part.to(local.device, local.dtype)
             local.copy_(read("param"))
-            if reader.step:
-                self.optimizer.state[local] = {"step": torch.tensor(float(reader.step)),
-                                               "exp_avg": read("exp_avg"), "exp_avg_sq": read("exp_avg_sq")}
+            if reader.step and self._owner.get(id(local), self.info.rank) == self.info.rank:
+                self._local_optimizer.state[local] = {"step": torch.tensor(float(reader.step)),
+                                                      "exp_avg": read("exp_avg"), "exp_avg_sq": read("exp_avg_sq")}
+        self._steps = reader.step
 
     def memory_bytes(self) -> dict:
         """Model-state bytes this rank holds now, from live tensors."""
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         locals_ = list(self._local_of.values())
-        optim = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        optim = [t for s in self._local_optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         params = size(locals_)
         return {"mem_params_bytes": params, "mem_grads_bytes": params, "mem_optim_bytes": size(optim),
                 "mem_master_bytes": 0, "mem_offload_bytes": 0}
