@@ -139,7 +139,8 @@ def child(args) -> dict:
     recipe = load_recipe("gpt2-124m", [
         f"model.n_layer={args.layers}", f"model.n_embd={args.width}", f"model.n_head={args.heads}",
         "model.activation_checkpointing=true", "zero.stage=3", f"zero.offload_optimizer={args.tier}",
-        f"zero.offload_ratio={args.ratio}", f"zero.nvme_ratio={args.nvme_ratio}", f"zero.offload_param={args.param}", f"zero.nvme_path={args.swap_dir}",
+        f"zero.offload_ratio={args.ratio}", f"zero.nvme_ratio={args.nvme_ratio}", f"zero.offload_param={args.param}",
+        f"zero.nvme_path={args.swap_dir}",
         f"batch.micro_batch_per_rank={args.micro}", "batch.grad_accum_steps=1", "precision.dtype=bf16",
         f"data.seq_len={SEQ}", f"training.device={args.device}", "training.max_steps=1000",
         "training.memory_check=warn", "checkpoint.save_final=false", "logging.tensorboard=false"])
@@ -184,7 +185,8 @@ def run_child(args, layers: int, tier: str, ratio: float, nvme_ratio: float, par
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "benchmarks.infinity_gpu", "--child", "--layers", str(layers), "--tier", tier,
-               "--ratio", str(ratio), "--nvme-ratio", str(nvme_ratio), "--param", param, "--port", str(port), "--swap-dir", args.swap_dir,
+               "--ratio", str(ratio), "--nvme-ratio", str(nvme_ratio), "--param", param, "--port", str(port),
+               "--swap-dir", args.swap_dir,
                "--width", str(args.width), "--heads", str(args.heads), "--micro", str(args.micro),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
     try:

@@ -57,7 +57,7 @@ def expected_step_bytes(stage: int, numel: int, world: int, element_bytes: int, 
     return {k: v for k, v in kinds.items() if v}
 
 
-def format_bytes(n: float) -> str:
+def format_wire_bytes(n: float) -> str:
     """1.23 MB (decimal units, as link speeds are quoted)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= size:
@@ -111,11 +111,11 @@ class CommLedger:
     def summary(self) -> str:
         """One line for the end of a run: bytes per step by kind and the exposed time per step."""
         steps = max(1, self.steps)
-        kinds = ", ".join(f"{k.replace('_', '-')} {format_bytes(v / steps)}" for k, v in self.totals["bytes"].items()
-                          if v)
+        kinds = ", ".join(f"{k.replace('_', '-')} {format_wire_bytes(v / steps)}"
+                          for k, v in self.totals["bytes"].items() if v)
         sim = (f"; SIMULATED link {self.simulated_link_gbps:g} Gb/s (collectives delayed by bytes / bandwidth)"
                if self.simulated_link_gbps else "")
-        return (f"comm | per step and rank: {format_bytes(sum(self.totals['bytes'].values()) / steps)} sent "
+        return (f"comm | per step and rank: {format_wire_bytes(sum(self.totals['bytes'].values()) / steps)} sent "
                 f"({kinds or 'no collectives'}), {self.totals['exposed_s'] / steps * 1e3:.1f} ms exposed{sim}")
 
 

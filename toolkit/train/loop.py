@@ -25,7 +25,7 @@ from toolkit.runtime.engine import Engine, check_device, pick_device
 from toolkit.errors import UserError, write_failure
 from toolkit.observe.flops import MfuBasis, mfu_basis, unknown_peak_warning
 from toolkit.observe.memory_fit import check_memory_fit
-from toolkit.observe.comm import format_bytes, per_step
+from toolkit.observe.comm import format_wire_bytes, per_step
 from toolkit.observe.memory_monitor import MemoryMonitor
 from toolkit.runtime.comm import expected_bytes_per_step
 from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
@@ -113,8 +113,8 @@ def comm_row(engine: Engine) -> str:
     if engine.recipe.parallel.active:
         return MESH_NOT_COUNTED
     expected = expected_bytes_per_step(engine.strategy, engine.grad_accum_steps)
-    kinds = " + ".join(f"{k.replace('_', '-')} {format_bytes(v)}" for k, v in expected.items())
-    return (f"expected {format_bytes(sum(expected.values()))} sent per rank per step ({kinds}; "
+    kinds = " + ".join(f"{k.replace('_', '-')} {format_wire_bytes(v)}" for k, v in expected.items())
+    return (f"expected {format_wire_bytes(sum(expected.values()))} sent per rank per step ({kinds}; "
             f"docs/communication.md); {engine.comm.describe()}")
 
 

@@ -13,8 +13,9 @@ moments of about 1/dp of its local tensors, steps those and broadcasts them (ZeR
 
 Checkpoints are the ZeRO shard format (toolkit/checkpoint/zero_shards.py) with whole parameters: the
 (dp 0, tp 0) rank of each stage writes its stage's parameters gathered over the tensor group, with the
-optimizer moments (under ZeRO-1 broadcast from the dp rank that owns them), so a checkpoint loads at any layout, stage 0 on one process included, and `toolkit
-export` reads it as it reads any sharded checkpoint.
+optimizer moments (under ZeRO-1 broadcast from the dp rank that owns them), so a checkpoint loads at
+any layout, stage 0 on one process included, and `toolkit export` reads it as it reads any sharded
+checkpoint.
 """
 from __future__ import annotations
 
