@@ -1,6 +1,7 @@
 """GPU: the ZeRO stages on CUDA. In one process, fp32, every stage (offload with the
-pipelined CPU step, whole and half) ends where stage 0 does after 8 steps; then the
-same through an NCCL process group of world size 1, so the collectives run on NCCL.
+pipelined CPU step, whole and half; ZeRO-Infinity's parameter and optimizer tiers, the
+optimizer over three) ends where stage 0 does after 8 steps; then the same through an
+NCCL process group of world size 1, so the collectives run on NCCL.
 
 Tolerance: rtol 1e-5 on the losses, params within 2e-5 (TF32 is off; the GPU's
 fused AdamW and the CPU kernel round the same fp32 maths in a different order)."""
@@ -43,7 +44,13 @@ def stage0():
 
 CASES = [["zero.stage=1"], ["zero.stage=2"], ["zero.stage=3"],
          ["zero.stage=2", "zero.offload_optimizer=cpu"], ["zero.stage=3", "zero.offload_optimizer=cpu"],
-         ["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_ratio=0.5"]]
+         ["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_ratio=0.5"],
+         # ZeRO-Infinity (SWAP: a temporary folder): parameters from pinned CPU memory or a swap file, the optimizer
+         # in swap files, and over three tiers (device, CPU memory, swap file)
+         ["zero.stage=3", "zero.offload_param=cpu"], ["zero.stage=3", "zero.offload_param=nvme", "SWAP"],
+         ["zero.stage=3", "zero.offload_optimizer=nvme", "SWAP"],
+         ["zero.stage=3", "zero.offload_param=cpu", "zero.offload_optimizer=nvme", "zero.offload_ratio=0.7",
+          "zero.nvme_ratio=0.5", "SWAP"]]
 
 
 def assert_matches(engine, losses, stage0):
@@ -55,11 +62,16 @@ def assert_matches(engine, losses, stage0):
 
 
 @pytest.mark.parametrize("overrides", CASES, ids=" ".join)
-def test_stage_on_cuda_matches_stage0(overrides, stage0, monkeypatch):
+def test_stage_on_cuda_matches_stage0(overrides, stage0, monkeypatch, tmp_path):
     monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 4096)  # many pieces through the pinned staging
-    engine, losses = train(overrides)
+    engine, losses = train([f"zero.nvme_path={tmp_path}" if o == "SWAP" else o for o in overrides])
     assert engine.device.type == "cuda"
     assert_matches(engine, losses, stage0)
+    if "zero.nvme_ratio=0.5" in overrides:
+        tiers = ["nvme" if p.swap is not None else "cpu" if p.offloaded else "device" for p in engine.strategy.parts]
+        assert tiers == ["device", "cpu", "nvme"]
+    if getattr(engine.strategy, "swap_dir", None) is not None:
+        engine.strategy.swap_dir.remove()
 
 
 def test_stages_through_nccl_world_1_match_stage0(stage0, monkeypatch):
