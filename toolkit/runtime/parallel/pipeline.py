@@ -119,12 +119,17 @@ class PipelineRunner:
         dist.all_reduce(loss, group=self.pp_group)
         return loss[0]
 
+    def _inputs(self, tokens: torch.Tensor) -> tuple:
+        """The first stage's input ids, contiguous: torch 2.11's PipelineStage checks strides against its
+        contiguous example and refuses the [:, :-1] view (2.13 accepts it)."""
+        return (tokens[:, :-1].contiguous(),) if self.is_first else ()
+
     def train(self, tokens: torch.Tensor, loss_factor: float) -> torch.Tensor:
         """Forward and backward of one micro batch of token ids [micro, seq + 1]; its mean loss (the last
         stage's, on every stage), detached, fp32."""
         self.loss_factor = loss_factor / self.microbatches
         losses: list[torch.Tensor] = []
-        inputs = (tokens[:, :-1],) if self.is_first else ()
+        inputs = self._inputs(tokens)
         self.schedule.step(*inputs, target=tokens[:, 1:] if self.is_last else None, losses=losses)
         if not self.is_last:
             return self._shared(torch.zeros((), device=tokens.device))
@@ -134,7 +139,7 @@ class PipelineRunner:
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
         """The mean loss of one micro batch through the forward-only schedule (on every stage)."""
-        inputs = (tokens[:, :-1],) if self.is_first else ()
+        inputs = self._inputs(tokens)
         logits = self.forward_only.step(*inputs)
         if not self.is_last:
             return self._shared(torch.zeros((), device=tokens.device))
