@@ -19,7 +19,9 @@ BASE = {
     "batch": {"global_batch": 8},
     "optimizer": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "implementation": "torch"},
     "scheduler": {"type": "WarmupCosineLR", "warmup_num_steps": 2},
-    "training": {"max_steps": 8, "seed": 1234, "eval_interval": 0, "log_interval": 1, "grad_clip": 1.0},
+    # NOTE: device cpu, also on a GPU machine: the ranks are forked (CUDA cannot start in a forked child) and use gloo
+    "training": {"device": "cpu", "max_steps": 8, "seed": 1234, "eval_interval": 0, "log_interval": 1,
+                 "grad_clip": 1.0},
     "logging": {"console": False, "tensorboard": False, "wandb": {"mode": "disabled"}},
     "checkpoint": {"save_final": False},
 }

@@ -33,7 +33,9 @@ BASE = {
     "batch": {"global_batch": 16},
     "optimizer": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "implementation": "torch"},
     "scheduler": {"type": "WarmupCosineLR", "warmup_num_steps": 3},
-    "training": {"max_steps": STEPS, "seed": 1234, "eval_interval": 0, "log_interval": 1, "grad_clip": 0.5},
+    # NOTE: device cpu, also on a GPU machine: the ranks are forked (CUDA cannot start in a forked child) and use gloo
+    "training": {"device": "cpu", "max_steps": STEPS, "seed": 1234, "eval_interval": 0, "log_interval": 1,
+                 "grad_clip": 0.5},
     "logging": {"console": False, "tensorboard": False, "wandb": {"mode": "disabled"}},
     "checkpoint": {"save_final": False},
 }
