@@ -209,7 +209,7 @@ def test_bad_nvme_path_is_one_line_before_training(case, tmp_path, monkeypatch):
 
 
 def _rss_main(swap: Path, out: Path, layers: tuple[int, ...]):
-    """In a forked process: peak RSS while training 2 steps at each depth, both tiers nvme, then both cpu."""
+    """In a child process: peak RSS while training 2 steps at each depth, both tiers nvme, then both cpu."""
     import ctypes
     import gc
     import threading
@@ -262,8 +262,9 @@ def test_host_memory_stays_bounded_with_nvme_offload_as_the_model_grows(tmp_path
     per parameter of fp32 master + moments alone (the fp32 gradient shard stays: on a CPU run that is the
     device); with both cpu tiers, the control, by the 16 bytes of master, moments and parameters more."""
     (tmp_path / "swap").mkdir()
-    _import_before_fork()
-    process = mp.get_context("fork").Process(target=_rss_main, args=(tmp_path / "swap", tmp_path / "rss.pt", (1, 9)))
+    # NOTE: a fresh interpreter (spawn), not a fork: this worker process has run other tests' threads and thread
+    # pools by now, and a fork taken while one of them held a lock hung once in CI (exit code None after 300 s)
+    process = mp.get_context("spawn").Process(target=_rss_main, args=(tmp_path / "swap", tmp_path / "rss.pt", (1, 9)))
     process.start()
     process.join(300)
     assert process.exitcode == 0
