@@ -225,7 +225,7 @@ def cross_section_errors(r: dict, batch: BatchSpec, max_steps: int) -> list[str]
     if zero["offload_ratio"] != 1 and zero["offload_optimizer"] == "none":
         errors.append(f"recipe.zero.offload_ratio: {zero['offload_ratio']} needs zero.offload_optimizer "
                       "'cpu' (it is the part of the optimizer kept in CPU memory) or 'nvme' (in swap files)")
-    if zero.get("nvme_ratio", 1) != 1 and zero["offload_optimizer"] != "nvme":
+    if zero["nvme_ratio"] != 1 and zero["offload_optimizer"] != "nvme":
         errors.append(f"recipe.zero.nvme_ratio: {zero['nvme_ratio']} needs zero.offload_optimizer 'nvme' (it is the "
                       "part of the offloaded optimizer kept in swap files; the rest stays in CPU memory)")
     if zero["offload_param"] != "none" and zero["stage"] != 3:
