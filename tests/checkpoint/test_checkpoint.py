@@ -3,6 +3,7 @@ resume through the real loop, and what a changed recipe may do on resume."""
 import json
 import random
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -128,6 +129,7 @@ def test_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     run(tiny("training.max_steps=2", "logging.wandb.mode=offline"), tmp_path, quiet=True)
     first_id = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints")).wandb_run_id
     assert first_id
+    time.sleep(1.1)  # NOTE: wandb names a session's folder by the second it started: two in one second share one
     run(tiny("training.max_steps=4", "logging.wandb.mode=offline"), tmp_path, quiet=True)
     assert load_checkpoint(latest_checkpoint(tmp_path / "checkpoints")).wandb_run_id == first_id
     assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{first_id}"))) == 2  # both sessions, one run id
