@@ -9,8 +9,9 @@ on this machine with the optimizer in swap files and the parameter shard in CPU 
 (zero.offload_optimizer); RATIO zero.offload_ratio, default `auto`: the pair's common ratio, the largest
 (at most 1) whose swap files fit 92% of the swap folder's free disk; for `max`, the smallest that
 leaves the GPU room, with the largest zero.nvme_ratio (NVME_RATIO, default 1) whose swap files fit the
-disk, the rest of the offloaded optimizer in CPU memory. Every run: stage 3, bf16, activation checkpointing, sequence 1024, random tokens,
-one process per run (its own CUDA context, peaks, and failure), --warmup then --steps timed steps.
+disk, the rest of the offloaded optimizer in CPU memory. Every run: stage 3, bf16, activation
+checkpointing, sequence 1024, random tokens, one process per run (its own CUDA context, peaks, and
+failure), --warmup then --steps timed steps.
 Rows are written to --markdown as each run ends; a run whose predicted time (model build + swap
 writes at --disk-gbps + its steps) exceeds the budget left is skipped, with its prediction.
 Reported: tokens/s, host peak RSS (VmHWM), disk peak (swap folder's disk use, sampled), swap MB/s
@@ -208,7 +209,8 @@ def parse_runs(text: str) -> list[tuple[str, str, str, float]]:
     runs = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) not in (2, 3, 4) or not (parts[0] == "max" or parts[0].isdigit()) or parts[1] not in ("cpu", "nvme"):
+        if (len(parts) not in (2, 3, 4) or not (parts[0] == "max" or parts[0].isdigit())
+                or parts[1] not in ("cpu", "nvme")):
             raise ValueError(f"--runs item {item!r}: LAYERS:TIER[:RATIO[:NVME_RATIO]], LAYERS a number or max, "
                              "TIER cpu or nvme")
         ratio = parts[2] if len(parts) >= 3 else "auto"

@@ -42,8 +42,7 @@ def _rank_main(rank, world, port, out_dir):
             seen["swap_files"] = sorted(p.name for p in strategy.swap_dir.path.iterdir())
         if strategy.stage == 3:
             seen["shard_numel"] = strategy.layout.numel
-            seen["tiers"] = [("nvme" if p.swap is not None else "cpu" if p.offloaded else "device", p.layout.numel)
-                             for p in strategy.parts]
+            seen["tiers"] = [(p.tier, p.layout.numel) for p in strategy.parts]
         seen["params"] = strategy.full_parameters()
         results[name] = seen
         if getattr(strategy, "swap_dir", None) is not None:  # NOTE: forked ranks skip atexit; a test below checks it
@@ -106,7 +105,7 @@ def test_nvme_ratio_splits_the_offloaded_optimizer_between_cpu_memory_and_swap_f
     for index, rank in enumerate(ranks):
         three = rank["optimizer-three-tiers"]
         (_, device), (_, cpu), (_, nvme) = three["tiers"]
-        assert [tier for tier, _ in three["tiers"]] == ["device", "cpu", "nvme"]
+        assert [tier for tier, _ in three["tiers"]] == ["none", "cpu", "nvme"]
         assert device + cpu + nvme == three["shard_numel"]
         assert three["memory"]["mem_offload_bytes"] == 12 * cpu  # fp32 master + two moments in CPU memory
         assert three["memory"]["mem_optim_bytes"] == 8 * device

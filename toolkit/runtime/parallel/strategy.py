@@ -218,7 +218,8 @@ class MeshStrategy:
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         locals_ = list(self._local_of.values())
-        optim = [t for s in self._local_optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        optim = [t for s in self._local_optimizer.state.values() for t in s.values()
+                 if torch.is_tensor(t) and t.dim()]
         params = size(locals_)
         return {"mem_params_bytes": params, "mem_grads_bytes": params, "mem_optim_bytes": size(optim),
                 "mem_master_bytes": 0, "mem_offload_bytes": 0}

@@ -18,7 +18,7 @@ One strategy per recipe.zero.stage, all with the same small interface the engine
 Files: flat.py (flat sharded layout), adamw.py (the shard's AdamW: torch's, or the
 CPU Adam kernel of toolkit/ops/cpu_adam.py under offload), offload.py (the CPU step),
 ddp.py (stage 0), partition.py (stages 1-2), stage3.py (stage 3), sharded.py (what 1-3
-share). The process group is toolkit/distributed.py; the shard checkpoint format
+share), shard_part.py (one tier of the optimizer shard: device, CPU memory or swap file). The process group is toolkit/distributed.py; the shard checkpoint format
 toolkit/checkpoint/zero_shards.py; the benchmarks benchmarks/zero_cpu.py and
 benchmarks/zero_gpu.py.
 """

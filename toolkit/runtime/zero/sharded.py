@@ -13,7 +13,7 @@ and `after_step()` (stages 1-2 all-gather the new weights; stage 3 need not).
 Master weights are the parameter chunks themselves for fp32 training; they are
 a separate fp32 buffer for bf16/fp16 models and always for offload, where they
 live in CPU memory with the moments and the step runs on the CPU piece by piece
-(offload.py, kernels/cpu_adam.cpp). The shard's groups form one to three `ShardPart`s:
+(offload.py, kernels/cpu_adam.cpp). The shard's groups form one to three `ShardPart`s (shard_part.py):
 with zero.offload_ratio below 1 the first groups keep their master and moments on
 the device (stepped there, asynchronously) and the rest are offloaded; under nvme with
 zero.nvme_ratio below 1 the offloaded groups split again, CPU memory then swap files.
@@ -25,12 +25,11 @@ import math
 import torch
 
 from toolkit.runtime.precision import has_inf_or_nan
-from toolkit.runtime.zero.adamw import ShardedAdamW
 from toolkit.distributed import DistInfo
 from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
-from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
 from toolkit.runtime.zero.param_offload import DeviceWeights
+from toolkit.runtime.zero.shard_part import ShardPart, split_groups
 from toolkit.runtime.zero.swap import SwapDir, check_nvme_path
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
@@ -45,101 +44,6 @@ def tensor_bytes(tensors) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
-
-
-class ShardPart:
-    """A run of consecutive groups whose master weights and AdamW moments live on one tier: the device,
-    CPU memory (offload_optimizer cpu) or a swap file (offload_optimizer nvme: `swap` is set)."""
-
-    def __init__(self, recipe, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
-                 device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None):
-        self.groups = groups
-        self.layout = ShardLayout([all_groups[g] for g in groups], rank)
-        self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
-        self.offloaded = offloaded
-        opt_device = torch.device("cpu") if offloaded else device
-        numel = self.layout.numel
-        # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros)
-        self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
-                     if offloaded and swap_dir is not None else None)
-        self.optimizer = ShardedAdamW(recipe.optimizer, 0 if self.swap else numel, opt_device, offload=offloaded)
-        self.master: torch.Tensor | None = None
-        self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
-        if self.swap is not None:
-            for local, g in enumerate(groups):
-                self.swap.write(weights.read(g).to("cpu", torch.float32).contiguous(), 4 * self.layout.offsets[local])
-            self.master_chunks = []
-        elif offloaded or dtype != torch.float32 or not weights.on_device:
-            self.master = torch.empty(numel, dtype=torch.float32, device=opt_device)
-            self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
-            for master, g in zip(self.master_chunks, groups):
-                master.copy_(weights.read(g))
-        self.moment_chunks = [] if self.swap is not None else [
-            (self.layout.chunk_of(self.optimizer.exp_avg, g), self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
-            for g in range(len(groups))]
-        if self.swap is not None:
-            self.offloaded_step = SwappedStep(self.layout, self.optimizer, self.swap, self.grad_chunks, weights,
-                                              groups, device)
-        else:
-            self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
-                                                 weights, groups, device) if offloaded else None)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on this part (the device's runs asynchronously; the CPU's returns when done)."""
-        if self.offloaded_step is not None:
-            self.offloaded_step.step()
-            return
-        views = {decay: (self.layout.segment_views(self.master_chunks, decay),
-                         self.layout.segment_views(self.grad_chunks, decay),
-                         self.layout.segment_views([m for m, _ in self.moment_chunks], decay),
-                         self.layout.segment_views([v for _, v in self.moment_chunks], decay))
-                 for decay in (True, False)}
-        self.optimizer.step({d: views[d][0] for d in views}, {d: views[d][1] for d in views},
-                            {d: views[d][2:] for d in views})
-        self.publish()
-
-    def publish(self) -> None:
-        """Copy a separate master into the parameter chunks (after a device step, or a load)."""
-        if self.master is None and self.swap is None:
-            return
-        for local, g in enumerate(self.groups):
-            self.weights.write(g, 0, self.chunk_states(local)[0])
-
-    def chunk_states(self, local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq) of the part's group `local`: views, or (nvme) copies read from the file."""
-        if self.swap is None:
-            return (self.master_chunks[local], *self.moment_chunks[local])
-        n, numel = self.layout.groups[local].chunk, self.layout.numel
-        return tuple(self.swap.read(torch.empty(n, dtype=torch.float32), 4 * (kind * numel + self.layout.offsets[local]))
-                     for kind in range(3))
-
-    def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
-        """Write back what `chunk_states` returned, after filling it (nvme; views need nothing)."""
-        if self.swap is not None:
-            for kind, tensor in enumerate(states):
-                self.swap.write(tensor.contiguous(), 4 * (kind * self.layout.numel + self.layout.offsets[local]))
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Moments and the separate master, if any, in memory (a swapped part holds none)."""
-        return [self.optimizer.exp_avg, self.optimizer.exp_avg_sq] + ([self.master] if self.master is not None else [])
-
-
-def split_groups(groups: list[FlatGroup], offload: bool, ratio: float) -> tuple[range, range]:
-    """(groups kept on the device, groups offloaded): the last groups, about `ratio` of the shard's elements.
-
-    Every rank's chunk of a group has the same size, so every rank splits at the same group.
-    """
-    n = len(groups)
-    if not offload:
-        return range(n), range(n, n)
-    want = ratio * sum(g.chunk for g in groups)
-    best, best_gap, host = n - 1, float("inf"), 0
-    for first in range(n - 1, -1, -1):  # offload groups[first:], at least one
-        host += groups[first].chunk
-        if abs(host - want) < best_gap:
-            best, best_gap = first, abs(host - want)
-    return range(best), range(best, n)
 
 
 class ShardedStrategy:
@@ -184,8 +88,7 @@ class ShardedStrategy:
         kept, offloaded = split_groups(self.groups, self.offload, zero.offload_ratio)
         if zero.offload_optimizer != "nvme":
             return kept, offloaded, range(len(self.groups), len(self.groups))
-        if zero.nvme_ratio == 1:
-            return kept, range(offloaded.start, offloaded.start), offloaded
+        # NOTE: nvme_ratio 1 swaps every offloaded group (split_groups' exact fit), none stays in CPU memory
         in_memory, swapped = split_groups([self.groups[g] for g in offloaded], True, zero.nvme_ratio)
         start = offloaded.start
         return kept, range(start, start + len(in_memory)), range(start + swapped.start, offloaded.stop)
@@ -207,7 +110,7 @@ class ShardedStrategy:
             share = f" for {part.layout.numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
             adams.append(where + share)
         where = [f"{p.layout.numel / max(1, self.layout.numel):.0%} in "
-                 f"{'swap files' if p.swap is not None else 'CPU memory'}" for p in self.parts if p.offloaded]
+                 f"{'swap files' if p.tier == 'nvme' else 'CPU memory'}" for p in self.parts if p.offloaded]
         return (f"stage {self.stage}: {what} sharded over {self.info.world_size} rank(s) "
                 f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
                 f"AdamW {' + '.join(adams)}"
@@ -225,7 +128,7 @@ class ShardedStrategy:
         states = [f"params {where[param_tier]} ({format_bytes(elem * self.layout.numel)})",
                   f"fp32 grads device ({format_bytes(mem['mem_grads_bytes'])})"]
         for part in self.parts:
-            tier = "nvme" if part.swap is not None else "cpu" if part.offloaded else "none"
+            tier = part.tier
             numel = part.layout.numel
             share = f" {numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
             nbytes = 12 * numel if tier != "none" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]

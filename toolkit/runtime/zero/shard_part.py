@@ -1,0 +1,115 @@
+"""One tier of a rank's optimizer shard, and how the shard's groups are cut into tiers.
+
+A `ShardPart` is a run of consecutive groups whose fp32 master weights and AdamW moments live in one
+place: the device, CPU memory (offload_optimizer cpu) or a swap file (nvme). `split_groups` cuts the
+groups at a ratio of the shard's elements (zero.offload_ratio, then zero.nvme_ratio): whole groups,
+the same cut on every rank. sharded.py assembles the parts and drives them.
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.runtime.zero.adamw import ShardedAdamW
+from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
+from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
+from toolkit.runtime.zero.swap import SwapDir
+
+
+class ShardPart:
+    """A run of consecutive groups whose master weights and AdamW moments live on one tier: the device,
+    CPU memory (offload_optimizer cpu) or a swap file (offload_optimizer nvme: `swap` is set)."""
+
+    def __init__(self, recipe, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
+                 device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None):
+        self.groups = groups
+        self.layout = ShardLayout([all_groups[g] for g in groups], rank)
+        self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
+        self.offloaded = offloaded
+        opt_device = torch.device("cpu") if offloaded else device
+        numel = self.layout.numel
+        # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros)
+        self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
+                     if offloaded and swap_dir is not None else None)
+        self.optimizer = ShardedAdamW(recipe.optimizer, 0 if self.swap else numel, opt_device, offload=offloaded)
+        self.master: torch.Tensor | None = None
+        self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
+        if self.swap is not None:
+            for local, g in enumerate(groups):
+                self.swap.write(weights.read(g).to("cpu", torch.float32).contiguous(), 4 * self.layout.offsets[local])
+            self.master_chunks = []
+        elif offloaded or dtype != torch.float32 or not weights.on_device:
+            self.master = torch.empty(numel, dtype=torch.float32, device=opt_device)
+            self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
+            for master, g in zip(self.master_chunks, groups):
+                master.copy_(weights.read(g))
+        self.moment_chunks = [] if self.swap is not None else [
+            (self.layout.chunk_of(self.optimizer.exp_avg, g), self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
+            for g in range(len(groups))]
+        if self.swap is not None:
+            self.offloaded_step = SwappedStep(self.layout, self.optimizer, self.swap, self.grad_chunks, weights,
+                                              groups, device)
+        else:
+            self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
+                                                 weights, groups, device) if offloaded else None)
+
+    @property
+    def tier(self) -> str:
+        """Where master and moments live, in the recipe's words: none (the device), cpu or nvme."""
+        return "nvme" if self.swap is not None else "cpu" if self.offloaded else "none"
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this part (the device's runs asynchronously; the CPU's returns when done)."""
+        if self.offloaded_step is not None:
+            self.offloaded_step.step()
+            return
+        views = {decay: (self.layout.segment_views(self.master_chunks, decay),
+                         self.layout.segment_views(self.grad_chunks, decay),
+                         self.layout.segment_views([m for m, _ in self.moment_chunks], decay),
+                         self.layout.segment_views([v for _, v in self.moment_chunks], decay))
+                 for decay in (True, False)}
+        self.optimizer.step({d: views[d][0] for d in views}, {d: views[d][1] for d in views},
+                            {d: views[d][2:] for d in views})
+        self.publish()
+
+    def publish(self) -> None:
+        """Copy a separate master into the parameter chunks (after a device step, or a load)."""
+        if self.master is None and self.swap is None:
+            return
+        for local, g in enumerate(self.groups):
+            self.weights.write(g, 0, self.chunk_states(local)[0])
+
+    def chunk_states(self, local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of the part's group `local`: views, or (nvme) copies read from the file."""
+        if self.swap is None:
+            return (self.master_chunks[local], *self.moment_chunks[local])
+        n, numel = self.layout.groups[local].chunk, self.layout.numel
+        return tuple(self.swap.read(torch.empty(n, dtype=torch.float32), 4 * (kind * numel + self.layout.offsets[local]))
+                     for kind in range(3))
+
+    def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
+        """Write back what `chunk_states` returned, after filling it (nvme; views need nothing)."""
+        if self.swap is not None:
+            for kind, tensor in enumerate(states):
+                self.swap.write(tensor.contiguous(), 4 * (kind * self.layout.numel + self.layout.offsets[local]))
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Moments and the separate master, if any, in memory (a swapped part holds none)."""
+        return [self.optimizer.exp_avg, self.optimizer.exp_avg_sq] + ([self.master] if self.master is not None else [])
+
+
+def split_groups(groups: list[FlatGroup], offload: bool, ratio: float) -> tuple[range, range]:
+    """(groups kept on the device, groups offloaded): the last groups, about `ratio` of the shard's elements.
+
+    Every rank's chunk of a group has the same size, so every rank splits at the same group.
+    """
+    n = len(groups)
+    if not offload:
+        return range(n), range(n, n)
+    want = ratio * sum(g.chunk for g in groups)
+    best, best_gap, host = n - 1, float("inf"), 0
+    for first in range(n - 1, -1, -1):  # offload groups[first:], at least one
+        host += groups[first].chunk
+        if abs(host - want) < best_gap:
+            best, best_gap = first, abs(host - want)
+    return range(best), range(best, n)
