@@ -1,36 +1,106 @@
 """One rank's memory peak during training, predicted from a recipe: the number the run's memory line
 will show (on CUDA the allocator's max allocated and max reserved bytes; on the CPU the process's
 peak resident set). `toolkit estimate`, the pre-flight check, `toolkit tune` and the tutorials all
-read it from here.
+read it from here; estimate.py keeps the papers' formulas it starts from.
 
-The terms: the model states where the engine keeps them (toolkit/observe/tiers.py), the saved
-activations (estimate.py), and what the step adds at its peak moment. The committed calibration
-tables (benchmarks/memory_calibration/*.jsonl, measured by benchmarks/memory_calibration.py) hold
-the prediction to CALIBRATION_TOLERANCE of measured, row by row (tests/observe/test_memory_calibration.py).
+The peak is the moment backward starts (without checkpointing) or the loss's backward (with it):
+  model states where the engine keeps them (tiers.py: exact, counted the engine's way)
+  + the autocast weight cache (stage 0 under bf16/fp16: a 16-bit copy of every matmul weight,
+    kept for backward)
+  - the gradients, where they do not exist yet at that moment (stage 0, no accumulation: torch
+    allocates them during backward, after the peak)
+  + the saved activations of every block (or, checkpointed, each block's input)
+  + the logits and what the loss keeps of them
+  + on the CPU, the process itself (Python, torch, transformers) and the synthetic token buffers.
 
-Torch-free, like estimate.py.
+NOTE: the activation coefficients below are bytes per token per unit of width, EMPIRICAL: fitted
+to the H200 and CPU calibration tables (benchmarks/memory_calibration/*.jsonl) with the structure
+fixed by which tensors autograd saves (Korthikanti et al. 2022, estimate.py), and checked on rows
+that were not part of the fit. tests/observe/test_memory_calibration.py holds every committed row
+within CALIBRATION_TOLERANCE. Torch-free, like estimate.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.observe.estimate import estimate_memory, parameter_count, resolve_model_shape
+from toolkit.observe.estimate import PARAM_BYTES, parameter_count, resolve_model_shape
 from toolkit.observe.tiers import estimate_tiers
-from toolkit.specs import Recipe
+from toolkit.specs import ModelSpec, Recipe
 
-CALIBRATION_TOLERANCE = 0.10  # |predicted / measured - 1| allowed for each calibration row
+CALIBRATION_TOLERANCE = 0.10  # |predicted / measured - 1| allowed for each calibration row (allocated peak)
+RESERVED_TOLERANCE = 0.25     # the same for the allocator's reserved peak (fragmentation varies more)
+
+# Saved activations per block, bytes per token, for 16-bit compute (fp32 doubles them), with the
+# fused norms, bias+GELU and cross-entropy of toolkit/ops on a GPU. h width, i MLP width, r the
+# share of key/value heads (GQA).
+#   gpt2:  16 h + 4 i   (fit: 32.1 h at i = 4h; bias+GELU keeps its input and output, 2 x 2 i)
+#   llama: 12.4 h + 6.3 r h + 8 i   (SwiGLU keeps gate, SiLU(gate), up and their product, 4 x 2 i)
+BLOCK_H = {"gpt2": 16.0, "llama": 12.4}
+BLOCK_RH = {"gpt2": 0.0, "llama": 6.3}
+BLOCK_I = {"gpt2": 4.0, "llama": 8.0}
+# Stage 0 under autocast keeps fp32 weights, so the residual stream is fp32: each block's two norm
+# inputs take 4 bytes instead of 2 (fit: gpt2 4.3 h, llama 3.5 h).
+FP32_RESIDUAL_H = {"gpt2": 4.3, "llama": 3.5}
+# Outside the blocks: embeddings' output, the final norm (fit, gpt2 26.6 h; llama's is within its
+# block fit).
+OUTSIDE_H = {"gpt2": 26.6, "llama": 0.0}
+# The logits (padded to 128 columns on CUDA) and the fused loss: the 16-bit logits and, at the
+# loss's backward, their gradient (fit 3.7 bytes per logit; twice that in fp32).
+FUSED_LOGIT_BYTES = 3.7
+# Activation checkpointing: every block's 16-bit input (2 h, fit 2.35 h per layer) and, at the loss's
+# backward, the logits and their gradient (fit 4.0 bytes per logit); or, where one block's activations
+# are larger than the logits, that block recomputed in backward.
+CKPT_LAYER_H = 2.35
+CKPT_LOGIT_BYTES = 4.0
+PADDED_VOCAB = 128  # toolkit/ops/fused_modules.py pad_lm_head's multiple (CUDA only)
+# Attention without a fused kernel (fp32 with grouped key/value heads: flash attention needs 16 bits
+# and the memory-efficient kernel has no GQA): the fp32 probabilities, a*s*s per sequence per block,
+# and their gradient and scores at the last block's backward.
+MATH_ATTENTION_BYTES = 4
 
 
 @dataclass(frozen=True)
 class PeakPrediction:
-    """One rank's predicted peak, with the terms it is made of."""
+    """One rank's predicted peak, with the terms it is made of (bytes)."""
 
-    states: int          # model states on the training device (params, grads, optimizer, master)
-    activations: int     # saved activations of one micro batch (checkpointed when the recipe says so)
-    transient: int       # what the peak moment adds on top: logits and loss buffers, the gradient in flight
-    allocated: int       # the allocator's max allocated bytes (CUDA) or the process's peak RSS (CPU)
-    reserved: int        # the allocator's max reserved bytes (CUDA); the same as allocated on the CPU
-    host: int            # CPU memory besides: offloaded optimizer and parameters
+    states: int          # model states on the training device at the peak moment
+    weight_cache: int    # autocast's 16-bit weight copies (stage 0, bf16/fp16)
+    activations: int     # saved activations: blocks, outside them, attention probabilities
+    logits: int          # the logits and what the loss keeps of them
+    runtime: int         # CPU: the process's own resident set and the token buffers; 0 on CUDA
+    allocated: int       # CUDA: max allocated; CPU: peak resident set
+    reserved: int        # CUDA: max reserved; CPU: = allocated
+    host: int            # CPU memory besides (offloaded optimizer and parameters), when on CUDA
+
+
+def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, stage: int,
+                          on_cuda: bool, vocab_size: int | None = None) -> tuple[int, int]:
+    """(saved activations, logits and loss) of one micro batch at the peak moment."""
+    fam = model.family
+    t, h, i, n = seq_len * micro_batch, model.n_embd, model.intermediate_size, model.n_layer
+    r = model.n_kv_head / model.n_head
+    scale = PARAM_BYTES[dtype] / 2  # the coefficients are for 16-bit compute
+    vocab = vocab_size or model.vocab_size
+    padded = -(-vocab // PADDED_VOCAB) * PADDED_VOCAB if on_cuda else vocab
+    block = BLOCK_H[fam] * h + BLOCK_RH[fam] * r * h + BLOCK_I[fam] * i
+    if model.activation_checkpointing:
+        acts = CKPT_LAYER_H * n * t * h * scale
+        return int(acts), int(max(CKPT_LOGIT_BYTES * padded, block) * t * scale)
+    acts = n * t * block * scale + OUTSIDE_H[fam] * t * h * scale
+    if stage == 0 and dtype != "fp32":
+        acts += n * t * FP32_RESIDUAL_H[fam] * h
+    if dtype == "fp32" and model.n_kv_head < model.n_head:  # NOTE: no fused attention kernel (see above)
+        probs = model.n_head * seq_len * seq_len * micro_batch * MATH_ATTENTION_BYTES
+        acts += n * probs + 2 * probs
+    return int(acts), int(FUSED_LOGIT_BYTES * t * padded * scale)
+
+
+def _matmul_params(model: ModelSpec, n_params: int) -> int:
+    """Parameters autocast casts for a matmul: all but the embedding tables the lookups read
+    (gpt2's tied wte is also the head's weight, so only its position table stays out)."""
+    if model.family == "gpt2":
+        return n_params - model.max_positions * model.n_embd
+    return n_params - model.vocab_size * model.n_embd
 
 
 def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
@@ -42,12 +112,16 @@ def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
     tiers = estimate_tiers(n_params, stage=z.stage, world_size=b.world_size, dtype=dtype,
                            offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                            offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio)
-    est = estimate_memory(m, micro_batch=b.micro_batch_per_rank, seq_len=d.seq_len, dtype=dtype,
-                          world_size=b.world_size, stage=z.stage)
-    activations = est.activations.checkpointed if m.activation_checkpointing else est.activations.full
-    transient = 0
-    allocated = tiers.gpu + activations + transient
-    return PeakPrediction(tiers.gpu, activations, transient, allocated, allocated, tiers.cpu)
+    states = tiers.gpu
+    if z.stage == 0 and b.grad_accum_steps == 1:  # gradients appear during backward, after the peak
+        states -= PARAM_BYTES["fp32" if dtype != "fp32" else dtype] * n_params
+    cache = 2 * _matmul_params(shape, n_params) if z.stage == 0 and dtype != "fp32" else 0
+    acts, logits = activation_peak_bytes(shape, micro_batch=b.micro_batch_per_rank, seq_len=d.seq_len,
+                                         dtype=dtype, stage=z.stage, on_cuda=on_cuda, vocab_size=d.vocab_size)
+    runtime = 0
+    allocated = states + cache + acts + logits + runtime
+    reserved = allocated
+    return PeakPrediction(states, cache, acts, logits, runtime, allocated, reserved, tiers.cpu)
 
 
 def compare_row(row: dict) -> dict:
