@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from tests.read_only_mount import make_read_only
 from toolkit.checkpoint.files import latest_checkpoint
 from toolkit.checkpoint.io import load_checkpoint
 from toolkit.cli.main import main
@@ -125,24 +126,11 @@ def test_export_refuses_a_non_empty_out_dir_in_one_line(trained, tmp_path, capsy
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["keep.txt"]
 
 
-def _read_only_below(monkeypatch, folder: Path, code: int) -> None:
-    """Folders under `folder` cannot be made (os.mkdir fails with `code`): a read-only mount even as root,
-    where chmod stops no write."""
-    real_mkdir = os.mkdir
-
-    def mkdir(path, *args, **kwargs):
-        if Path(path).is_relative_to(folder):
-            raise OSError(code, os.strerror(code), str(path))
-        return real_mkdir(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "mkdir", mkdir)
-
-
 @pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
 def test_export_into_a_read_only_folder_is_a_one_line_error(trained, tmp_path, capsys, monkeypatch, code):
     _, run_dir = trained
     (tmp_path / "mount").mkdir()
-    _read_only_below(monkeypatch, tmp_path / "mount", code)
+    make_read_only(monkeypatch, tmp_path / "mount", code)
     capsys.readouterr()
     assert main(["export", str(run_dir), str(tmp_path / "mount" / "hf")]) == 2
     err = capsys.readouterr().err
