@@ -22,6 +22,7 @@ SAME = {"train_batch_size": "batch.global_batch", "train_micro_batch_size_per_gp
         "zero_optimization.allgather_bucket_size": "zero.allgather_bucket_size",
         "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
         "zero_optimization.offload_optimizer.ratio": "zero.offload_ratio",
+        "zero_optimization.overlap_comm": "zero.overlap_comm",
         "wandb.project": "logging.wandb.project", "tensorboard.enabled": "logging.tensorboard",
         **{f"fp16.{k}": f"precision.fp16.{k}" for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
                                                         "hysteresis", "consecutive_hysteresis", "min_loss_scale")},
@@ -162,6 +163,14 @@ def test_initialize_takes_a_deepspeed_dict_and_trains(capsys):
         engine.step()
         losses.append(float(loss.detach()))
     assert engine.global_step == 2 and all(0 < loss < 10 for loss in losses)
-    assert "zero_optimization.overlap_comm: not carried over" in capsys.readouterr().err
+    assert "zero_optimization.contiguous_gradients: not carried over" in capsys.readouterr().err
     with pytest.raises(UserError, match="names no model"):
         toolkit.initialize(ds)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_comm_is_carried_to_the_recipes_key(overlap):
+    done = convert_deepspeed({"zero_optimization": {"stage": 2, "overlap_comm": overlap}})
+    assert done.recipe.zero.overlap_comm is overlap and done.written["zero"]["overlap_comm"] is overlap
+    assert f"carried: zero_optimization.overlap_comm -> zero.overlap_comm = {json.dumps(overlap)}" in done.report
+    assert not [line for line in done.dropped if "overlap_comm" in line]

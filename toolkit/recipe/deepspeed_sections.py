@@ -117,7 +117,6 @@ def precision(c: Conversion, ds: dict) -> None:
 
 
 ZERO_NO_EFFECT = {
-    "overlap_comm": f"{NO_EFFECT}: the toolkit's ZeRO strategies overlap reduction with backward by themselves",
     "contiguous_gradients": f"{NO_EFFECT}: gradients are always kept in flat contiguous buffers",
     "reduce_scatter": f"{NO_EFFECT}: stages 2-3 always reduce-scatter",
     "allgather_partitions": f"{NO_EFFECT}: parameters are always all-gathered in buckets",
@@ -156,7 +155,7 @@ def _offload_optimizer(c: Conversion, z: dict) -> None:
 
 
 def zero(c: Conversion, ds: dict) -> None:
-    """zero_optimization: stage, optimizer offload (device, ratio), bucket sizes; the rest reported."""
+    """zero_optimization: stage, optimizer offload (device, ratio), bucket sizes, overlap_comm; the rest reported."""
     if isinstance(ds.get("zero_optimization"), bool):  # DeepSpeed's deprecated form: true is stage 1
         c.put("zero_optimization (legacy boolean)", "zero.stage", 1 if ds["zero_optimization"] else 0)
         return
@@ -173,8 +172,10 @@ def zero(c: Conversion, ds: dict) -> None:
             # NOTE: DeepSpeed configs write sizes as floats (5e8); the recipe counts whole elements.
             c.put(f"zero_optimization.{key}", f"zero.{key}", int(value) if isinstance(value, float)
                   and value.is_integer() else value)
+    if "overlap_comm" in z:  # false: every collective waited for when issued, as DeepSpeed's overlap_comm false
+        c.put("zero_optimization.overlap_comm", "zero.overlap_comm", z["overlap_comm"])
     off_param = z.get("offload_param")
-    handled = {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size"}
+    handled = {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"}
     if isinstance(off_param, dict) and off_param.get("device", "none") == "none":
         handled.add("offload_param")
     if z.get("cpu_offload") is not True:
