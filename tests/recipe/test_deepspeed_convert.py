@@ -174,3 +174,24 @@ def test_overlap_comm_is_carried_to_the_recipes_key(overlap):
     assert done.recipe.zero.overlap_comm is overlap and done.written["zero"]["overlap_comm"] is overlap
     assert f"carried: zero_optimization.overlap_comm -> zero.overlap_comm = {json.dumps(overlap)}" in done.report
     assert not [line for line in done.dropped if "overlap_comm" in line]
+
+
+FP16_AUTO = {"fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 3},
+             "train_micro_batch_size_per_gpu": 2}
+
+
+def test_fp16_auto_resolved_to_fp32_writes_no_loss_scale_and_says_why():
+    done = convert_deepspeed(FP16_AUTO)
+    assert done.recipe.precision.dtype == "fp32" and "precision" not in done.written
+    for key in ("loss_scale", "initial_scale_power", "hysteresis"):
+        assert (f"fp16.{key}: not carried over: no effect here: fp16.enabled is \"auto\" and the recipe's "
+                "precision.dtype is fp32, which scales no loss") in done.dropped
+    assert not [line for line in done.report if line.startswith("carried: fp16.")]
+
+
+def test_fp16_auto_over_an_fp16_base_recipe_carries_the_loss_scale(tmp_path):
+    done = convert_deepspeed(FP16_AUTO, base="gpt2-medium-zero2", out=tmp_path / "r.json")
+    assert done.recipe.precision.dtype == "fp16"
+    assert done.written["precision"]["fp16"] == {"loss_scale": 0, "initial_scale_power": 12, "hysteresis": 3}
+    assert done.recipe.resolved["precision"]["fp16"]["initial_scale_power"] == 12
+    assert not [line for line in done.dropped if line.startswith("fp16.")]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.recipe.deepspeed_sections import BATCH, Conversion, convert_sections
+from toolkit.recipe.deepspeed_sections import BATCH, Conversion, convert_sections, settle_fp16_auto
 from toolkit.recipe.files import deep_merge, find_recipe_file, load_with_extends
 from toolkit.recipe.load import build_recipe
 from toolkit.regular_files import regular_file_problem
@@ -172,6 +172,13 @@ def _lookup(resolved: dict, path: str):
     return node
 
 
+def _precision_dtype(raw: dict) -> str:
+    """precision.dtype of a recipe dict not yet validated: its own, else the schema's default."""
+    from toolkit.recipe.schema import load_schema
+
+    return _lookup(raw, "precision.dtype") or load_schema()["properties"]["precision"]["properties"]["dtype"]["default"]
+
+
 def convert_deepspeed(ds: dict, *, model: str | None = None, base: str | os.PathLike | None = None,
                       out: str | os.PathLike | None = None, world_size: int | None = 1,
                       source: str = "DeepSpeed config",
@@ -184,6 +191,8 @@ def convert_deepspeed(ds: dict, *, model: str | None = None, base: str | os.Path
     if base is not None:
         base_path = find_recipe_file(base).absolute()
         base_raw = load_with_extends(base_path)
+    settle_fp16_auto(c, _precision_dtype(deep_merge(base_raw if base is not None else {}, c.recipe)))
+    if base is not None:
         _fill_base_batch(c, base_raw.get("batch", {}), world_size or 1)
         written = {"extends": os.path.relpath(base_path, out_dir),
                    "description": f"{base_raw.get('description', base_path.name).rstrip('.')}; settings from {source}", **c.recipe}

@@ -24,6 +24,7 @@ class Conversion:
     dropped: list[str] = field(default_factory=list)        # "ds.key: not carried over: why"
     auto: list[tuple[str, str]] = field(default_factory=list)  # ("ds.key", "recipe.path") left to the recipe
     notes: list[str] = field(default_factory=list)          # facts about the result the config does not say
+    fp16_if_auto: dict = field(default_factory=dict)       # fp16 loss-scale keys under fp16.enabled "auto"
 
     def put(self, ds_key: str, recipe_path: str, value) -> None:
         """Carry `value` (DeepSpeed's `ds_key`) to the recipe key `recipe_path` ("zero.stage"); "auto" is left to the recipe."""
@@ -96,6 +97,8 @@ def precision(c: Conversion, ds: dict) -> None:
             if key in fp16:
                 if on is False:
                     c.drop(f"fp16.{key}", f"{NO_EFFECT}: fp16 is not enabled")
+                elif on == "auto":  # NOTE: carried only if "auto" leaves the recipe on fp16 (settle_fp16_auto)
+                    c.fp16_if_auto[key] = fp16[key]
                 else:
                     c.put(f"fp16.{key}", f"precision.fp16.{key}", fp16[key])
         _rest(c, "fp16", fp16, {"enabled", *LOSS_SCALE}, {
@@ -114,6 +117,18 @@ def precision(c: Conversion, ds: dict) -> None:
             "bf16_optimizer_states": f"{UNSUPPORTED}: Adam states stay fp32"})
     if "amp" in ds:
         c.drop("amp", f"{UNSUPPORTED}: NVIDIA Apex AMP; replaced by precision.dtype fp16 or bf16 (torch autocast)")
+
+
+def settle_fp16_auto(c: Conversion, dtype: str) -> None:
+    """The loss-scale keys held back under fp16.enabled "auto", now that "auto" resolved to precision.dtype
+    `dtype` (the base recipe's or the default): carried for fp16, else not carried over, with why."""
+    for key, value in c.fp16_if_auto.items():
+        if dtype == "fp16":
+            c.put(f"fp16.{key}", f"precision.fp16.{key}", value)
+        else:
+            c.drop(f"fp16.{key}", f"{NO_EFFECT}: fp16.enabled is \"auto\" and the recipe's precision.dtype is "
+                   f"{dtype}, which scales no loss")
+    c.fp16_if_auto = {}
 
 
 ZERO_NO_EFFECT = {
