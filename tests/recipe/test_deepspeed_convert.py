@@ -195,3 +195,15 @@ def test_fp16_auto_over_an_fp16_base_recipe_carries_the_loss_scale(tmp_path):
     assert done.written["precision"]["fp16"] == {"loss_scale": 0, "initial_scale_power": 12, "hysteresis": 3}
     assert done.recipe.resolved["precision"]["fp16"]["initial_scale_power"] == 12
     assert not [line for line in done.dropped if line.startswith("fp16.")]
+
+
+def test_steps_per_print_above_the_runs_length_is_warned_with_the_fix(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 2000}
+    done = convert_deepspeed(ds)
+    assert (done.recipe.training.log_interval, done.recipe.training.max_steps) == (2000, 1000)
+    assert ("warning: training.log_interval 2000 (steps_per_print) is not below training.max_steps 1000: the run "
+            "writes one step line, its last; set training.log_interval to 50 or less") in done.report
+    assert not [line for line in convert_deepspeed({**ds, "steps_per_print": 100}).report if "warning" in line]
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    result = run_cli("convert", str(tmp_path / "ds.json"), "--out", str(tmp_path / "r.json"))
+    assert result.returncode == 0 and "\nwarning: training.log_interval 2000 " in result.stderr, result.stderr
