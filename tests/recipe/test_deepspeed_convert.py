@@ -207,3 +207,12 @@ def test_steps_per_print_above_the_runs_length_is_warned_with_the_fix(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     result = run_cli("convert", str(tmp_path / "ds.json"), "--out", str(tmp_path / "r.json"))
     assert result.returncode == 0 and "\nwarning: training.log_interval 2000 " in result.stderr, result.stderr
+
+
+def test_report_says_not_carried_over_once_a_line(tmp_path):
+    result = run_cli("convert", str(CORPUS_BY_NAME["monitor"]), "--out", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert "csv_monitor: not carried over: replaced by <run_dir>/metrics.jsonl, always written (one JSON object per " \
+           "line)" in lines
+    assert [line for line in lines if line.count("not carried") > 1] == []
