@@ -216,3 +216,14 @@ def test_report_says_not_carried_over_once_a_line(tmp_path):
     assert "csv_monitor: not carried over: replaced by <run_dir>/metrics.jsonl, always written (one JSON object per " \
            "line)" in lines
     assert [line for line in lines if line.count("not carried") > 1] == []
+
+
+def test_a_converted_batch_run_at_another_world_size_names_the_keys_that_fix_it(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                                                  "gradient_accumulation_steps": 4}))
+    assert run_cli("convert", str(tmp_path / "ds.json"), "--out", str(tmp_path / "r.json")).returncode == 0
+    result = run_cli("run", str(tmp_path / "r.json"), "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: recipe.batch: global_batch 16 != micro_batch_per_rank 4 x grad_accum_steps 4 x world size 2 = 32; "
+        "set batch.grad_accum_steps to 2 or batch.micro_batch_per_rank to 2 to keep the global batch, or "
+        "batch.global_batch to 32"]
