@@ -1,7 +1,13 @@
-"""Optional packages: the one table of what a base `pip install toolkit` leaves out,
+"""Optional packages: the one table of what a base install of the toolkit leaves out,
 which recipe key (or command) needs each, and the extra (pyproject.toml) that
 installs it. `toolkit validate` and `toolkit run` check a recipe against it before
 any work, the import sites call `require_package` first, and `toolkit doctor` lists it.
+
+How to install an extra depends on how the toolkit was installed (`pip install "toolkit[extra]"`
+would fetch an unrelated project of that name from the public index): from the checkout it runs
+from (`pip install -e "/path/to/checkout[extra]"`), else from what pip recorded in the
+distribution's direct_url.json (PEP 610: a local folder or archive, a VCS URL), else the extra's
+requirements themselves.
 
 Presence is asked with importlib.util.find_spec, which imports nothing (no torch,
 no tensorboard): validate stays fast.
@@ -9,11 +15,116 @@ no tensorboard): validate stays fast.
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Callable
+from urllib.parse import unquote, urlparse
 
 from toolkit.errors import UserError
 
+
+# ---------------------------------------------------------------------------
+# How this toolkit was installed, and so how to add an extra
+
+DISTRIBUTION = "toolkit"
+
+
+@dataclass(frozen=True)
+class InstallOrigin:
+    """How the running toolkit was installed: kind `checkout` (run from a source tree, or an editable install),
+    `path` (a local folder or archive), `vcs` (a VCS URL), or `unknown`; `location` is its path or URL."""
+
+    kind: str
+    location: str = ""
+
+
+def _is_toolkit_checkout(folder: Path) -> bool:
+    pyproject = folder / "pyproject.toml"
+    try:
+        return pyproject.is_file() and re.search(r'(?m)^name\s*=\s*"toolkit"', pyproject.read_text()) is not None
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _local_path(url: str) -> Path | None:
+    parsed = urlparse(url)
+    return Path(unquote(parsed.path)) if parsed.scheme == "file" else None
+
+
+def find_install_origin(package_dir: Path, direct_url: dict | None) -> InstallOrigin:
+    """The origin of a toolkit package at `package_dir` whose distribution recorded `direct_url` (None: no record)."""
+    checkout = package_dir.parent
+    if _is_toolkit_checkout(checkout):  # PYTHONPATH, the current directory, or an editable install
+        return InstallOrigin("checkout", str(checkout))
+    url = (direct_url or {}).get("url", "")
+    if "vcs_info" in (direct_url or {}):
+        vcs = direct_url["vcs_info"]
+        commit = vcs.get("commit_id") or vcs.get("requested_revision")
+        return InstallOrigin("vcs", f"{vcs.get('vcs', 'git')}+{url}" + (f"@{commit}" if commit else ""))
+    path = _local_path(url)
+    if path is not None and path.exists():
+        editable = (direct_url.get("dir_info") or {}).get("editable", False)
+        return InstallOrigin("checkout" if editable else "path", str(path))
+    return InstallOrigin("unknown")
+
+
+@lru_cache(maxsize=1)
+def install_origin() -> InstallOrigin:
+    """The running toolkit's origin (read once)."""
+    from importlib import metadata
+
+    try:
+        recorded = metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
+        direct_url = json.loads(recorded) if recorded else None
+    except (metadata.PackageNotFoundError, ValueError, OSError):
+        direct_url = None
+    return find_install_origin(Path(__file__).resolve().parent, direct_url)  # this file is toolkit/'s
+
+
+def _quoted(text: str) -> str:
+    """Double quotes, as a shell reads them, unless the text holds a character they leave special."""
+    if any(c in text for c in '"$`\\!'):
+        import shlex
+
+        return shlex.quote(text)
+    return f'"{text}"'
+
+
+def extra_requirements(extra: str) -> list[str]:
+    """The requirements the installed distribution lists for `extra` (empty when it has no metadata)."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return []
+    marker = re.compile(rf"""\bextra\s*==\s*["']{re.escape(extra)}["']""")
+    return [req.split(";")[0].strip() for req in requires if ";" in req and marker.search(req.split(";", 1)[1])]
+
+
+def install_command(extra: str, origin: InstallOrigin | None = None) -> str:
+    """The command that installs the extra `extra` of this toolkit, for how it was installed."""
+    origin = origin or install_origin()
+    if origin.kind == "checkout":
+        return f"pip install -e {_quoted(f'{origin.location}[{extra}]')}"
+    if origin.kind == "path":
+        return f"pip install {_quoted(f'{origin.location}[{extra}]')}"
+    if origin.kind == "vcs":
+        return f"pip install {_quoted(f'{DISTRIBUTION}[{extra}] @ {origin.location}')}"
+    requirements = extra_requirements(extra)
+    # NOTE: never `pip install "toolkit[extra]"`: the public index's `toolkit` is another project
+    note = "install the toolkit from its source, not from the index, where 'toolkit' is another project"
+    if not requirements:
+        return f'pip install -e "/path/to/toolkit-source[{extra}]" ({note})'
+    return (f"pip install {' '.join(_quoted(r) for r in requirements)} (the '{extra}' extra; for the extra "
+            f"itself, {note})")
+
+
+# ---------------------------------------------------------------------------
+# The table
 
 @dataclass(frozen=True)
 class OptionalPackage:
@@ -28,7 +139,8 @@ class OptionalPackage:
 
     @property
     def install(self) -> str:
-        return f'pip install "toolkit[{self.extra}]"'
+        """The command that installs this package's extra, for how this toolkit was installed."""
+        return install_command(self.extra)
 
     def missing_line(self, recipe=None) -> str:
         """One line: what needs the package, that it is absent, and how to install it."""

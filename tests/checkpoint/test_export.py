@@ -2,6 +2,7 @@
 folder that transformers loads on its own and that computes the trained logits;
 for runs on text with the run's tokenizer, which AutoTokenizer loads and which
 encodes as the run did."""
+import errno
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from tests.read_only_mount import make_read_only
 from toolkit.checkpoint.files import latest_checkpoint
 from toolkit.checkpoint.io import load_checkpoint
 from toolkit.cli.main import main
@@ -122,6 +124,34 @@ def test_export_refuses_a_non_empty_out_dir_in_one_line(trained, tmp_path, capsy
     err = capsys.readouterr().err
     assert err == f"error: {tmp_path / 'hf'}: exists and is not empty; export into a new or empty folder\n"
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
+def test_export_into_a_read_only_folder_is_a_one_line_error(trained, tmp_path, capsys, monkeypatch, code):
+    _, run_dir = trained
+    (tmp_path / "mount").mkdir()
+    make_read_only(monkeypatch, tmp_path / "mount", code)
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(tmp_path / "mount" / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'mount' / 'hf'}: cannot write: "), err
+    assert errno.errorcode[code] in err and err.count("\n") == 1, err
+    assert list((tmp_path / "mount").iterdir()) == []
+
+
+def test_export_that_fills_the_disk_is_a_one_line_error_and_leaves_nothing(trained, tmp_path, capsys, monkeypatch):
+    _, run_dir = trained
+
+    def disk_full(folder):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.safetensors"))
+
+    monkeypatch.setattr("toolkit.checkpoint.export._give_umask_permissions", disk_full)  # after every file is written
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {tmp_path / 'hf'}: cannot write: No space left on device (ENOSPC); "
+                   "free space, or export into a folder you can write\n")
+    assert list(tmp_path.iterdir()) == []  # no temporary folder, no half-written export
 
 
 def test_export_of_a_run_dir_without_checkpoints_is_a_one_line_error(tmp_path, capsys):

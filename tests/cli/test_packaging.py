@@ -73,3 +73,7 @@ def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
     version = subprocess.run([str(venv / "bin" / "toolkit"), "--version"], cwd=workdir, env=env, capture_output=True,
                              text=True, check=True).stdout
     assert version.startswith(f"toolkit {toolkit.__version__} from {venv}"), version  # pyproject reads __version__
+    hint = subprocess.run([str(py), "-c", "from toolkit.optional_packages import install_command; "
+                           "print(install_command('parquet'))"], cwd=workdir, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert hint == f'pip install "{source}[parquet]"', hint  # the folder pip recorded (PEP 610), not the index

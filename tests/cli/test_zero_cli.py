@@ -86,7 +86,8 @@ def test_nproc_with_a_bad_recipe_is_one_line_before_any_launch(tmp_path):
     proc = run_cli("run", "quickstart", "--nproc", "3", "batch.global_batch=16", "--run-dir", str(tmp_path / "r"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: recipe.batch: global_batch 16 != micro_batch_per_rank 16 * grad_accum_steps 1 * world_size 3 = 48"]
+        "error: recipe.batch: global_batch 16 != micro_batch_per_rank 16 x grad_accum_steps 1 x world size 3 = 48; "
+        "set batch.global_batch to 48"]
     assert not (tmp_path / "r").exists()
 
 

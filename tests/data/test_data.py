@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.read_only_mount import make_read_only
 from tests.text_corpus import dataset_for, python_like_docs, text_recipe, write_corpus
 from toolkit.cli.main import main as cli_main
 from toolkit.data.batches import BatchStream, Dataset, PackedSequences, TokenCorpus, eval_batches, in_validation
@@ -312,3 +313,25 @@ def test_eval_batches_spread_over_the_validation_split_and_repeat(tmp_path):
     assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, again))
     starts = [row[0].item() for mb in first for row in mb]
     assert len(set(starts)) > 1
+
+
+@pytest.mark.parametrize("tokenizer", [{"tokenizer": "byte"}, {"tokenizer": "bpe", "vocab_size": 300}])
+def test_a_complete_cache_on_a_read_only_mount_is_read_without_writing(tmp_path, monkeypatch, tokenizer):
+    write_corpus(tmp_path / "corpus", python_like_docs(30))
+    spec = recipe_from_dict(text_recipe(tmp_path, tokenizer)).data
+    first = TokenCorpus(spec)
+    make_read_only(monkeypatch, tmp_path / "cache")
+    again = TokenCorpus(spec)
+    assert not again.built and again.dir == first.dir
+    assert again.train.tolist() == first.train.tolist() and again.valid.tolist() == first.valid.tolist()
+
+
+def test_a_missing_cache_entry_on_a_read_only_mount_is_one_line_naming_the_key(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus", python_like_docs(30))
+    (tmp_path / "cache").mkdir()
+    make_read_only(monkeypatch, tmp_path / "cache")
+    with pytest.raises(UserError) as refused:
+        TokenCorpus(recipe_from_dict(text_recipe(tmp_path)).data)
+    assert len(refused.value.lines) == 1
+    assert refused.value.lines[0].startswith(f"recipe.data.cache_dir: {tmp_path / 'cache'}: cannot write: "
+                                             "Read-only file system (EROFS)"), refused.value.lines

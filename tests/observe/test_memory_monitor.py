@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 from toolkit.data.batches import BatchStream, Dataset
 from toolkit.runtime.engine import Engine
 from toolkit.observe.estimate import estimate_model_state_bytes, format_bytes, parameter_count
@@ -122,7 +122,7 @@ def test_memory_png_is_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_p
     monitor.window_metrics(1)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
     note = monitor.write_timeline(tmp_path / "memory.png")
-    assert note == 'memory | no memory.png: matplotlib is not installed; pip install "toolkit[dashboards]"'
+    assert note == f'memory | no memory.png: matplotlib is not installed; pip install -e "{REPO}[dashboards]"'
     assert not (tmp_path / "memory.png").exists()
 
 

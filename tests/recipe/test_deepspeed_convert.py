@@ -22,6 +22,7 @@ SAME = {"train_batch_size": "batch.global_batch", "train_micro_batch_size_per_gp
         "zero_optimization.allgather_bucket_size": "zero.allgather_bucket_size",
         "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
         "zero_optimization.offload_optimizer.ratio": "zero.offload_ratio",
+        "zero_optimization.overlap_comm": "zero.overlap_comm",
         "wandb.project": "logging.wandb.project", "tensorboard.enabled": "logging.tensorboard",
         **{f"fp16.{k}": f"precision.fp16.{k}" for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
                                                         "hysteresis", "consecutive_hysteresis", "min_loss_scale")},
@@ -162,6 +163,67 @@ def test_initialize_takes_a_deepspeed_dict_and_trains(capsys):
         engine.step()
         losses.append(float(loss.detach()))
     assert engine.global_step == 2 and all(0 < loss < 10 for loss in losses)
-    assert "zero_optimization.overlap_comm: not carried over" in capsys.readouterr().err
+    assert "zero_optimization.contiguous_gradients: not carried over" in capsys.readouterr().err
     with pytest.raises(UserError, match="names no model"):
         toolkit.initialize(ds)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_comm_is_carried_to_the_recipes_key(overlap):
+    done = convert_deepspeed({"zero_optimization": {"stage": 2, "overlap_comm": overlap}})
+    assert done.recipe.zero.overlap_comm is overlap and done.written["zero"]["overlap_comm"] is overlap
+    assert f"carried: zero_optimization.overlap_comm -> zero.overlap_comm = {json.dumps(overlap)}" in done.report
+    assert not [line for line in done.dropped if "overlap_comm" in line]
+
+
+FP16_AUTO = {"fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 3},
+             "train_micro_batch_size_per_gpu": 2}
+
+
+def test_fp16_auto_resolved_to_fp32_writes_no_loss_scale_and_says_why():
+    done = convert_deepspeed(FP16_AUTO)
+    assert done.recipe.precision.dtype == "fp32" and "precision" not in done.written
+    for key in ("loss_scale", "initial_scale_power", "hysteresis"):
+        assert (f"fp16.{key}: not carried over: no effect here: fp16.enabled is \"auto\" and the recipe's "
+                "precision.dtype is fp32, which scales no loss") in done.dropped
+    assert not [line for line in done.report if line.startswith("carried: fp16.")]
+
+
+def test_fp16_auto_over_an_fp16_base_recipe_carries_the_loss_scale(tmp_path):
+    done = convert_deepspeed(FP16_AUTO, base="gpt2-medium-zero2", out=tmp_path / "r.json")
+    assert done.recipe.precision.dtype == "fp16"
+    assert done.written["precision"]["fp16"] == {"loss_scale": 0, "initial_scale_power": 12, "hysteresis": 3}
+    assert done.recipe.resolved["precision"]["fp16"]["initial_scale_power"] == 12
+    assert not [line for line in done.dropped if line.startswith("fp16.")]
+
+
+def test_steps_per_print_above_the_runs_length_is_warned_with_the_fix(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 2000}
+    done = convert_deepspeed(ds)
+    assert (done.recipe.training.log_interval, done.recipe.training.max_steps) == (2000, 1000)
+    assert ("warning: training.log_interval 2000 (steps_per_print) is not below training.max_steps 1000: the run "
+            "writes one step line, its last; set training.log_interval to 50 or less") in done.report
+    assert not [line for line in convert_deepspeed({**ds, "steps_per_print": 100}).report if "warning" in line]
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    result = run_cli("convert", str(tmp_path / "ds.json"), "--out", str(tmp_path / "r.json"))
+    assert result.returncode == 0 and "\nwarning: training.log_interval 2000 " in result.stderr, result.stderr
+
+
+def test_report_says_not_carried_over_once_a_line(tmp_path):
+    result = run_cli("convert", str(CORPUS_BY_NAME["monitor"]), "--out", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert "csv_monitor: not carried over: replaced by <run_dir>/metrics.jsonl, always written (one JSON object per " \
+           "line)" in lines
+    assert [line for line in lines if line.count("not carried") > 1] == []
+
+
+def test_a_converted_batch_run_at_another_world_size_names_the_keys_that_fix_it(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                                                  "gradient_accumulation_steps": 4}))
+    assert run_cli("convert", str(tmp_path / "ds.json"), "--out", str(tmp_path / "r.json")).returncode == 0
+    result = run_cli("run", str(tmp_path / "r.json"), "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: recipe.batch: global_batch 16 != micro_batch_per_rank 4 x grad_accum_steps 4 x world size 2 = 32; "
+        "set batch.grad_accum_steps to 2 or batch.micro_batch_per_rank to 2 to keep the global batch, or "
+        "batch.global_batch to 32"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,13 +178,16 @@ INVALID = [
                  ["recipe.model.n_kv_head: only llama models have this key (family is gpt2)"], id="llama-key-on-gpt2"),
     # Batch sizes.
     pytest.param(recipe(batch={"micro_batch_per_rank": 4, "grad_accum_steps": 2, "global_batch": 64}), [],
-                 ["recipe.batch: global_batch 64 != micro_batch_per_rank 4 * grad_accum_steps 2 * world_size 1 = 8"],
+                 ["recipe.batch: global_batch 64 != micro_batch_per_rank 4 x grad_accum_steps 2 x world size 1 = 8; set "
+                  "batch.grad_accum_steps to 16 or batch.micro_batch_per_rank to 32 to keep the global batch, or "
+                  "batch.global_batch to 8"],
                  id="inconsistent-batch-triple-cli"),
     pytest.param(recipe(batch={"micro_batch_per_rank": 4, "global_batch": 10}), [],
-                 ["recipe.batch: global_batch 10 is not divisible by micro_batch_per_rank 4 * world_size 1 = 4"],
+                 ["recipe.batch: global_batch 10 is not divisible by micro_batch_per_rank 4 x world size 1 = 4; set "
+                  "batch.micro_batch_per_rank to 2 to keep the global batch, or batch.global_batch to 8 or 12"],
                  id="global-not-divisible-by-micro"),
     pytest.param(recipe(batch={"global_batch": 6}), ["--world-size", "4"],
-                 ["recipe.batch: global_batch 6 is not divisible by world_size 4"], id="global-not-divisible-by-world"),
+                 ["recipe.batch: global_batch 6 is not divisible by world size 4; set batch.global_batch to 4 or 8"], id="global-not-divisible-by-world"),
     pytest.param(recipe(batch={"grad_accum_steps": 2}), [],
                  ["recipe.batch: give micro_batch_per_rank or global_batch (or both)"], id="batch-without-sizes"),
     pytest.param(recipe(), ["--world-size", "0"], ["world size: 0 must be a positive integer"], id="world-size-zero"),
@@ -294,3 +298,29 @@ def test_errors_are_reported_in_the_order_the_recipe_is_written():
         "recipe.training.max_steps", "recipe.model.n_layer", "recipe.data.seq_len"]
 
 
+
+
+@pytest.mark.parametrize("batch", [
+    {"micro_batch_per_rank": 4, "grad_accum_steps": 4, "global_batch": 16},
+    {"micro_batch_per_rank": 3, "grad_accum_steps": 5, "global_batch": 24},
+    {"micro_batch_per_rank": 16, "grad_accum_steps": 1, "global_batch": 16},
+    {"micro_batch_per_rank": 6, "global_batch": 20},
+    {"micro_batch_per_rank": 5, "global_batch": 21},
+    {"grad_accum_steps": 3, "global_batch": 16},
+    {"global_batch": 15},
+], ids=lambda b: "-".join(f"{k.split('_')[0]}{v}" for k, v in b.items()))
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_fix_a_batch_error_names_resolves_the_batch(batch, world):
+    from toolkit.recipe.checks import resolve_batch
+
+    spec, errors = resolve_batch(batch, world)
+    if not errors:
+        return
+    fixes = re.findall(r"batch\.(\w+) to (\d+(?: or \d+)?)", errors[0])
+    assert fixes, errors
+    for key, values in fixes:
+        for value in values.split(" or "):
+            fixed, again = resolve_batch({**batch, key: int(value)}, world)
+            assert again == [], (errors[0], key, value, again)
+            if key != "global_batch":  # the fixes that keep the global batch do keep it
+                assert fixed.global_batch == batch["global_batch"], (errors[0], key, value)

@@ -28,7 +28,7 @@ import torch
 from toolkit.checkpoint.files import find_checkpoint, make_temp_dir
 from toolkit.checkpoint.io import Checkpoint
 from toolkit.checkpoint.resume import load_training_checkpoint
-from toolkit.errors import UserError
+from toolkit.errors import WRITE_ERRNOS, UserError, describe_os_error, os_errno
 from toolkit.data.tokenizer import (TOKENIZER_FILE, TextTokenizer, byte_tokenizer, load_tokenizer_folder, run_tokenizer_dir,
                                synthetic_tokenizer)
 
@@ -133,6 +133,15 @@ def _check_out_dir(out_dir: Path) -> None:
         raise UserError(f"{out_dir}: exists and is not empty; export into a new or empty folder")
 
 
+def _export_write_error(exc: BaseException, out_dir: Path) -> UserError | None:
+    """One line for an export that could not be written (read-only, forbidden, full disk), naming the
+    target rather than the hidden temporary folder; None when `exc` is not a failed write."""
+    if os_errno(exc) not in WRITE_ERRNOS:
+        return None
+    return UserError(f"{out_dir}: cannot write: {describe_os_error(exc)}; free space, or export into a folder "
+                     "you can write")
+
+
 def _give_umask_permissions(folder: Path) -> None:
     """Files as a plain `open` would create them (0644 under umask 022): safetensors writes model.safetensors 0600."""
     umask = os.umask(0)
@@ -152,9 +161,12 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
     ckpt = load_training_checkpoint(step_dir)
     model = build_hf_model(ckpt)
     tokenizer = run_tokenizer(ckpt, model.config.vocab_size)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed into place: never a half-written export.
-    tmp = make_temp_dir(out_dir.parent, out_dir.name)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out_dir.parent, out_dir.name)
+    except OSError as exc:
+        raise (_export_write_error(exc, out_dir) or exc) from None
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -170,8 +182,11 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Export:
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked just above
         os.rename(tmp, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        error = _export_write_error(exc, out_dir)
+        if error is not None:
+            raise error from None
         raise
     finally:
         if bars:

@@ -24,8 +24,8 @@ def _cmd_convert(args) -> int:
     ds = read_deepspeed_config(args.ds_config)
     done = convert_deepspeed(ds, model=args.model, base=args.recipe, out=args.out, world_size=args.world_size,
                              source=Path(args.ds_config).name, strict=args.strict)
-    for line in done.report:
-        print(line if line.startswith(("carried:", "note:")) else f"not carried: {line}", file=sys.stderr)
+    for line in done.report:  # carried: / note: / warning: lines, then `key: not carried over: why`
+        print(line, file=sys.stderr)
     text = json.dumps(done.written, indent=2) + "\n"
     b = done.recipe.batch
     carried = sum(line.startswith("carried:") for line in done.report)

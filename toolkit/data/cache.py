@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from toolkit.errors import UserError, warn_once
+from toolkit.errors import UserError, describe_os_error, warn_once
 from toolkit.specs import DataSpec
 
 CACHE_FORMAT = 1
@@ -39,7 +39,8 @@ def publish_entry(tmp: Path, final: Path) -> None:
 
 @contextmanager
 def build_lock(final: Path) -> Iterator[None]:
-    """Held while checking for and building one cache entry: ranks that start together build it once."""
+    """Held while checking for and building one cache entry: ranks that start together build it once; not
+    taken for an entry that exists in a folder this process cannot write."""
     try:
         import fcntl
     except ImportError:  # not POSIX: concurrent builders are still safe (publish_entry), only wasteful
@@ -48,7 +49,14 @@ def build_lock(final: Path) -> Iterator[None]:
     try:
         lock = open(final.parent / f".lock-{final.name}", "w")
     except OSError as exc:
-        raise UserError(f"recipe.data.cache_dir: {final.parent}: cannot write: {exc.strerror}") from None
+        if final.exists():
+            # NOTE: entries appear whole (publish_entry renames), so one that exists is only read: a complete
+            # cache on a read-only mount needs no lock (a damaged one says so when it cannot be set aside).
+            yield
+            return
+        raise UserError(f"recipe.data.cache_dir: {final.parent}: cannot write: {describe_os_error(exc)}; "
+                        f"{final.name} is not cached there yet: point data.cache_dir at a folder you can "
+                        "write") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

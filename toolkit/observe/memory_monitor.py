@@ -243,7 +243,8 @@ class MemoryMonitor:
         if "mem_offload_bytes" in last:
             offloaded = max(m["mem_offload_bytes"] for m in self.timeline)
             lines.append(f"memory | offloaded to CPU memory per rank: {format_bytes(offloaded)} (fp32 master + "
-                         "Adam moments; the step's pinned staging not counted)")
+                         "Adam moments, + the parameter shard under offload_param cpu; the step's pinned staging "
+                         "not counted)")
         peak = f"memory | peak {format_bytes(top['mem_peak_bytes'])} at step {top['step']} ({self.peaks.describe()}"
         if "mem_reserved_peak_bytes" in top:
             peak += f"; reserved {format_bytes(max(m['mem_reserved_peak_bytes'] for m in self.timeline))}"

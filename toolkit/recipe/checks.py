@@ -23,33 +23,54 @@ def _defaults(section_schema: dict) -> dict:
 
 
 def resolve_batch(batch: dict, world_size: int) -> tuple[BatchSpec | None, list[str]]:
-    """Derive the batch triple DeepSpeed style; errors show the arithmetic."""
+    """Derive the batch triple DeepSpeed style; errors show the arithmetic and the keys that fix it."""
     micro = batch.get("micro_batch_per_rank")
     accum = batch.get("grad_accum_steps")
     total = batch.get("global_batch")
     w = world_size
     if micro is not None and accum is not None and total is not None:
         if micro * accum * w != total:
-            return None, [f"recipe.batch: global_batch {total} != micro_batch_per_rank {micro} * "
-                          f"grad_accum_steps {accum} * world_size {w} = {micro * accum * w}"]
+            keep = [f"batch.{key} to {total // (other * w)}" for key, other in
+                    (("grad_accum_steps", micro), ("micro_batch_per_rank", accum)) if total % (other * w) == 0]
+            return None, [f"recipe.batch: global_batch {total} != micro_batch_per_rank {micro} x grad_accum_steps "
+                          f"{accum} x world size {w} = {micro * accum * w}; set "
+                          + (f"{' or '.join(keep)} to keep the global batch, or " if keep else "")
+                          + f"batch.global_batch to {micro * accum * w}"]
     elif micro is not None and total is not None:
         if total % (micro * w):
-            return None, [f"recipe.batch: global_batch {total} is not divisible by micro_batch_per_rank {micro} "
-                          f"* world_size {w} = {micro * w}"]
+            return None, [f"recipe.batch: global_batch {total} is not divisible by micro_batch_per_rank {micro} x "
+                          f"world size {w} = {micro * w}; set {_batch_fix(total, 'micro_batch_per_rank', micro, w)}"]
         accum = total // (micro * w)
     elif accum is not None and total is not None:
         if total % (accum * w):
-            return None, [f"recipe.batch: global_batch {total} is not divisible by grad_accum_steps {accum} "
-                          f"* world_size {w} = {accum * w}"]
+            return None, [f"recipe.batch: global_batch {total} is not divisible by grad_accum_steps {accum} x "
+                          f"world size {w} = {accum * w}; set {_batch_fix(total, 'grad_accum_steps', accum, w)}"]
         micro = total // (accum * w)
     elif total is not None:
         if total % w:
-            return None, [f"recipe.batch: global_batch {total} is not divisible by world_size {w}"]
+            return None, [f"recipe.batch: global_batch {total} is not divisible by world size {w}; set "
+                          f"batch.global_batch to {_multiples_near(total, w)}"]
         accum, micro = 1, total // w
     else:
         accum = accum or 1
         total = micro * accum * w
     return BatchSpec(micro, accum, total, w), []
+
+
+def _batch_fix(total: int, key: str, value: int, w: int) -> str:
+    """The keys that make global_batch `total` divide into batch.`key` `value` x world size `w`: a smaller
+    `key` that keeps the global batch (when the world size divides it), or a global batch near `total`."""
+    keep = ""
+    if total % w == 0:
+        fits = max(d for d in range(1, min(value, total // w) + 1) if (total // w) % d == 0)
+        keep = f"batch.{key} to {fits} to keep the global batch, or "
+    return f"{keep}batch.global_batch to {_multiples_near(total, value * w)}"
+
+
+def _multiples_near(n: int, step: int) -> str:
+    """The multiples of `step` either side of `n`: `8 or 12` (only the upper one below `step`)."""
+    below, above = n // step * step, (n // step + 1) * step
+    return f"{below} or {above}" if below else str(above)
 
 
 def _read_pretrained_config(config_path: Path) -> dict:

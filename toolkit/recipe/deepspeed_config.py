@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.recipe.deepspeed_sections import BATCH, Conversion, convert_sections
+from toolkit.recipe.deepspeed_sections import BATCH, Conversion, convert_sections, settle_fp16_auto
 from toolkit.recipe.files import deep_merge, find_recipe_file, load_with_extends
 from toolkit.recipe.load import build_recipe
 from toolkit.regular_files import regular_file_problem
@@ -172,6 +172,22 @@ def _lookup(resolved: dict, path: str):
     return node
 
 
+def _precision_dtype(raw: dict) -> str:
+    """precision.dtype of a recipe dict not yet validated: its own, else the schema's default."""
+    from toolkit.recipe.schema import load_schema
+
+    return _lookup(raw, "precision.dtype") or load_schema()["properties"]["precision"]["properties"]["dtype"]["default"]
+
+
+def _run_length_warnings(recipe: Recipe, from_steps_per_print: bool) -> list[str]:
+    """A log interval the run never reaches (DeepSpeed's steps_per_print sized for a longer run): one step line."""
+    interval, steps = recipe.training.log_interval, recipe.training.max_steps
+    if not from_steps_per_print or steps is None or steps <= 1 or interval < steps:
+        return []
+    return [f"training.log_interval {interval} (steps_per_print) is not below training.max_steps {steps}: the run "
+            f"writes one step line, its last; set training.log_interval to {max(1, steps // 20)} or less"]
+
+
 def convert_deepspeed(ds: dict, *, model: str | None = None, base: str | os.PathLike | None = None,
                       out: str | os.PathLike | None = None, world_size: int | None = 1,
                       source: str = "DeepSpeed config",
@@ -184,6 +200,8 @@ def convert_deepspeed(ds: dict, *, model: str | None = None, base: str | os.Path
     if base is not None:
         base_path = find_recipe_file(base).absolute()
         base_raw = load_with_extends(base_path)
+    settle_fp16_auto(c, _precision_dtype(deep_merge(base_raw if base is not None else {}, c.recipe)))
+    if base is not None:
         _fill_base_batch(c, base_raw.get("batch", {}), world_size or 1)
         written = {"extends": os.path.relpath(base_path, out_dir),
                    "description": f"{base_raw.get('description', base_path.name).rstrip('.')}; settings from {source}", **c.recipe}
@@ -210,7 +228,7 @@ def convert_deepspeed(ds: dict, *, model: str | None = None, base: str | os.Path
                  else _lookup(recipe.resolved, path))
         c.notes.append(f"{ds_key}: \"auto\" -> {path} = {json.dumps(value)} (the recipe's value)")
     report = [*(f"carried: {line}" for line in c.carried), *(f"note: {line}" for line in c.notes),
-              *c.dropped]
+              *(f"warning: {line}" for line in _run_length_warnings(recipe, "steps_per_print" in ds)), *c.dropped]
     if strict and c.dropped:
         raise UserError(*(f"{source}: {line} (--strict)" for line in c.dropped))
     return ConvertedRecipe(written=written, recipe=recipe, report=report, dropped=list(c.dropped))
@@ -223,6 +241,7 @@ def recipe_from_deepspeed(ds: dict) -> Recipe:
 
     done = convert_deepspeed(ds, world_size=None, source="DeepSpeed config dict")
     for line in done.report:
-        if not line.startswith("carried:") and not line.startswith("note: training.max_steps"):
+        # NOTE: the run's length (training.max_steps, and the log interval against it) is the caller's own loop's
+        if not line.startswith(("carried:", "note: training.max_steps", "warning: training.log_interval")):
             warn_once(f"DeepSpeed config: {line.removeprefix('note: ')}")
     return done.recipe

@@ -24,6 +24,7 @@ class Conversion:
     dropped: list[str] = field(default_factory=list)        # "ds.key: not carried over: why"
     auto: list[tuple[str, str]] = field(default_factory=list)  # ("ds.key", "recipe.path") left to the recipe
     notes: list[str] = field(default_factory=list)          # facts about the result the config does not say
+    fp16_if_auto: dict = field(default_factory=dict)       # fp16 loss-scale keys under fp16.enabled "auto"
 
     def put(self, ds_key: str, recipe_path: str, value) -> None:
         """Carry `value` (DeepSpeed's `ds_key`) to the recipe key `recipe_path` ("zero.stage"); "auto" is left to the recipe."""
@@ -96,6 +97,8 @@ def precision(c: Conversion, ds: dict) -> None:
             if key in fp16:
                 if on is False:
                     c.drop(f"fp16.{key}", f"{NO_EFFECT}: fp16 is not enabled")
+                elif on == "auto":  # NOTE: carried only if "auto" leaves the recipe on fp16 (settle_fp16_auto)
+                    c.fp16_if_auto[key] = fp16[key]
                 else:
                     c.put(f"fp16.{key}", f"precision.fp16.{key}", fp16[key])
         _rest(c, "fp16", fp16, {"enabled", *LOSS_SCALE}, {
@@ -116,8 +119,19 @@ def precision(c: Conversion, ds: dict) -> None:
         c.drop("amp", f"{UNSUPPORTED}: NVIDIA Apex AMP; replaced by precision.dtype fp16 or bf16 (torch autocast)")
 
 
+def settle_fp16_auto(c: Conversion, dtype: str) -> None:
+    """The loss-scale keys held back under fp16.enabled "auto", now that "auto" resolved to precision.dtype
+    `dtype` (the base recipe's or the default): carried for fp16, else not carried over, with why."""
+    for key, value in c.fp16_if_auto.items():
+        if dtype == "fp16":
+            c.put(f"fp16.{key}", f"precision.fp16.{key}", value)
+        else:
+            c.drop(f"fp16.{key}", f"{NO_EFFECT}: fp16.enabled is \"auto\" and the recipe's precision.dtype is "
+                   f"{dtype}, which scales no loss")
+    c.fp16_if_auto = {}
+
+
 ZERO_NO_EFFECT = {
-    "overlap_comm": f"{NO_EFFECT}: the toolkit's ZeRO strategies overlap reduction with backward by themselves",
     "contiguous_gradients": f"{NO_EFFECT}: gradients are always kept in flat contiguous buffers",
     "reduce_scatter": f"{NO_EFFECT}: stages 2-3 always reduce-scatter",
     "allgather_partitions": f"{NO_EFFECT}: parameters are always all-gathered in buckets",
@@ -156,7 +170,7 @@ def _offload_optimizer(c: Conversion, z: dict) -> None:
 
 
 def zero(c: Conversion, ds: dict) -> None:
-    """zero_optimization: stage, optimizer offload (device, ratio), bucket sizes; the rest reported."""
+    """zero_optimization: stage, optimizer offload (device, ratio), bucket sizes, overlap_comm; the rest reported."""
     if isinstance(ds.get("zero_optimization"), bool):  # DeepSpeed's deprecated form: true is stage 1
         c.put("zero_optimization (legacy boolean)", "zero.stage", 1 if ds["zero_optimization"] else 0)
         return
@@ -173,8 +187,10 @@ def zero(c: Conversion, ds: dict) -> None:
             # NOTE: DeepSpeed configs write sizes as floats (5e8); the recipe counts whole elements.
             c.put(f"zero_optimization.{key}", f"zero.{key}", int(value) if isinstance(value, float)
                   and value.is_integer() else value)
+    if "overlap_comm" in z:  # false: every collective waited for when issued, as DeepSpeed's overlap_comm false
+        c.put("zero_optimization.overlap_comm", "zero.overlap_comm", z["overlap_comm"])
     off_param = z.get("offload_param")
-    handled = {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size"}
+    handled = {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"}
     if isinstance(off_param, dict) and off_param.get("device", "none") == "none":
         handled.add("offload_param")
     if z.get("cpu_offload") is not True:

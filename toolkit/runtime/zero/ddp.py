@@ -184,6 +184,18 @@ class DataParallel:
         """Every parameter whole, by name."""
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
+    def describe_tiers(self) -> str:
+        """One line for the start-up table: the bytes per rank of parameters, gradients and optimizer states, all
+        on the device (the memory line at the end counts the same tensors)."""
+        from toolkit.observe.estimate import format_bytes
+
+        mem = self.memory_bytes()
+        # NOTE: torch's Adam(W) makes its moments at the first step: none exist yet to count
+        moments = (f"({format_bytes(mem['mem_optim_bytes'])})" if mem["mem_optim_bytes"] else
+                   "(made at the first step: two moments as large as the parameters)")
+        return (f"params device ({format_bytes(mem['mem_params_bytes'])}); grads device "
+                f"({format_bytes(mem['mem_grads_bytes'])}); optimizer states device {moments}")
+
     def memory_bytes(self) -> dict:
         """Model-state bytes held now, from live tensors."""
         optim = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]

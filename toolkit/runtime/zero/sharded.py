@@ -125,7 +125,10 @@ class ShardedStrategy:
         param_tier = self.weights.tier if self.weights is not None else "none"
         elem = torch.empty(0, dtype=self.param_dtype).element_size()
         where = {"none": "device", "cpu": "CPU memory", "nvme": "swap file"}
-        states = [f"params {where[param_tier]} ({format_bytes(elem * self.layout.numel)})",
+        # NOTE: at stages 1-2 every rank holds the whole parameters (counted from the flat buffers); only
+        # stage 3 keeps a shard, on the device or offloaded whole (elem bytes per element of the shard)
+        params = mem["mem_params_bytes"] if param_tier == "none" else elem * self.layout.numel
+        states = [f"params {where[param_tier]} ({format_bytes(params)})",
                   f"fp32 grads device ({format_bytes(mem['mem_grads_bytes'])})"]
         for part in self.parts:
             tier = part.tier
