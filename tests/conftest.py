@@ -32,6 +32,15 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture
+def no_torch(tmp_path, monkeypatch):
+    """Later run_cli calls cannot import torch: what they do happens before torch is loaded."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+
+
 def wait_for_step(out_file: Path, step: int, proc, timeout: float = 180) -> None:
     """Wait until a run's console output (`out_file`) shows `step`; fails if `proc` ends first."""
     import time

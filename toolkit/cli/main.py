@@ -29,6 +29,7 @@ def _load_recipe_and_warn(args, world_size: int | None = None, *, warn: bool = T
 def _cmd_validate(args) -> int:
     from toolkit.optional_packages import check_recipe_packages
     from toolkit.recipe.checks import fp16_device_warning
+    from toolkit.train.preflight import machine_fit_warnings
 
     recipe = _load_recipe_and_warn(args, args.world_size)
     note = fp16_device_warning(recipe.precision.dtype, recipe.training.device)  # `run` refuses it on such a machine
@@ -36,6 +37,8 @@ def _cmd_validate(args) -> int:
         print(f"warning: {note}", file=sys.stderr, flush=True)
     for note in check_recipe_packages(recipe):
         print(f"note: {note}", file=sys.stderr)
+    for line in machine_fit_warnings(recipe):  # valid, but this machine cannot hold it (exit code still 0)
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     b = recipe.batch
     print(f"{args.recipe}: valid (hash {recipe.hash}); {recipe.model.label}, "
           f"global batch {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
@@ -68,8 +71,6 @@ def _cmd_estimate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from toolkit.optional_packages import check_recipe_packages
-
     if args.nproc is not None:  # this process launches the ranks; each runs `toolkit run` without --nproc
         from pathlib import Path
 
@@ -78,11 +79,12 @@ def _cmd_run(args) -> int:
 
         from toolkit.train.run_dir import default_run_dir
         from toolkit.train.launch import launch_ranks
+        from toolkit.train.preflight import check_before_torch
 
         # user mistakes: one line, here; warnings too, once (the ranks inherit warn_once's record)
         recipe = _load_recipe_and_warn(args, args.nproc)
-        check_recipe_packages(recipe)
         run_dir = args.run_dir or str(default_run_dir(recipe))
+        check_before_torch(recipe, run_dir)  # before the launcher makes the run dir and starts the ranks
         return launch_ranks(args.nproc, ["run", args.recipe, *args.overrides, "--run-dir", run_dir], Path(run_dir))
     from toolkit.train.stop import NOTES_ENV, RunStopped
 
@@ -99,8 +101,8 @@ def _cmd_run(args) -> int:
 
 def _run_this_process(args) -> None:
     """`toolkit run` in one process, or one rank of `--nproc` / torchrun."""
-    from toolkit.observe.memory_fit import allocation_failure, certainly_cpu, check_memory_fit, is_allocation_failure
-    from toolkit.optional_packages import check_recipe_packages
+    from toolkit.observe.memory_fit import allocation_failure, is_allocation_failure
+    from toolkit.train.preflight import check_before_torch
     from toolkit.train.stop import LAUNCHER_PID_ENV
 
     if os.environ.get(LAUNCHER_PID_ENV):  # a rank of `--nproc`: ends with its launcher
@@ -108,9 +110,7 @@ def _run_this_process(args) -> None:
 
         die_with_launcher()
     recipe = _load_recipe_and_warn(args)
-    check_recipe_packages(recipe)  # before torch is imported; a missing matplotlib is noted at the end
-    if certainly_cpu(recipe):  # refuse a recipe too big for this machine in a second, before torch loads
-        check_memory_fit(recipe, "cpu", warn=False)
+    check_before_torch(recipe, args.run_dir)  # refuse what this machine cannot run in a second, before torch loads
     from toolkit.train.loop import run
 
     try:

@@ -1,9 +1,10 @@
-"""Does a recipe fit this machine? The pre-flight check a run makes before it builds
-the model or the data: the estimator's bytes per rank (toolkit/observe/estimate.py: model
-states + activations, plus the synthetic token buffers) against what the device has
-now (CUDA: free memory from the driver; the host: MemAvailable, or a cgroup limit
-when lower), refused in one line that names the keys that drive the size and the
-ways out. `training.memory_check` turns it into a warning, or off.
+"""Does a recipe fit this machine's memory? The pre-flight's memory check
+(toolkit/train/preflight.py), made before the model, the kernels or the data are
+built: the estimator's bytes per rank (toolkit/observe/estimate.py: model states +
+activations, plus the synthetic token buffers) against what the device has now
+(CUDA: free memory from the driver; the host: MemAvailable, or a cgroup limit when
+lower), refused in one line that names the keys that drive the size and the ways
+out. `training.memory_check` turns it into a warning, or off.
 
 Also the last resort: `allocation_failure` turns an allocator's out-of-memory error
 that still happens (the estimate is a lower bound) into the same kind of line.
@@ -134,22 +135,22 @@ def certainly_cpu(recipe: Recipe) -> bool:
     return not gpu_driver_visible()
 
 
-def check_memory_fit(recipe: Recipe, device, *, warn: bool = True) -> None:
-    """Refuse (UserError) or warn when the estimate per rank exceeds what `device` (a torch.device,
-    or "cpu") and the host have now; `warn=False` only refuses (an early check before torch is imported)."""
-    mode = recipe.training.memory_check
-    if mode == "off":
-        return
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # ranks on this host share its memory
+def ranks_on_host(recipe: Recipe) -> int:
+    """How many ranks share this host's memory and disk: LOCAL_WORLD_SIZE under a launcher, else all of the
+    recipe's (`toolkit run --nproc N` starts them here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or recipe.world_size)
+
+
+def memory_fit_lines(recipe: Recipe, device, *, ranks: int, gpu: bool = True) -> list[str]:
+    """One refusal line per side (the device, the host) the estimate per rank does not fit (empty: it fits).
+
+    `device` is a torch.device or "cpu" / "cuda"; on CUDA with `gpu` the device's free memory is torch's to
+    tell (imported here), with `gpu=False` only the host side of a CUDA run is held (no torch import).
+    A UserError when the estimator cannot size the model (a pretrained folder it does not know)."""
     on_cuda = getattr(device, "type", device) == "cuda"
-    try:
-        device_terms, host_terms = size_terms(recipe, on_cuda=on_cuda)
-    except UserError as exc:  # a pretrained folder the estimator cannot size: no check, said once
-        if warn and os.environ.get("RANK", "0") == "0":
-            print(f"note: no memory check: {exc.lines[0]}", file=sys.stderr, flush=True)
-        return
+    device_terms, host_terms = size_terms(recipe, on_cuda=on_cuda)
     problems = []
-    if on_cuda:
+    if on_cuda and gpu:
         import torch
 
         free, _ = torch.cuda.mem_get_info(device)
@@ -158,11 +159,32 @@ def check_memory_fit(recipe: Recipe, device, *, warn: bool = True) -> None:
     if host_terms:
         available, source = host_available_bytes()
         problems.append(_verdict(recipe, host_terms, available, f"the host ({source})", on_cuda, ranks))
-    problems = [p for p in problems if p]
-    if problems and mode == "refuse":
-        raise UserError(*problems)
-    for problem in problems if warn else ():
-        print(f"warning: {problem}; trying anyway (training.memory_check=warn)", file=sys.stderr, flush=True)
+    return [p for p in problems if p]
+
+
+def memory_findings(recipe: Recipe, device, *, ranks: int, gpu: bool = True) -> tuple[list[str], list[str]]:
+    """(refusals, lines to say) of `training.memory_check` for `recipe` on `device` (memory_fit_lines)."""
+    mode = recipe.training.memory_check
+    if mode == "off":
+        return [], []
+    try:
+        problems = memory_fit_lines(recipe, device, ranks=ranks, gpu=gpu)
+    except UserError as exc:  # a pretrained folder the estimator cannot size: no check, said once
+        return [], [f"note: no memory check: {exc.lines[0]}"]
+    if mode == "refuse":
+        return problems, []
+    return [], [f"warning: {p}; trying anyway (training.memory_check=warn)" for p in problems]
+
+
+def check_memory_fit(recipe: Recipe, device, *, warn: bool = True) -> None:
+    """Refuse (UserError) or warn when the estimate per rank exceeds what `device` (a torch.device,
+    or "cpu") and the host have now; `warn=False` only refuses. The memory check alone: `toolkit run`
+    makes it with the others in its pre-flight (toolkit/train/preflight.py)."""
+    refusals, said = memory_findings(recipe, device, ranks=ranks_on_host(recipe))
+    if refusals:
+        raise UserError(*refusals)
+    for line in said if warn else ():
+        print(line, file=sys.stderr, flush=True)
 
 
 def is_allocation_failure(exc: BaseException) -> bool:

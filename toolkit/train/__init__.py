@@ -1,7 +1,8 @@
 """train: a whole run of a recipe.
 
 loop.py is `toolkit.run`: data, engine, evaluation, logging and checkpoint
-cadence; run_dir.py claims and checks the run directory; stop.py turns
+cadence; preflight.py makes every check that can refuse a run before anything
+slow; run_dir.py claims and checks the run directory; stop.py turns
 SIGTERM/SIGINT into a checkpoint and a resume line; launch.py starts the
 ranks of `toolkit run --nproc N`; tune.py runs `toolkit tune`'s trials (each a
 `toolkit run` process) and tune_report.py writes its tuned recipe, trial table and plot.

@@ -24,15 +24,15 @@ from toolkit.data.batches import BatchStream, Dataset, eval_batches
 from toolkit.runtime.engine import Engine, check_device, pick_device
 from toolkit.errors import UserError, write_failure
 from toolkit.observe.flops import MfuBasis, mfu_basis, unknown_peak_warning
-from toolkit.observe.memory_fit import check_memory_fit
 from toolkit.observe.comm import format_wire_bytes, per_step
 from toolkit.observe.memory_monitor import MemoryMonitor
 from toolkit.runtime.comm import expected_bytes_per_step
+from toolkit.train.preflight import preflight
 from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
 from toolkit.train.stop import RunStopped, StopSignals, under_elastic_launcher
 from toolkit.specs import Recipe
 from toolkit.observe.trackers import Trackers, build_trackers
-from toolkit.distributed import barrier, broadcast_object, shutdown, start_process_group
+from toolkit.distributed import any_true, barrier, broadcast_object, shutdown, start_process_group
 
 
 @dataclass
@@ -127,19 +127,30 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     """
     check_device(recipe)  # a recipe this machine cannot run leaves no run dir behind
     info = start_process_group(recipe.world_size, recipe.training.device)
-    check_memory_fit(recipe, pick_device(recipe.training.device))  # before anything large is allocated
-    apply_cpu_threads(recipe)
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
+    num_parameters = _preflight_every_rank(recipe, run_dir, info)  # before anything slow or the run dir
+    apply_cpu_threads(recipe)
     lock = _agree(lambda: claim_run_dir(run_dir), info)  # rank 0 holds it (or the --nproc launcher does)
     stop = StopSignals(under_elastic_launcher()).install(run_dir, recipe.training.max_steps)
     try:
-        return _train(recipe, run_dir, info, stop, quiet=quiet or not info.is_main)
+        return _train(recipe, run_dir, info, stop, num_parameters, quiet=quiet or not info.is_main)
     except OSError as exc:  # recipe.json, metrics, events, the memory plot: one line naming the file
         raise (write_failure(exc, run_dir) or exc) from None
     finally:
         stop.restore()
         if lock is not None:
             lock.release()
+
+
+def _preflight_every_rank(recipe: Recipe, run_dir: Path, info) -> int | None:
+    """The pre-flight on this rank (its device, its disks: toolkit/train/preflight.py); a refusal on any rank
+    stops every rank (those that found none silently). Returns the estimator's parameter count."""
+    device = pick_device(recipe.training.device)
+    found = preflight(recipe, run_dir, device)
+    found.say()
+    if any_true(bool(found.refusals), info, device):
+        raise UserError(*found.refusals)
+    return found.num_parameters
 
 
 def _agree(claim, info):
@@ -166,8 +177,10 @@ def _check_steps_left(recipe: Recipe, resumed, *, warn: bool) -> None:
               "raise training.max_steps to train further", file=sys.stderr, flush=True)
 
 
-def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: bool) -> RunResult:
-    """The run behind `run`, in a run directory this process (or its launcher) holds."""
+def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, num_parameters: int | None, *,
+           quiet: bool) -> RunResult:
+    """The run behind `run`, in a run directory this process (or its launcher) holds; `num_parameters` is the
+    pre-flight's count (None: the checkpoint's room is checked here, once the model is built)."""
     checkpointer = Checkpointer(recipe, run_dir)
     saves = recipe.checkpoint.interval > 0 or recipe.checkpoint.save_final
     _agree(lambda: check_writable(run_dir, checkpointer.dir if saves else None), info)
@@ -175,7 +188,7 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, *, quiet: boo
     start_step = resumed.step if resumed is not None else 0
     _check_steps_left(recipe, resumed, warn=info.is_main)
     engine = Engine(recipe)
-    if saves:
+    if saves and num_parameters is None:
         _agree(lambda: check_room_for_checkpoint(checkpointer.dir, engine.num_parameters), info)
     barrier(info)  # every rank has read the checkpoint before rank 0 touches the run dir
     if info.is_main:

@@ -1,7 +1,8 @@
 """The run directory's guards: one run at a time (an advisory lock held for the
 run's life), the checks made before training (the run directory and the
-checkpoint directory are writable, the disk has room for a checkpoint). A write
-that fails later is one line naming the file: toolkit/errors.py write_failure.
+checkpoint directory are writable; room for a checkpoint where the pre-flight
+could not size the model: toolkit/observe/disk_fit.py has the disk's sums). A
+write that fails later is one line naming the file: toolkit/errors.py write_failure.
 
 The lock is `fcntl.flock` on <run_dir>/.toolkit-run.lock: the kernel releases it
 when the holder exits, however it exits, so a crash never leaves a stale lock.
@@ -21,12 +22,10 @@ from datetime import datetime
 from pathlib import Path
 
 from toolkit.errors import UserError, describe_os_error
+from toolkit.observe.disk_fit import checkpoint_bytes, checkpoint_room_line, nearest_existing
 
 LOCK_FILE = ".toolkit-run.lock"
 LOCK_HELD_ENV = "TOOLKIT_RUN_DIR_LOCKED"  # the run directory (resolved) whose lock the --nproc launcher holds
-# NOTE: measured on quickstart: 12.7 bytes per parameter at stage 0 fp32 (fp32 weights + AdamW's two
-# fp32 moments, plus RNG and data state), 12.1 at stage 2 bf16 (fp32 master + moments in the ZeRO shard).
-CHECKPOINT_BYTES_PER_PARAMETER = 12
 
 
 def default_run_dir(recipe) -> Path:
@@ -75,12 +74,6 @@ def claim_run_dir(run_dir: Path) -> RunDirLock | None:
     return RunDirLock(run_dir).acquire()
 
 
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _not_writable(directory: Path, what: str, exc: OSError) -> UserError:
     return UserError(f"{directory}: {what} is not writable: {describe_os_error(exc)}; "
                      "make it writable or choose another --run-dir")
@@ -99,7 +92,7 @@ def check_writable(run_dir: Path, checkpoint_dir: Path | None) -> None:
     _probe_writable(run_dir, "the run directory")
     if checkpoint_dir is None:
         return
-    existing = _nearest_existing(checkpoint_dir)
+    existing = nearest_existing(checkpoint_dir)
     if not existing.is_dir():
         inside = "" if existing == checkpoint_dir else f", and checkpoints go inside it to {checkpoint_dir}"
         raise UserError(f"{existing}: is a file, not a directory{inside} (recipe.checkpoint.dir); "
@@ -108,17 +101,9 @@ def check_writable(run_dir: Path, checkpoint_dir: Path | None) -> None:
         _probe_writable(existing, "the checkpoint directory")
 
 
-def checkpoint_bytes(num_parameters: int) -> int:
-    """About how many bytes one checkpoint takes on disk (all ranks' files together)."""
-    return num_parameters * CHECKPOINT_BYTES_PER_PARAMETER
-
-
 def check_room_for_checkpoint(checkpoint_dir: Path, num_parameters: int) -> None:
-    """Before training: refuse when the disk cannot take one more checkpoint."""
-    needed = checkpoint_bytes(num_parameters)
-    free = shutil.disk_usage(_nearest_existing(checkpoint_dir)).free
-    if free < needed:
-        raise UserError(f"{checkpoint_dir}: {free / 1e9:.2f} GB free, but a checkpoint of {num_parameters:,} "
-                        f"parameters takes about {needed / 1e9:.2f} GB ({CHECKPOINT_BYTES_PER_PARAMETER} bytes "
-                        "each: fp32 weights and AdamW's two moments); free space or choose another --run-dir")
-
+    """Refuse when the disk cannot take one more checkpoint (the pre-flight's check, for a model the
+    estimator could not size before it was built)."""
+    free = shutil.disk_usage(nearest_existing(checkpoint_dir)).free
+    if free < checkpoint_bytes(num_parameters):
+        raise UserError(checkpoint_room_line(checkpoint_dir, num_parameters, free))

@@ -30,7 +30,8 @@ from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, split_groups
-from toolkit.runtime.zero.swap import SwapDir, check_nvme_path
+from toolkit.runtime.zero.swap import SwapDir
+from toolkit.observe.disk_fit import check_nvme_path
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
 

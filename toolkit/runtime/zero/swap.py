@@ -55,22 +55,6 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def check_nvme_path(path: str | None, need_bytes: int) -> Path:
-    """zero.nvme_path as a folder that exists, is writable and has `need_bytes` free; else one UserError line."""
-    if not path:
-        raise UserError("recipe.zero.nvme_path: needed by zero.offload_optimizer / offload_param 'nvme'")
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise UserError(f"recipe.zero.nvme_path: {path}: no such folder (make it, on a fast local disk)")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"recipe.zero.nvme_path: {path}: not writable by this user")
-    free = shutil.disk_usage(folder).free
-    if free < need_bytes:
-        raise UserError(f"recipe.zero.nvme_path: {path}: {free / 2**30:.1f} GiB free, the swap files need "
-                        f"{need_bytes / 2**30:.1f} GiB (this host's ranks; `toolkit estimate` shows the nvme column)")
-    return folder
-
-
 class SwapDir:
     """This process's scratch folder under nvme_path, removed at exit."""
 
