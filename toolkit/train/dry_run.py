@@ -14,6 +14,7 @@ What does not live here: the engine (toolkit/runtime/), the formulas (toolkit/ob
 """
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -182,11 +183,13 @@ def fake_process_group(rank: int, world_size: int):
     # NOTE: importing the module registers the "fake" backend (torch >= 2.1; 2.11 and 2.13 alike).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    hook = sys.excepthook  # NOTE: init_process_group wraps it with a "[rankR]:" prefix and never unwraps it
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _estimated_states(recipe: Recipe, numel: int, offload_ratio: float) -> dict:
@@ -293,8 +296,6 @@ def dry_run(recipe: Recipe, *, rank: int = 0, steps: int = 3) -> DryRunReport:
 
 def dry_run_command(recipe: Recipe, *, rank: int, steps: int) -> int:
     """`toolkit estimate --dry-run`: print the report; exit 1 (a toolkit bug, not a user mistake) on a mismatch."""
-    import sys
-
     check_dry_run(recipe, rank, steps)  # before torch builds anything
     report = dry_run(recipe, rank=rank, steps=steps)
     print(report.format(), flush=True)
