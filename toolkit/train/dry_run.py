@@ -54,7 +54,7 @@ class DryRunReport:
     estimated: dict        # STATE_ROWS -> bytes, the estimate at the model's parameter count
     estimated_padded: dict  # STATE_ROWS -> bytes, the estimate at the engine's layout (_engine_layout_estimate)
     step_counter_bytes: int  # stage 0: torch AdamW's step counters, in estimated_padded's optim
-    comm_steps: list       # per step: kind -> bytes this rank sent
+    comm_steps: list       # per step that updated the weights: kind -> bytes this rank sent
     comm_expected: dict    # kind -> bytes per step, the formula at the engine's Ψ
     skipped_steps: int
     peak: int | None       # CUDA max allocated over the steps; None on the CPU
@@ -92,6 +92,8 @@ class DryRunReport:
             bad.append(f"padding: {self.padded_numel - self.num_params:,} elements, more than {self.groups} "
                        f"group(s) x (N-1) = {bound:,}")
         scalar_limit = self.scalar_limit
+        if not self.comm_steps:
+            bad.append(f"comm: every one of the {self.steps} step(s) was skipped; nothing to check (more --steps)")
         for i, step in enumerate(self.comm_steps, 1):
             beyond = {k: v for k, v in step.items() if k != "all_reduce" and v}
             want = {k: v for k, v in self.comm_expected.items() if k != "all_reduce"}
@@ -110,7 +112,8 @@ class DryRunReport:
                  f"built in {self.build_s:.1f} s, {self.steps} step(s) in {self.steps_s:.1f} s",
                  f"parameters {self.num_params:,}; the engine's layout {self.padded_numel:,} " +
                  (f"({self.groups} group(s) padded to a multiple of {self.world_size})" if self.groups
-                  else "(stage 0: whole parameters, unpadded)")]
+                  else f"(stage 0: whole parameters, unpadded; torch AdamW's step counters "
+                       f"{self.step_counter_bytes} B)")]
         table = [["", "measured", "estimate", "ratio", "exact at the engine's layout"]]
         names = {"params": "params", "grads": "grads", "optim": "master+moments", "host": "host (offload)"}
         for row in STATE_ROWS:
@@ -143,7 +146,8 @@ class DryRunReport:
                      "groups, stage 0's AdamW step counters), which the measurement must equal; comm: the ZeRO "
                      "traffic formulas (docs/communication.md) at that count, per step")
         if self.skipped_steps:
-            lines.append(f"note: {self.skipped_steps} step(s) skipped by the fp16 loss scaler (meaningless gradients)")
+            lines.append(f"note: {self.skipped_steps} step(s) skipped by the fp16 loss scaler (meaningless gradients); "
+                         "their traffic is left out of the comm check")
         if self.peak is None:
             lines.append("peak: not measured on the CPU (one process's resident set is mostly the runtime); "
                          "the model-state bytes are the claim")
@@ -264,6 +268,8 @@ def dry_run(recipe: Recipe, *, rank: int = 0, steps: int = 3) -> DryRunReport:
             batches = [torch.randint(0, recipe.model.vocab_size, micro, generator=generator)
                        for _ in range(engine.grad_accum_steps)]
             result = engine.train_batch(batches)
+            if result.skipped:  # fp16 overflow: no update, so no weight all-gather; not the formula's step
+                continue
             comm_steps.append({k[len("comm_bytes_"):]: v for k, v in result.comm.items()
                                if k.startswith("comm_bytes_")})
         if cuda:
