@@ -51,6 +51,12 @@ def _cmd_estimate(args) -> int:
     from toolkit.observe.tiers import format_tier_estimate
 
     recipe = _load_recipe_and_warn(args, args.world_size, warn=False)
+    if args.dry_run:  # one rank of the N-rank job, built and measured (toolkit/train/dry_run.py)
+        from toolkit.train.dry_run import dry_run_command
+
+        return dry_run_command(recipe, rank=args.rank or 0, steps=3 if args.steps is None else args.steps)
+    if args.rank is not None or args.steps is not None:
+        raise UserError("estimate: --rank and --steps go with --dry-run")
     print(format_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
                           dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
                           stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,
@@ -279,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed by the schema")
     p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default WORLD_SIZE or 1)")
     p.add_argument("--device", default=None, help="GPU to check the fit against, e.g. H100-80GB, A100-40GB, RTX4090")
+    p.add_argument("--dry-run", action="store_true", help="build one rank of the --world-size N job on torch's fake "
+                   "process group, train --steps steps, and check its memory and bytes on the wire against the estimate")
+    p.add_argument("--rank", type=int, default=None, help="with --dry-run: the rank to build (default 0)")
+    p.add_argument("--steps", type=int, default=None, help="with --dry-run: optimizer steps to take (default 3)")
     p.set_defaults(func=_cmd_estimate)
 
     p = sub.add_parser("run", help="train from a recipe")
