@@ -1,39 +1,192 @@
-"""`toolkit tune` on a CPU: a tiny recipe and a space whose best is unambiguous: micro batch 32 is pruned
-by the memory estimate (the cap sits between its prediction and micro 4's), micro 1 needs four times the
-micro steps of micro 4 for the same global batch, so micro 4 is clearly fastest. Trials are real
-`toolkit run` processes; the tuned recipe extends the original with only the changed keys."""
+"""`toolkit tune` on a CPU. One real run: a tiny recipe at micro batch 1 (the baseline), whose micro 4 is clearly
+faster (a quarter of the micro steps for the same global batch) and micro 32 pruned by the memory estimate; the
+A/B rerun confirms micro 4 and the tuned recipe extends the original with only the changed keys. The rest fake
+the trials (run_trial and predict monkeypatched, a fake clock): the baseline always runs, "keep your recipe",
+the A/B decision's margin, the budget kept for the A/B, and the order of the candidates."""
 import json
+from dataclasses import replace
+from types import SimpleNamespace
 
-from tests.conftest import REPO
+import pytest
+
+import toolkit.train.tune as tune_module
 from toolkit.recipe.load import load_recipe
-from toolkit.train.tune import TuneSpace, predict, tune
-from toolkit.train.tune_report import write_outputs
+from toolkit.train.tune import PRUNE_MARGIN, TuneSpace, predict, tune
+from toolkit.train.tune_decide import MIN_GAIN, decide
+from toolkit.train.tune_order import prior
+from toolkit.train.tune_report import decision_text, write_outputs
 
 TINY = {"model": {"family": "gpt2", "size": "tiny"},
         "data": {"kind": "synthetic", "seq_len": 16, "num_samples": 512, "eval_samples": 64},
         "batch": {"micro_batch_per_rank": 1, "global_batch": 32}, "training": {"max_steps": 100, "cpu_threads": 1}}
 # NOTE: 16-token sequences and one thread: a micro step's fixed cost outweighs its compute, so micro 1 (32 micro
 # steps) is several times slower than micro 4 (8), a gap no neighbour's load on a 2-core machine closes.
+MICRO, STAGE, CKPT, OFFLOAD = "batch.micro_batch_per_rank", "zero.stage", "model.activation_checkpointing", "offload"
 
 
-def test_tune_finds_the_known_best_and_writes_a_recipe_extending_the_original(tmp_path):
-    recipe = tmp_path / "tiny.json"
-    recipe.write_text(json.dumps(TINY))
+def _write(tmp_path, recipe=TINY):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(recipe))
+    return path
+
+
+def test_tune_runs_the_baseline_first_and_writes_the_candidate_that_wins_its_ab_reruns(tmp_path):
+    recipe = _write(tmp_path)
     sizes = {m: predict(recipe, {"zero.stage": 0, "batch.micro_batch_per_rank": m, "batch.grad_accum_steps": 32 // m},
                         1, False)[0] for m in (4, 32)}
-    cap = (sizes[4] + sizes[32]) // 2
+    cap = int((sizes[4] + sizes[32] / (1 + PRUNE_MARGIN)) / 2)
+    assert sizes[4] < cap < sizes[32] / (1 + PRUNE_MARGIN)  # micro 4 fits, micro 32 beyond the margin
     space = TuneSpace(stages=(0,), micro_batches=(1, 4, 32), checkpointing=(False,), offloads=("none",))
-    result = tune(recipe, space=space, budget_s=120, cap_bytes=cap, warmup=1, measure=4, confirm=False,
+    result = tune(recipe, space=space, budget_s=120, cap_bytes=cap, warmup=1, measure=4, ab_pairs=1,
                   log=lambda line: None)
-    by_micro = {t.changes["batch.micro_batch_per_rank"]: t for t in result.trials}
-    assert by_micro[32].status == "pruned" and "cap" in by_micro[32].why and by_micro[32].wall_s == 0
-    assert by_micro[4].status == by_micro[1].status == "ok"
-    assert by_micro[4].tokens_per_s > 1.5 * by_micro[1].tokens_per_s  # four times fewer micro steps
-    assert result.best is by_micro[4] and by_micro[4].peak_bytes > 0
-    written = write_outputs(result, tmp_path / "tuned.json")
+    base, micro4, rerun_base, rerun_micro4, micro32 = result.trials
+    assert base.baseline and base.status == "ok" and base.changes[MICRO] == 1
+    assert micro4.changes[MICRO] == 4 and micro4.tokens_per_s > 1.5 * base.tokens_per_s  # four times fewer steps
+    assert (rerun_base.rerun_of, rerun_base.baseline, rerun_micro4.rerun_of) == (0, True, 1)
+    assert rerun_base.status == rerun_micro4.status == "rerun"
+    assert micro32.status == "pruned" and "cap" in micro32.why and micro32.wall_s == 0
+    assert result.decision.change and result.tuned is micro4
+    assert result.decision.worst_case == rerun_micro4.tokens_per_s / rerun_base.tokens_per_s > 1 + MIN_GAIN
+    write_outputs(result, tmp_path / "tuned.json")
     tuned = json.loads((tmp_path / "tuned.json").read_text())
     assert tuned["extends"] == "tiny.json" and tuned["batch"] == {"grad_accum_steps": 8, "micro_batch_per_rank": 4}
     assert set(tuned) == {"extends", "description", "batch"}  # only the changed keys
     assert load_recipe(tmp_path / "tuned.json").batch.global_batch == 32
     table = (tmp_path / "tuned.trials.md").read_text()
-    assert "| 0 | stage 0, micro 32 | pruned |" in table and len(written) >= 3
+    assert "| 0 | **baseline** stage 0, micro 1 | ok |" in table and "| 4 | stage 0, micro 32 | pruned |" in table
+    assert f"candidate stage 0, micro 4 is {result.decision.speedup:.2f}x the baseline" in table
+    report = json.loads((tmp_path / "tuned.trials.json").read_text())
+    assert report["trials"][0]["baseline"] and report["decision"]["written"] == str(tmp_path / "tuned.json")
+
+
+class FakeTrials:
+    """Stands in for run_trial and the clock: each trial takes `wall_s` fake seconds and measures speed(trial)
+    (None: it fails); A/B reruns take their tokens/s from `reruns` (baseline, candidate) in turn."""
+
+    def __init__(self, monkeypatch, speed, wall_s=1.0, reruns=None, sizes=None):
+        self.now, self.speed, self.wall_s, self.reruns, self.calls = 0.0, speed, wall_s, reruns, []
+        monkeypatch.setattr(tune_module, "run_trial", self.run_trial)
+        monkeypatch.setattr(tune_module, "time", SimpleNamespace(monotonic=lambda: self.now))
+        if sizes is not None:  # bytes a candidate is predicted to need (the recipe as written: changes None)
+            monkeypatch.setattr(tune_module, "predict", lambda path, changes, *_: (sizes(changes), ""))
+
+    def run_trial(self, path, trial, **_):
+        self.calls.append(trial)
+        self.now += self.wall_s
+        if trial.rerun_of is not None and self.reruns is not None:
+            tokens_per_s = self.reruns[not trial.baseline].pop(0)
+        else:
+            tokens_per_s = self.speed(trial)
+        if tokens_per_s is None:
+            return replace(trial, status="failed", why="CUDA out of memory", wall_s=self.wall_s)
+        return replace(trial, status="ok", tokens_per_s=tokens_per_s, peak_bytes=1, wall_s=self.wall_s)
+
+
+def test_the_baseline_runs_even_when_predicted_over_the_cap_and_the_budget_is_spent(tmp_path, monkeypatch):
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0, wall_s=30)
+    result = tune(_write(tmp_path), budget_s=1, cap_bytes=1, log=lambda line: None)
+    assert len(fake.calls) == 1 and fake.calls[0].baseline
+    assert result.baseline.status == "ok" and "> cap" in result.baseline.why
+    assert {t.status for t in result.trials[1:]} == {"pruned"}
+    assert not result.decision.change and result.tuned is None
+    written = write_outputs(result, tmp_path / "tuned.json")
+    assert not (tmp_path / "tuned.json").exists() and tmp_path / "tuned.json" not in written
+    assert "keep your recipe: the recipe as written was the fastest trial" in (tmp_path / "tuned.trials.md").read_text()
+
+
+def test_keep_your_recipe_when_the_baseline_is_the_fastest(tmp_path, monkeypatch):
+    fake = FakeTrials(monkeypatch, speed=lambda t: 200.0 if t.baseline else 100.0 * prior(t.changes))
+    space = TuneSpace(stages=(0, 1), micro_batches=(1, 4), offloads=("none",))
+    result = tune(_write(tmp_path), space=space, budget_s=1000, cap_bytes=2**40, log=lambda line: None)
+    assert all(t.rerun_of is None for t in fake.calls)  # nothing to re-measure: the baseline won outright
+    assert result.best is result.baseline and not result.decision.change
+    write_outputs(result, tmp_path / "tuned.json")
+    assert not (tmp_path / "tuned.json").exists()
+    report = json.loads((tmp_path / "tuned.trials.json").read_text())
+    assert report["decision"]["change"] is False and report["decision"]["text"].startswith("keep your recipe")
+
+
+@pytest.mark.parametrize("baseline_runs, candidate_runs, change", [
+    ((100, 103), (102, 104), False),  # ranges overlap: within the spread
+    ((100, 100.2), (100.8, 101.0), False),  # apart, but by less than MIN_GAIN
+    ((100, 101), (118, 120), True),
+])
+def test_the_candidate_is_written_only_when_its_slowest_rerun_beats_the_baselines_fastest(
+        tmp_path, monkeypatch, baseline_runs, candidate_runs, change):
+    reruns = (list(baseline_runs), list(candidate_runs))
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0 if t.baseline else 110.0, reruns=reruns)
+    space = TuneSpace(stages=(0,), micro_batches=(1, 4), checkpointing=(False,), offloads=("none",))
+    result = tune(_write(tmp_path), space=space, budget_s=1000, cap_bytes=2**40, log=lambda line: None)
+    ab = [t for t in fake.calls if t.rerun_of is not None]
+    assert [t.baseline for t in ab] == [True, False, True, False]  # A/B/A/B, each its own run_trial (process)
+    assert result.decision.change is change and (result.tuned is not None) is change
+    written = write_outputs(result, tmp_path / "tuned.json")
+    assert (tmp_path / "tuned.json" in written) is change and (tmp_path / "tuned.json").exists() is change
+    text = decision_text(result, tmp_path / "tuned.json")
+    speedup = f"{(sum(candidate_runs) / 2) / (sum(baseline_runs) / 2):.2f}x"
+    assert speedup in text and ("written to" in text) is change and text.startswith("keep your recipe") is not change
+
+
+def test_decide_states_the_margin_and_distrusts_a_failed_rerun():
+    assert decide("x", [100, 102], [103.5, 104]).change  # 103.5 / 102 = 1.015 > 1 + MIN_GAIN
+    assert not decide("x", [100, 102], [102.9, 104]).change  # 1.009
+    assert not decide("x", [100, 100], [150, None]).change  # a failed candidate rerun: not reliable
+    assert decide("x", [None, None], [90, 91]).change  # the recipe as written failed its reruns
+    d = decide("x", [100, 104], [110, 112])
+    assert d.speedup == pytest.approx(111 / 102) and d.spread == pytest.approx(4 / 102)
+    assert d.worst_case == pytest.approx(110 / 104) and "1.058x the baseline's fastest" in d.why
+
+
+def test_the_search_stops_in_time_for_the_ab_reruns(tmp_path, monkeypatch):
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0 * prior(t.changes) + (0 if t.baseline else 50), wall_s=10)
+    space = TuneSpace(stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8), offloads=("none",))
+    result = tune(_write(tmp_path), space=space, budget_s=100, cap_bytes=2**40, log=lambda line: None)
+    # the baseline took 10 s, so 2 pairs x 2 runs x 10 s stay reserved: trials start while 10 + 40 s are left
+    assert len([t for t in fake.calls if t.rerun_of is None]) == 6 and len(result.decision.reruns) == 4
+    assert result.elapsed_s == 100 and "budget spent" in {t.why for t in result.trials}
+
+
+def test_candidates_run_in_the_throughput_models_order(tmp_path, monkeypatch):
+    """Sizes: 100 per sample, half with checkpointing; the cap lets micro 4 fit without checkpointing, micro 8 with.
+    Stage 1 measures 20% above the model, so once measured its neighbours come next."""
+    def size(changes):
+        return 0 if changes is None else changes[MICRO] * (50 if changes[CKPT] else 100)
+
+    def speed(trial):
+        return 1000 * prior(trial.changes) * (1.2 if trial.changes[STAGE] == 1 else 1.0)
+
+    fake = FakeTrials(monkeypatch, speed=speed, sizes=size)
+    space = TuneSpace(stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8), offloads=("none", "cpu"))
+    result = tune(_write(tmp_path), space=space, budget_s=1e6, cap_bytes=400, log=lambda line: None)
+    ran = [t.changes for t in fake.calls if t.rerun_of is None]
+    assert [(c[STAGE], c[MICRO], c[CKPT]) for c in ran[:5]] == [
+        (0, 1, False),  # the recipe as written
+        (0, 4, False), (1, 4, False),  # the largest micro that fits without checkpointing, stages 0-1 first
+        (2, 4, False), (3, 4, False)]  # then stages 2-3 (one rank)
+    assert ran[5][STAGE] == 1  # the best so far's neighbourhood
+    assert not [c for c in ran if c[OFFLOAD] != "none"]  # offload only when nothing without it fits
+    assert all(c[MICRO] == 8 for c in ran if c[CKPT])  # checkpointing only where it lets a larger micro fit
+    skipped = {t.why.split(" (")[0] for t in result.trials if t.status == "skipped"}
+    assert skipped == {"a configuration without offload fits", "micro 4 ran without checkpointing",
+                       "micro 1 ran without checkpointing"}  # stage 0's micro 1 with checkpointing: the baseline
+    assert {t.changes[MICRO] for t in result.trials if t.status == "pruned"} == {8}
+
+
+def test_offload_runs_when_nothing_without_offload_fits(tmp_path, monkeypatch):
+    def speed(trial):
+        return None if trial.changes[OFFLOAD] == "none" else 100.0  # every run without offload is out of memory
+
+    fake = FakeTrials(monkeypatch, speed=speed)
+    space = TuneSpace(stages=(1,), micro_batches=(1, 2), checkpointing=(False,), offloads=("none", "cpu"))
+    result = tune(_write(tmp_path), space=space, budget_s=1e6, cap_bytes=2**40, log=lambda line: None)
+    ran = [(t.changes[STAGE], t.changes[OFFLOAD], t.changes[MICRO]) for t in fake.calls]
+    assert ran == [(0, "none", 1), (1, "none", 2), (1, "none", 1), (1, "cpu", 2), (1, "cpu", 1)]
+    assert result.decision.change and result.tuned.changes[OFFLOAD] == "cpu"  # no A/B against a failed baseline
+    assert "the recipe as written failed (CUDA out of memory)" in decision_text(result)
+
+
+def test_cli_tune_with_no_ab_pairs_is_one_line_and_exit_2(capsys):
+    from toolkit.cli.main import main
+
+    assert main(["tune", "quickstart", "--ab-pairs", "0"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0

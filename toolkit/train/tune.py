@@ -1,19 +1,29 @@
-"""`toolkit tune RECIPE`: the fastest variant of a recipe that fits, found by short timed trials.
+"""`toolkit tune RECIPE`: the fastest variant of a recipe that fits, and never a slower one than the recipe.
 
-The search space is ZeRO stage x micro batch (grad_accum_steps follows, so the global batch stays the
-recipe's) x activation checkpointing x optimizer offload (ratio 1 or 0.5); then, on a GPU, the best of
-those with training.compile and the fused kernels toggled. Every candidate is first validated and
-sized by the memory estimator (toolkit/observe/memory_fit.py size_terms, as `toolkit estimate` counts);
-those over the memory cap are pruned without running. Survivors run in order (per configuration the
-largest micro batch first, configurations round-robin, so a short budget sees every kind once) as
-fresh `toolkit run` processes (`--nproc N` for several ranks, the launcher of toolkit/train/launch.py):
-a crash or OOM ends that trial only. Each trial runs warm-up steps then measured steps and is read
-back from its metrics.jsonl (tokens/s over the measured steps only, peak memory). Trials stop at the
-budget; the best is rerun once to confirm. Writing the outputs: toolkit/train/tune_report.py.
+The search space is ZeRO stage x micro batch (grad_accum_steps follows, so the global batch stays the recipe's)
+x activation checkpointing x optimizer offload (ratio 1 or 0.5); then, on a GPU, the best of those with
+training.compile and the fused kernels toggled. In order:
+
+1. Trial 0 is the recipe as written (the baseline), always run, whatever the budget or the memory estimate says
+   (an out-of-memory ends only that trial).
+2. Every candidate is validated and sized by the memory estimator (toolkit/observe/memory_fit.py size_terms, as
+   `toolkit estimate` counts). One is pruned only when its prediction exceeds the cap by more than PRUNE_MARGIN
+   (10%, the model's stated accuracy): a candidate near the cap runs anyway.
+3. The rest run in the order of toolkit/train/tune_order.py (a throughput model refined by each measured trial:
+   the largest micro batch that fits without checkpointing first, offload only when nothing else fits), each as
+   a fresh `toolkit run` process (`--nproc N` for several ranks): warm-up steps, then measured steps, read back
+   from its metrics.jsonl (tokens/s over the measured steps only, peak memory). A crash or OOM ends that trial.
+4. From the start, time is kept for the A/B re-measurement (AB_PAIRS x 2 runs of the slowest trial that ran):
+   a trial starts only when the budget left covers it and that reserve.
+5. The best candidate and the baseline rerun interleaved A/B/A/B, each in a fresh process; the candidate wins
+   only when its slowest rerun beats the baseline's fastest by more than MIN_GAIN (1%; the rule and why:
+   toolkit/train/tune_decide.py). Otherwise, or when the baseline was itself the fastest, the answer is "keep
+   your recipe" and no recipe is written.
+
+Writing the outputs (the tuned recipe, the trial table with the baseline row and the decision): tune_report.py.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -28,16 +38,17 @@ from toolkit.errors import UserError
 from toolkit.observe.estimate import USABLE_FRACTION, format_bytes
 from toolkit.observe.memory_fit import host_available_bytes, size_terms
 from toolkit.recipe.load import find_recipe_file, load_recipe
+from toolkit.train import tune_order
+from toolkit.train.tune_decide import AB_PAIRS, Decision, measure_ab
 
 # Recipe keys a trial sets, whatever the candidate, so it is short, quiet and leaves nothing behind.
 TRIAL_KEYS = ["training.eval_batches=0", "training.eval_interval=0", "training.log_interval=1",
               "checkpoint.save_final=false", "checkpoint.interval=0", "checkpoint.resume=never",
               "logging.console=false", "logging.tensorboard=false", "logging.wandb.mode=disabled",
               "training.memory_check=warn"]
-OFFLOADS = {"none": {"zero.offload_optimizer": "none"},
-            "cpu": {"zero.offload_optimizer": "cpu", "zero.offload_ratio": 1.0},
-            "cpu@0.5": {"zero.offload_optimizer": "cpu", "zero.offload_ratio": 0.5}}
 KERNELS = ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")
+PRUNE_MARGIN = 0.10  # NOTE: the memory model is held to +-10% of measured (its calibration test): prune beyond that
+BASELINE_TIMEOUT_S = 600  # the baseline runs even past a spent budget, but not forever
 
 
 @dataclass(frozen=True)
@@ -55,12 +66,13 @@ class Trial:
     """One candidate: what it changes, what the estimator predicted, and what running it gave (or why not)."""
     changes: dict
     predicted_bytes: int = 0
-    status: str = "pending"  # ok, pruned, failed, not run (budget), confirm
+    status: str = "pending"  # ok, rerun (an A/B rerun that ran), failed, pruned, skipped, not run (budget)
     tokens_per_s: float | None = None
     peak_bytes: int | None = None
     wall_s: float = 0.0
     why: str = ""
-    confirms: int | None = None  # index of the trial a confirm rerun repeats
+    baseline: bool = False  # the recipe as written (trial 0 and its reruns)
+    rerun_of: int | None = None  # index of the trial an A/B rerun repeats
 
     @property
     def label(self) -> str:
@@ -74,10 +86,18 @@ class Trial:
         return ", ".join(words)
 
 
+def _offload_keys(offload: str) -> dict:
+    """`none`, `cpu` (ratio 1) or `cpu@0.5` as recipe keys."""
+    if offload == "none":
+        return {"zero.offload_optimizer": "none"}
+    device, _, ratio = offload.partition("@")
+    return {"zero.offload_optimizer": device, "zero.offload_ratio": float(ratio or 1)}
+
+
 def _overrides(changes: dict) -> dict:
     """A candidate's changes as recipe keys (offload and kernels expand to several)."""
     out = {k: v for k, v in changes.items() if k not in ("offload", "kernels")}
-    out.update(OFFLOADS[changes.get("offload", "none")])
+    out.update(_offload_keys(changes.get("offload", "none")))
     if "kernels" in changes:
         out.update({f"kernels.{k}": changes["kernels"] for k in KERNELS})
     return out
@@ -87,10 +107,16 @@ def _as_override(key: str, value) -> str:
     return f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
 
 
+def trial_overrides(trial: Trial) -> list[str]:
+    """`key=value` arguments for a trial's run; none for the baseline (the recipe as written, untouched)."""
+    return [] if trial.baseline else [_as_override(k, v) for k, v in _overrides(trial.changes).items()]
+
+
 def original_changes(recipe) -> dict:
     """The original recipe's point in the space (what the candidates' changes are compared with)."""
     z = recipe.zero
-    offload = "none" if z.offload_optimizer == "none" else ("cpu" if z.offload_ratio == 1 else f"cpu@{z.offload_ratio:g}")
+    offload = "none" if z.offload_optimizer == "none" else (
+        z.offload_optimizer if z.offload_ratio == 1 else f"{z.offload_optimizer}@{z.offload_ratio:g}")
     return {"zero.stage": z.stage, "batch.micro_batch_per_rank": recipe.batch.micro_batch_per_rank,
             "batch.grad_accum_steps": recipe.batch.grad_accum_steps,
             "model.activation_checkpointing": recipe.model.activation_checkpointing, "offload": offload,
@@ -98,18 +124,13 @@ def original_changes(recipe) -> dict:
 
 
 def candidates(recipe, space: TuneSpace, world_size: int) -> list[dict]:
-    """Every point of the space as changes, in trial order: per (stage, checkpointing, offload) the largest micro
-    batch first, those configurations taken round-robin (no checkpointing and no offload first)."""
+    """Every point of the space but the recipe's own, as changes (tune_order.candidates: the table's order)."""
     per_rank = recipe.batch.global_batch // world_size
     micros = space.micro_batches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64) if per_rank % m == 0)
-    micros = sorted((m for m in micros if per_rank % m == 0), reverse=True)
-    configs = [(ckpt, off, stage) for ckpt in space.checkpointing for off in space.offloads
-               for stage in (space.stages or (0, 1, 2, 3)) if not (stage == 0 and off != "none")]
-    configs.sort(key=lambda c: (c[1] != "none", c[0]))
-    groups = [[{"zero.stage": stage, "batch.micro_batch_per_rank": micro, "batch.grad_accum_steps": per_rank // micro,
-                "model.activation_checkpointing": ckpt, "offload": off} for micro in micros]
-              for ckpt, off, stage in configs]
-    return [c for tier in itertools.zip_longest(*groups) for c in tier if c is not None]
+    original = original_changes(recipe)
+    return [c for c in tune_order.candidates(list(micros), per_rank, space.stages or (0, 1, 2, 3),
+                                             space.checkpointing, space.offloads)
+            if any(original.get(k) != v for k, v in c.items())]
 
 
 def memory_cap(on_cuda: bool) -> tuple[int, str]:
@@ -123,9 +144,10 @@ def memory_cap(on_cuda: bool) -> tuple[int, str]:
     return int(USABLE_FRACTION * available), f"{USABLE_FRACTION:.0%} of {what}"
 
 
-def predict(recipe_path, changes: dict, world_size: int, on_cuda: bool) -> tuple[int, str]:
-    """(predicted bytes per rank, "") or (0, the recipe error) for one candidate, torch-free."""
-    overrides = [_as_override(k, v) for k, v in _overrides(changes).items()]
+def predict(recipe_path, changes: dict | None, world_size: int, on_cuda: bool) -> tuple[int, str]:
+    """(predicted bytes per rank, "") or (0, the recipe error) for one candidate (None: the recipe as written),
+    torch-free."""
+    overrides = [] if changes is None else [_as_override(k, v) for k, v in _overrides(changes).items()]
     try:
         recipe = load_recipe(recipe_path, overrides, world_size=world_size)
     except UserError as exc:
@@ -149,8 +171,7 @@ def run_trial(recipe_path, trial: Trial, *, world_size: int, warmup: int, measur
               tokens_per_step: int) -> Trial:
     """Run one candidate in a fresh process (`toolkit run`, `--nproc` for several ranks) and read its metrics."""
     run_dir = Path(tempfile.mkdtemp(prefix="toolkit-tune-"))
-    overrides = [_as_override(k, v) for k, v in _overrides(trial.changes).items()]
-    cmd = [sys.executable, "-m", "toolkit", "run", str(recipe_path), *overrides, *TRIAL_KEYS,
+    cmd = [sys.executable, "-m", "toolkit", "run", str(recipe_path), *trial_overrides(trial), *TRIAL_KEYS,
            f"training.max_steps={warmup + measure}", "--run-dir", str(run_dir / "run")]
     if world_size > 1:
         cmd += ["--nproc", str(world_size)]
@@ -158,13 +179,13 @@ def run_trial(recipe_path, trial: Trial, *, world_size: int, warmup: int, measur
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout),
                               env={**os.environ, "TOOLKIT_TUNE_TRIAL": "1"})
-        trial.wall_s = time.monotonic() - start
+        wall_s = time.monotonic() - start
         if done.returncode != 0:
             last = [line for line in done.stderr.splitlines() if line.strip()] or [f"exit code {done.returncode}"]
             errors = [line for line in last if line.startswith("error:")]
-            return replace(trial, status="failed", why=(errors or last)[-1][:200], wall_s=trial.wall_s)
+            return replace(trial, status="failed", why=(errors or last)[-1][:200], wall_s=wall_s)
         tps, peak = _read_metrics(run_dir / "run" / "metrics.jsonl", warmup, tokens_per_step)
-        return replace(trial, status="ok", tokens_per_s=tps, peak_bytes=peak, wall_s=trial.wall_s)
+        return replace(trial, status="ok", tokens_per_s=tps, peak_bytes=peak, wall_s=wall_s)
     except subprocess.TimeoutExpired:
         return replace(trial, status="failed", why=f"over the time left ({timeout:.0f} s)",
                        wall_s=time.monotonic() - start)
@@ -176,11 +197,13 @@ def run_trial(recipe_path, trial: Trial, *, world_size: int, warmup: int, measur
 
 @dataclass
 class TuneResult:
-    """Every trial in the order run (pruned ones too), the best, and what the tuning was about."""
+    """Every trial (the baseline first, then in the order run; A/B reruns; then those not run), the best search
+    trial, the decision, and what the tuning was about."""
     recipe_path: Path
     original: dict
     trials: list[Trial] = field(default_factory=list)
-    best: Trial | None = None
+    best: Trial | None = None  # the fastest search trial, the baseline included
+    decision: Decision | None = None  # None: nothing ran
     cap_bytes: int = 0
     cap_where: str = ""
     device: str = ""
@@ -188,11 +211,21 @@ class TuneResult:
     budget_s: float = 0.0
     elapsed_s: float = 0.0
 
+    @property
+    def baseline(self) -> Trial:
+        """Trial 0: the recipe as written."""
+        return self.trials[0]
+
+    @property
+    def tuned(self) -> Trial | None:
+        """The candidate to write, or None: keep your recipe."""
+        return self.best if self.decision is not None and self.decision.change else None
+
 
 def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: TuneSpace = TuneSpace(),
-         warmup: int = 2, measure: int = 3, cap_bytes: int | None = None, confirm: bool = True,
+         warmup: int = 2, measure: int = 3, cap_bytes: int | None = None, ab_pairs: int = AB_PAIRS,
          log=print) -> TuneResult:
-    """Search the space for the fastest candidate that fits; see the module docstring."""
+    """Search the space for a candidate faster than the recipe as written; see the module docstring."""
     from toolkit.runtime.engine import pick_device
 
     path = find_recipe_file(recipe_path)
@@ -201,46 +234,115 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
     cap, where = (cap_bytes, "given") if cap_bytes is not None else memory_cap(on_cuda)
     result = TuneResult(path, original_changes(recipe), cap_bytes=cap, cap_where=where, world_size=world_size,
                         device="cuda" if on_cuda else "cpu", budget_s=budget_s)
+    prune_above = int(cap * (1 + PRUNE_MARGIN))
     tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
     start = time.monotonic()
 
     def left() -> float:
         return budget_s - (time.monotonic() - start)
 
-    def attempt(trial: Trial, slots: int = 2) -> Trial:
-        # NOTE: the slowest trial so far stands for the next one; a search trial also keeps one such slot for
-        # the confirm rerun, which then spends it (slots=1).
-        slowest = max((t.wall_s for t in result.trials if t.status in ("ok", "failed")), default=0.0)
-        if left() < slots * slowest:
-            trial = replace(trial, status="not run", why="budget spent")
-        else:
-            trial = run_trial(path, trial, world_size=world_size, warmup=warmup, measure=measure,
-                              timeout=left() - slowest, tokens_per_step=tokens_per_step)
+    def reserve() -> float:
+        # NOTE: the A/B reruns, each as slow as the slowest trial that ran; none when the baseline failed
+        ran_ok = [t.wall_s for t in result.trials if t.status == "ok"]
+        return 2 * ab_pairs * max(ran_ok) if result.trials[0].status == "ok" else 0.0
+
+    def run(trial: Trial, timeout: float) -> Trial:
+        trial = run_trial(path, trial, world_size=world_size, warmup=warmup, measure=measure, timeout=timeout,
+                          tokens_per_step=tokens_per_step)
+        if trial.rerun_of is not None and trial.status == "ok":
+            trial.status = "rerun"  # NOTE: "ok" marks search trials only, those `best` is chosen from
         result.trials.append(trial)
-        log(f"tune: {trial.label}: {trial.status}"
+        name = ("baseline " if trial.baseline else "") + (f"A/B rerun of #{trial.rerun_of}, " if trial.rerun_of
+                                                                   is not None else "")
+        log(f"tune: #{len(result.trials) - 1} {name}{trial.label}: {trial.status}"
             + (f", {trial.tokens_per_s:,.0f} tokens/s" if trial.tokens_per_s else f" ({trial.why})"))
         return trial
 
-    for changes in candidates(recipe, space, world_size):
-        predicted, error = predict(path, changes, world_size, on_cuda)
-        trial = Trial(changes, predicted_bytes=predicted)
-        if error or predicted > cap:
-            trial.status, trial.why = "pruned", error or f"predicted {format_bytes(predicted)} > cap {format_bytes(cap)}"
-            result.trials.append(trial)
-            continue
-        attempt(trial)
+    def room() -> float | None:
+        """The time a next trial may take, or None: the budget left does not cover one more and the A/B."""
+        slowest = max(t.wall_s for t in result.trials)
+        return left() - reserve() if left() >= slowest + reserve() else None
+
+    predicted = predict(path, None, world_size, on_cuda)[0]
+    over = f"predicted {format_bytes(predicted)} > cap {format_bytes(cap)}" if predicted > prune_above else ""
+    base = run(Trial(result.original, predicted_bytes=predicted, baseline=True), max(left(), BASELINE_TIMEOUT_S))
+    base.why = "; ".join(filter(None, (over, base.why)))  # the recipe as written runs even so
+
+    all_changes = candidates(recipe, space, world_size)
+    pending, not_run = _sized(path, all_changes, world_size, on_cuda, cap, prune_above)
+    _search(pending, not_run, result, run, room)
     best = _best(result.trials)
     if best is not None and (space.refine if space.refine is not None else on_cuda):
-        for toggle in ({"training.compile": not best.changes.get("training.compile", False)}, {"kernels": "off"}):
-            changes = {**best.changes, **toggle}
-            attempt(Trial(changes, predicted_bytes=predict(path, changes, world_size, on_cuda)[0]))
+        compile_on = best.changes.get("training.compile", result.original["training.compile"])
+        for toggle in ({"training.compile": not compile_on}, {"kernels": "off"}):
+            if room() is not None:
+                changes = {**best.changes, **toggle}
+                run(Trial(changes, predicted_bytes=predict(path, changes, world_size, on_cuda)[0]), room())
         best = _best(result.trials)
-    if best is not None and confirm:
-        confirm = attempt(Trial(best.changes, predicted_bytes=best.predicted_bytes), slots=1)
-        confirm.confirms = result.trials.index(best)
-        confirm.status = "confirm" if confirm.status == "ok" else confirm.status
-    result.best, result.elapsed_s = best, time.monotonic() - start
+    result.best, result.decision = best, _decide(result, base, best, ab_pairs, run)
+    order = {id(c): i for i, c in enumerate(all_changes)}  # those not run: in the space's order
+    result.trials += sorted([replace(t, status="not run", why="budget spent") for t in pending] + not_run,
+                            key=lambda t: order[id(t.changes)])
+    result.elapsed_s = time.monotonic() - start
     return result
+
+
+def _sized(path, all_changes: list[dict], world_size: int, on_cuda: bool, cap: int,
+           prune_above: int) -> tuple[list[Trial], list[Trial]]:
+    """Every candidate as a Trial with its prediction: (those to run, those pruned beyond the cap + margin)."""
+    pending, pruned = [], []
+    for changes in all_changes:
+        predicted, error = predict(path, changes, world_size, on_cuda)
+        trial = Trial(changes, predicted_bytes=predicted)
+        if error or predicted > prune_above:
+            trial.status = "pruned"
+            trial.why = error or f"predicted {format_bytes(predicted)} > cap {format_bytes(cap)} + {PRUNE_MARGIN:.0%}"
+            pruned.append(trial)
+        else:
+            pending.append(trial)
+    return pending, pruned
+
+
+def _search(pending: list[Trial], not_run: list[Trial], result: TuneResult, run, room) -> None:
+    """Run the pending candidates in tune_order's order while room() allows one more; those skipped move from
+    `pending` to `not_run`, those left in `pending` are the budget's."""
+    while pending:
+        ran = [(i, t.changes, t.tokens_per_s) for i, t in enumerate(result.trials)]
+        runnable = []
+        for trial in list(pending):
+            why = tune_order.skip_reason(trial.changes, ran, [t.changes for t in pending])
+            if why and why != "wait":
+                pending.remove(trial)
+                not_run.append(replace(trial, status="skipped", why=why))
+            elif not why:
+                runnable.append(trial)
+        choice = tune_order.next_candidate([t.changes for t in runnable], ran, result.world_size)
+        timeout = room()
+        if choice is None or timeout is None:
+            return
+        trial = next(t for t in runnable if t.changes is choice)
+        pending.remove(trial)
+        run(trial, timeout)
+
+
+def _decide(result: TuneResult, base: Trial, best: Trial | None, ab_pairs: int, run) -> Decision | None:
+    """The A/B/A/B reruns and the decision (tune_decide.py); None when nothing ran."""
+    if best is None:
+        return None
+    if best is base:
+        return Decision(False, why="the recipe as written was the fastest trial")
+    if base.status != "ok":
+        return Decision(True, best.label, (), (best.tokens_per_s,), f"the recipe as written failed ({base.why})")
+    index = {True: 0, False: result.trials.index(best)}
+    timeout = 2 * max(base.wall_s, best.wall_s) + 60  # NOTE: the time was reserved; a stuck run still ends
+
+    def rerun(is_baseline: bool) -> tuple[int, float | None]:
+        source = result.trials[index[is_baseline]]
+        trial = run(replace(source, status="pending", why="", tokens_per_s=None, peak_bytes=None,
+                            rerun_of=index[is_baseline]), timeout)
+        return len(result.trials) - 1, trial.tokens_per_s
+
+    return measure_ab(rerun, best.label, ab_pairs)
 
 
 def _best(trials: list[Trial]) -> Trial | None:
