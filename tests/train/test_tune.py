@@ -17,7 +17,7 @@ from toolkit.train.tune_order import prior
 from toolkit.train.tune_report import decision_text, write_outputs
 
 TINY = {"model": {"family": "gpt2", "size": "tiny"},
-        "data": {"kind": "synthetic", "seq_len": 16, "num_samples": 512, "eval_samples": 64},
+        "data": {"kind": "synthetic", "seq_len": 16, "vocab_size": 32000, "num_samples": 512, "eval_samples": 64},
         "batch": {"micro_batch_per_rank": 1, "global_batch": 32}, "training": {"max_steps": 100, "cpu_threads": 1}}
 # NOTE: 16-token sequences and one thread: a micro step's fixed cost outweighs its compute, so micro 1 (32 micro
 # steps) is several times slower than micro 4 (8), a gap no neighbour's load on a 2-core machine closes.

@@ -1,13 +1,14 @@
 """Does a recipe fit this machine's memory? The pre-flight's memory check
 (toolkit/train/preflight.py), made before the model, the kernels or the data are
-built: the estimator's bytes per rank (toolkit/observe/estimate.py: model states +
-activations, plus the synthetic token buffers) against what the device has now
+built: the calibrated peak per rank (toolkit/observe/peak.py: model states,
+activations and logits, on the CPU also the process and the synthetic token
+buffers) against what the device has now
 (CUDA: free memory from the driver; the host: MemAvailable, or a cgroup limit when
 lower), refused in one line that names the keys that drive the size and the ways
 out. `training.memory_check` turns it into a warning, or off.
 
 Also the last resort: `allocation_failure` turns an allocator's out-of-memory error
-that still happens (the estimate is a lower bound) into the same kind of line.
+that still happens into the same kind of line.
 """
 from __future__ import annotations
 
@@ -17,12 +18,10 @@ import sys
 from dataclasses import dataclass
 
 from toolkit.errors import UserError
-from toolkit.observe.estimate import estimate_memory, format_bytes, parameter_count, resolve_model_shape
-from toolkit.observe.tiers import estimate_tiers
+from toolkit.observe.estimate import format_bytes
+from toolkit.observe.peak import CPU_RUNTIME_BYTES, TOKEN_BYTES, predict_peak
 from toolkit.recipe.checks import gpu_driver_visible
 from toolkit.specs import Recipe
-
-TOKEN_BYTES = 8  # synthetic samples are int64 tensors of seq_len + 1 tokens (toolkit/data/batches.py)
 
 
 @dataclass(frozen=True)
@@ -60,31 +59,26 @@ def host_available_bytes() -> tuple[int, str]:
 
 
 def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]]:
-    """(device terms, host terms) of one rank: what the estimator says each side holds."""
+    """(device terms, host terms) of one rank: the calibrated peak (toolkit/observe/peak.py) term by term."""
     m, d, b, z = recipe.model, recipe.data, recipe.batch, recipe.zero
-    est = estimate_memory(m, micro_batch=b.micro_batch_per_rank, seq_len=d.seq_len, dtype=recipe.precision.dtype,
-                          world_size=b.world_size, stage=z.stage, offload=z.offload_optimizer,
-                          offload_ratio=z.offload_ratio)
-    shape = "model.pretrained" if m.pretrained else (f"model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
-                                                     f"vocabulary {m.vocab_size}")
-    shape_spec, tied = resolve_model_shape(m)
-    tiers = estimate_tiers(parameter_count(shape_spec, tied_embeddings=tied), stage=z.stage,
-                           world_size=b.world_size, dtype=recipe.precision.dtype, offload_optimizer=z.offload_optimizer,
-                           offload_param=z.offload_param, offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio)
-    states = Term("model states", tiers.gpu, f"{shape}, zero.stage {z.stage}, world size {b.world_size}")
-    activations = est.activations.checkpointed if m.activation_checkpointing else est.activations.full
-    acts = Term("activations", activations, f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len "
-                                            f"{d.seq_len}, model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
-                                            f"logits over vocabulary {m.vocab_size}")
+    peak = predict_peak(recipe, on_cuda=on_cuda)
+    shape = "model.pretrained" if m.pretrained else f"model.n_embd {m.n_embd}, model.n_layer {m.n_layer}"
+    states = Term("model states", peak.states + peak.weight_cache,
+                  f"{shape}, zero.stage {z.stage}, world size {b.world_size}, precision.dtype {recipe.precision.dtype}")
+    acts = Term("activations", peak.activations + peak.logits,
+                f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len {d.seq_len}, model.n_embd "
+                f"{m.n_embd}, model.n_layer {m.n_layer}, model.activation_checkpointing "
+                f"{str(m.activation_checkpointing).lower()}, data.vocab_size {d.vocab_size or m.vocab_size}")
     # NOTE: real-text token files are only known after tokenizing, and are read a window at a time;
     # the synthetic chain is one in-memory tensor per split.
     samples = d.num_samples + d.eval_samples
     data = Term("data", samples * (d.seq_len + 1) * TOKEN_BYTES,
                 f"data.num_samples + data.eval_samples {samples} x data.seq_len {d.seq_len}")
-    offloaded = Term("offloaded optimizer", tiers.cpu, f"zero.offload_optimizer {z.offload_optimizer}, "
-                                                       f"zero.offload_param {z.offload_param}")
+    offloaded = Term("offloaded optimizer", peak.host,
+                     f"zero.offload_optimizer {z.offload_optimizer}, zero.offload_param {z.offload_param}")
     device = [states, acts]
-    host = [data, offloaded] if on_cuda else [states, acts, data, offloaded]
+    process = Term("the process (Python, torch)", CPU_RUNTIME_BYTES, "none: measured on a 2-core VM")
+    host = [data, offloaded] if on_cuda else [states, acts, process, data, offloaded]
     return device, [t for t in host if t.nbytes]
 
 

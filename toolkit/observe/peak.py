@@ -52,6 +52,29 @@ FUSED_LOGIT_BYTES = 3.7
 # are larger than the logits, that block recomputed in backward.
 CKPT_LAYER_H = 2.35
 CKPT_LOGIT_BYTES = 4.0
+# Without the fused kernels (the CPU, or `kernels.* off`): torch's cross-entropy on an fp32 copy keeps
+# the fp32 log-probabilities, and at backward their gradient and the logits' (12 bytes per logit);
+# transformers' GELU keeps its tanh, 0.5x and 1 + tanh (3 more tensors of i per token); a norm under
+# autocast keeps an fp32 copy of a 16-bit input (layernorm +2 h, rmsnorm +4 h: also its normalized fp32
+# tensor), and at stage 0 llama's fp32 norm output is cast once per consuming matmul (+6 h).
+# NOTE: gpt2's stage-0 term is fitted to ONE row (124M, micro 16: 22.6 h per block); why stage 0 keeps
+# that much more without the fused kernels is not yet understood.
+UNFUSED_LOGIT_BYTES = 12
+UNFUSED_GELU_I = 6.0
+UNFUSED_NORM_H = {"gpt2": 2 * 2.0, "llama": 2 * 4.0}
+UNFUSED_STAGE0_H = {"gpt2": 22.6, "llama": 2 * 4.0 + 6.0}
+# The CPU: a training process's own resident set (Python, torch, transformers, the toolkit; measured
+# on the 2-core VM with torch 2.13: 0.37 GiB with a tiny model). Its peak RSS also holds what glibc's
+# heap keeps of freed tensors, which these terms do not model: there the prediction is a lower bound,
+# and the calibration holds measured within CPU_RSS_BAND of it.
+CPU_RUNTIME_BYTES = int(0.37 * 2**30)
+CPU_RSS_BAND = (0.95, 2.0)
+TOKEN_BYTES = 8  # synthetic samples are int64 tensors of seq_len + 1 tokens (toolkit/data/batches.py)
+# The allocator's reserved peak (EMPIRICAL, H200 rows): at stages 0-2 its allocated peak times the median
+# ratio (1.12; measured 1.01-1.35); at stage 3 the allocated peak plus what the cache keeps of the
+# gathered units it frees and gathers again, about 5 bytes per parameter (124M, 1.5B, 3.2B rows).
+RESERVED_FACTOR = 1.12
+STAGE3_RESERVED_PER_PARAM = 5.0
 PADDED_VOCAB = 128  # toolkit/ops/fused_modules.py pad_lm_head's multiple (CUDA only)
 # Attention without a fused kernel (fp32 with grouped key/value heads: flash attention needs 16 bits
 # and the memory-efficient kernel has no GQA): the fp32 probabilities, a*s*s per sequence per block,
@@ -68,31 +91,40 @@ class PeakPrediction:
     activations: int     # saved activations: blocks, outside them, attention probabilities
     logits: int          # the logits and what the loss keeps of them
     runtime: int         # CPU: the process's own resident set and the token buffers; 0 on CUDA
-    allocated: int       # CUDA: max allocated; CPU: peak resident set
+    allocated: int       # CUDA: max allocated; CPU: peak resident set (every term, host included)
     reserved: int        # CUDA: max reserved; CPU: = allocated
-    host: int            # CPU memory besides (offloaded optimizer and parameters), when on CUDA
+    host: int            # offloaded optimizer and parameters, in CPU memory
 
 
 def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, stage: int,
-                          on_cuda: bool, vocab_size: int | None = None) -> tuple[int, int]:
-    """(saved activations, logits and loss) of one micro batch at the peak moment."""
+                          on_cuda: bool, fused: tuple[bool, bool, bool] = (True, True, True),
+                          vocab_size: int | None = None) -> tuple[int, int]:
+    """(saved activations, logits and loss) of one micro batch at the peak moment; `fused`: whether the
+    fused (norm, GELU, cross-entropy) kernels run (only ever on CUDA)."""
     fam = model.family
     t, h, i, n = seq_len * micro_batch, model.n_embd, model.intermediate_size, model.n_layer
     r = model.n_kv_head / model.n_head
     scale = PARAM_BYTES[dtype] / 2  # the coefficients are for 16-bit compute
     vocab = vocab_size or model.vocab_size
     padded = -(-vocab // PADDED_VOCAB) * PADDED_VOCAB if on_cuda else vocab
+    norm, gelu, loss = (f and on_cuda for f in fused)
     block = BLOCK_H[fam] * h + BLOCK_RH[fam] * r * h + BLOCK_I[fam] * i
+    if not gelu and fam == "gpt2":
+        block += UNFUSED_GELU_I * i
+    if not norm and dtype != "fp32":
+        block += (UNFUSED_STAGE0_H[fam] if stage == 0 else UNFUSED_NORM_H[fam]) * h
+    logit_bytes = (CKPT_LOGIT_BYTES if model.activation_checkpointing else FUSED_LOGIT_BYTES) * scale
+    logits = t * padded * logit_bytes if loss else t * vocab * UNFUSED_LOGIT_BYTES
     if model.activation_checkpointing:
         acts = CKPT_LAYER_H * n * t * h * scale
-        return int(acts), int(max(CKPT_LOGIT_BYTES * padded, block) * t * scale)
+        return int(acts), int(max(logits, block * t * scale))
     acts = n * t * block * scale + OUTSIDE_H[fam] * t * h * scale
     if stage == 0 and dtype != "fp32":
         acts += n * t * FP32_RESIDUAL_H[fam] * h
     if dtype == "fp32" and model.n_kv_head < model.n_head:  # NOTE: no fused attention kernel (see above)
         probs = model.n_head * seq_len * seq_len * micro_batch * MATH_ATTENTION_BYTES
         acts += n * probs + 2 * probs
-    return int(acts), int(FUSED_LOGIT_BYTES * t * padded * scale)
+    return int(acts), int(logits)
 
 
 def _matmul_params(model: ModelSpec, n_params: int) -> int:
@@ -116,12 +148,20 @@ def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
     if z.stage == 0 and b.grad_accum_steps == 1:  # gradients appear during backward, after the peak
         states -= PARAM_BYTES["fp32" if dtype != "fp32" else dtype] * n_params
     cache = 2 * _matmul_params(shape, n_params) if z.stage == 0 and dtype != "fp32" else 0
+    k = recipe.kernels
+    fused = (getattr(k, "layernorm" if m.family == "gpt2" else "rmsnorm") != "off", k.bias_gelu != "off",
+             k.cross_entropy != "off")
     acts, logits = activation_peak_bytes(shape, micro_batch=b.micro_batch_per_rank, seq_len=d.seq_len,
-                                         dtype=dtype, stage=z.stage, on_cuda=on_cuda, vocab_size=d.vocab_size)
-    runtime = 0
-    allocated = states + cache + acts + logits + runtime
-    reserved = allocated
-    return PeakPrediction(states, cache, acts, logits, runtime, allocated, reserved, tiers.cpu)
+                                         dtype=dtype, stage=z.stage, on_cuda=on_cuda, fused=fused,
+                                         vocab_size=d.vocab_size)
+    device = states + cache + acts + logits
+    if on_cuda:
+        reserved = device + STAGE3_RESERVED_PER_PARAM * n_params if z.stage == 3 else RESERVED_FACTOR * device
+        return PeakPrediction(states, cache, acts, logits, 0, device, int(reserved), tiers.cpu)
+    # NOTE: on the CPU everything lives in the one process: offloaded states and the token buffers too
+    runtime = CPU_RUNTIME_BYTES + (d.num_samples + d.eval_samples) * (d.seq_len + 1) * TOKEN_BYTES
+    total = device + runtime + tiers.cpu
+    return PeakPrediction(states, cache, acts, logits, runtime, total, total, tiers.cpu)
 
 
 def compare_row(row: dict) -> dict:
