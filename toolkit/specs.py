@@ -23,10 +23,15 @@ class ModelSpec:
     dropout: float
     activation_checkpointing: bool
     pretrained_type: str | None = None  # a pretrained folder's config.json model_type ("qwen2", ...)
+    reshaped: tuple[str, ...] = ()  # shape keys the recipe sets to other values than its size preset's
 
     @property
     def label(self) -> str:
-        """What the model is, for people: `gpt2-tiny`, or `qwen2 from /path/to/folder` for a pretrained folder."""
+        """What the model is, for people: `gpt2-tiny`, `llama-1b reshaped (n_layer 26, n_embd 3200)`, or
+        `qwen2 from /path/to/folder` for a pretrained folder."""
+        if self.pretrained is None and self.reshaped:
+            changed = ", ".join(f"{k} {getattr(self, k)}" for k in self.reshaped)
+            return f"{self.family}-{self.size} reshaped ({changed})"
         if self.pretrained is None:
             return f"{self.family}-{self.size}"
         return f"{self.pretrained_type or 'model'} from {self.pretrained}"

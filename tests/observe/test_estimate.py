@@ -192,3 +192,15 @@ def test_cli_estimate_does_not_import_torch():
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_estimate_names_a_reshaped_model_and_states_the_run_memory_line_terms_with_headroom(capsys):
+    assert main(["estimate", "gpt2-124m", "model.n_layer=6", "--device", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe gpt2-124m: gpt2-124m reshaped (n_layer 6), zero.stage 0" in out
+    assert "model gpt2-124m reshaped (n_layer 6):" in out  # the stage table's header line too
+    assert "predicted peak per rank (CUDA max allocated" in out and "reserved by the allocator: about" in out
+    assert "model states" in out and "activations" in out and "headroom on H200-141GB (141.0 GiB):" in out
+    assert main(["estimate", "quickstart", "training.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "the process's peak RSS" in out and "headroom on this host" in out and "a lower bound" in out

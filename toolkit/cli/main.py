@@ -57,6 +57,10 @@ def _cmd_estimate(args) -> int:
         return dry_run_command(recipe, rank=args.rank or 0, steps=3 if args.steps is None else args.steps)
     if args.rank is not None or args.steps is not None:
         raise UserError("estimate: --rank and --steps go with --dry-run")
+    from toolkit.observe.estimate import find_device
+    from toolkit.observe.memory_fit import format_peak_summary
+
+    print(format_peak_summary(recipe, find_device(args.device) if args.device else None) + "\n")
     print(format_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
                           dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
                           stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,

@@ -288,7 +288,7 @@ def format_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: 
     rows = [estimate_memory(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, world_size=world_size,
                             stage=st, offload=off, offload_ratio=offload_ratio)
             for off in ("none", "cpu") for st in range(4) if not (off == "cpu" and st == 0)]
-    lines = [f"model {shape.family}-{model.size if model.pretrained is None else 'pretrained'}: "
+    lines = [f"model {model.label}: "
              f"{format_count(parameter_count(shape, tied_embeddings=tied))} parameters; "
              f"micro batch {micro_batch} x {seq_len} tokens; {dtype} (Adam K={ADAM_K[dtype]}); "
              f"world size {world_size}; activation checkpointing {'on' if model.activation_checkpointing else 'off'}"]

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 
 from toolkit.errors import UserError
 from toolkit.observe.estimate import format_bytes
-from toolkit.observe.peak import CPU_RUNTIME_BYTES, TOKEN_BYTES, predict_peak
+from toolkit.observe.peak import (CALIBRATION_TOLERANCE, CPU_RSS_BAND, CPU_RUNTIME_BYTES, TOKEN_BYTES,
+                                  predict_peak)
 from toolkit.recipe.checks import gpu_driver_visible
 from toolkit.specs import Recipe
 
@@ -197,3 +199,56 @@ def allocation_failure(recipe: Recipe, exc: BaseException) -> UserError:
                      f"batch.micro_batch_per_rank {b.micro_batch_per_rank}, data.seq_len {d.seq_len}, model.n_embd "
                      f"{m.n_embd}, model.n_layer {m.n_layer}, vocabulary {m.vocab_size}, zero.stage {recipe.zero.stage}; "
                      f"lower one of them, or turn on model.activation_checkpointing or zero.offload_optimizer")
+
+
+def _local_gpu() -> tuple[str, int, int] | None:
+    """(name, total bytes, free bytes) of GPU 0 from nvidia-smi, torch-free; None where it cannot say."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits",
+                               "--id=0"], capture_output=True, text=True, timeout=10)
+        name, total, free = (part.strip() for part in done.stdout.strip().splitlines()[0].split(","))
+        return name, int(total) * 2**20, int(free) * 2**20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:
+    """What `toolkit estimate` says first: the recipe's predicted peak per rank in the run's memory-line terms,
+    and the headroom on the device it is checked against (--device, this machine's GPU, or this host)."""
+    from toolkit.observe.estimate import DEVICE_MEMORY
+
+    on_cuda = device_key is not None or not certainly_cpu(recipe)
+    p = predict_peak(recipe, on_cuda=on_cuda)
+    z = recipe.zero
+    where = "CUDA max allocated" if on_cuda else "the process's peak RSS"
+    parts = [f"model states {format_bytes(p.states)}"]
+    parts += [f"autocast weight copies {format_bytes(p.weight_cache)}"] if p.weight_cache else []
+    parts += [f"activations {format_bytes(p.activations)}", f"logits and loss {format_bytes(p.logits)}"]
+    parts += [f"the process and token buffers {format_bytes(p.runtime)}"] if p.runtime else []
+    parts += [f"offloaded states {format_bytes(p.host)}"] if p.host and not on_cuda else []
+    lines = [f"recipe {recipe.name}: {recipe.model.label}, zero.stage {z.stage}, {recipe.precision.dtype}, micro batch "
+             f"{recipe.batch.micro_batch_per_rank} x {recipe.data.seq_len} x accumulation {recipe.batch.grad_accum_steps}",
+             f"predicted peak per rank ({where}, as the run's `memory | peak` line shows it): "
+             f"{format_bytes(p.allocated)} = " + " + ".join(parts)]
+    if on_cuda:
+        lines.append(f"  reserved by the allocator: about {format_bytes(p.reserved)}"
+                     + (f"; in CPU memory besides: {format_bytes(p.host)} offloaded" if p.host else ""))
+    lines.append("  calibrated against measured runs (benchmarks/memory_calibration): within "
+                 + (f"±{CALIBRATION_TOLERANCE:.0%} on an H200" if on_cuda else
+                    f"{CPU_RSS_BAND[0]:.2f}-{CPU_RSS_BAND[1]:.1f}x measured/predicted on a CPU: a lower bound"))
+    if device_key is not None:
+        capacity, what = DEVICE_MEMORY[device_key], f"{device_key} ({format_bytes(DEVICE_MEMORY[device_key])})"
+    elif on_cuda:
+        gpu = _local_gpu()
+        if gpu is None:
+            lines.append("  headroom: unknown (nvidia-smi did not answer; pass --device NAME)")
+            return "\n".join(lines)
+        capacity, what = gpu[2], f"this machine's {gpu[0]} ({format_bytes(gpu[2])} free now)"
+    else:
+        capacity, source = host_available_bytes()
+        what = f"this host ({format_bytes(capacity)} available, {source})"
+    need = p.reserved if on_cuda else p.allocated
+    left = capacity - need
+    lines.append(f"  headroom on {what}: " + (f"{format_bytes(left)} left after the peak" if left >= 0 else
+                                              f"short by {format_bytes(-left)}: it will not fit"))
+    return "\n".join(lines)

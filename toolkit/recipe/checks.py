@@ -144,6 +144,7 @@ def model_spec(model: dict, given: dict, data: dict, vocab_size: int,
         max_positions=max_positions, vocab_size=vocab_size, pretrained=pretrained,
         dropout=float(model["dropout"]), activation_checkpointing=model["activation_checkpointing"],
         pretrained_type=pretrained_type,
+        reshaped=tuple(k for k in explicit if k in model and model[k] != SHAPES[family][model["size"]].get(k)),
     ), []
 
 
