@@ -48,10 +48,11 @@ OUTSIDE_H = {"gpt2": 26.6, "llama": 0.0}
 # loss's backward, their gradient (fit 3.7 bytes per logit; twice that in fp32).
 FUSED_LOGIT_BYTES = 3.7
 # Activation checkpointing: every block's 16-bit input (2 h, fit 2.35 h per layer) and, at the loss's
-# backward, the logits and their gradient (fit 4.0 bytes per logit); or, where one block's activations
-# are larger than the logits, that block recomputed in backward.
+# backward, the logits and their gradient (fit 4.0 bytes per logit); or, where larger, one block
+# recomputed in backward: its activations and the gradients flowing through its MLP (three i-wide).
 CKPT_LAYER_H = 2.35
 CKPT_LOGIT_BYTES = 4.0
+CKPT_BACKWARD_I = 6.0
 # Without the fused kernels (the CPU, or `kernels.* off`): torch's cross-entropy on an fp32 copy keeps
 # the fp32 log-probabilities, and at backward their gradient and the logits' (12 bytes per logit);
 # transformers' GELU keeps its tanh, 0.5x and 1 + tanh (3 more tensors of i per token); a norm under
@@ -115,15 +116,16 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
         block += (UNFUSED_STAGE0_H[fam] if stage == 0 else UNFUSED_NORM_H[fam]) * h
     logit_bytes = (CKPT_LOGIT_BYTES if model.activation_checkpointing else FUSED_LOGIT_BYTES) * scale
     logits = t * padded * logit_bytes if loss else t * vocab * UNFUSED_LOGIT_BYTES
+    probs = 0  # NOTE: no fused attention kernel (see MATH_ATTENTION_BYTES)
+    if dtype == "fp32" and model.n_kv_head < model.n_head:
+        probs = model.n_head * seq_len * seq_len * micro_batch * MATH_ATTENTION_BYTES
     if model.activation_checkpointing:
         acts = CKPT_LAYER_H * n * t * h * scale
-        return int(acts), int(max(logits, block * t * scale))
+        return int(acts), int(max(logits, (block + CKPT_BACKWARD_I * i) * t * scale + 2 * probs))
     acts = n * t * block * scale + OUTSIDE_H[fam] * t * h * scale
     if stage == 0 and dtype != "fp32":
         acts += n * t * FP32_RESIDUAL_H[fam] * h
-    if dtype == "fp32" and model.n_kv_head < model.n_head:  # NOTE: no fused attention kernel (see above)
-        probs = model.n_head * seq_len * seq_len * micro_batch * MATH_ATTENTION_BYTES
-        acts += n * probs + 2 * probs
+    acts += n * probs + 2 * probs
     return int(acts), int(logits)
 
 
