@@ -147,8 +147,8 @@ def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
                            offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                            offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio)
     states = tiers.gpu
-    if z.stage == 0 and b.grad_accum_steps == 1:  # gradients appear during backward, after the peak
-        states -= PARAM_BYTES["fp32" if dtype != "fp32" else dtype] * n_params
+    if z.stage == 0 and b.grad_accum_steps == 1:  # fp32 gradients appear during backward, after the peak
+        states -= 4 * n_params
     cache = 2 * _matmul_params(shape, n_params) if z.stage == 0 and dtype != "fp32" else 0
     k = recipe.kernels
     fused = (getattr(k, "layernorm" if m.family == "gpt2" else "rmsnorm") != "off", k.bias_gelu != "off",
