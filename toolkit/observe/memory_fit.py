@@ -64,7 +64,8 @@ def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]
     """(device terms, host terms) of one rank: the calibrated peak (toolkit/observe/peak.py) term by term."""
     m, d, b, z = recipe.model, recipe.data, recipe.batch, recipe.zero
     peak = predict_peak(recipe, on_cuda=on_cuda)
-    shape = "model.pretrained" if m.pretrained else f"model.n_embd {m.n_embd}, model.n_layer {m.n_layer}"
+    shape = "model.pretrained" if m.pretrained else (f"model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
+                                                     f"data.vocab_size {d.vocab_size or m.vocab_size}")
     states = Term("model states", peak.states + peak.weight_cache,
                   f"{shape}, zero.stage {z.stage}, world size {b.world_size}, precision.dtype {recipe.precision.dtype}")
     acts = Term("activations", peak.activations + peak.logits,
