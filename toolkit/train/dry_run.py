@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from toolkit.errors import UserError
 from toolkit.observe.comm import KINDS, format_wire_bytes, wire_bytes
-from toolkit.observe.estimate import estimate_memory, estimate_model_state_bytes, format_bytes, parameter_count, \
-    resolve_model_shape
+from toolkit.observe.estimate import estimate_model_state_bytes, format_bytes, parameter_count, resolve_model_shape
+from toolkit.observe.peak import predict_peak
 from toolkit.observe.tiers import estimate_tiers
 from toolkit.specs import Recipe
 
@@ -33,7 +33,10 @@ STATE_ROWS = ("params", "grads", "optim", "host")  # optim: master weights + mom
 # The few floats a step all-reduces besides the model states: the loss and the gradient norm (8 bytes
 # each, float64) and fp16's overflow flag (4): a bound, in bytes of buffer.
 SCALAR_BUFFER_BYTES = 8 + 8 + 4
-PEAK_TOLERANCE = 0.10  # the calibrated memory model's promise (issue 31 part A); flagged, not enforced
+# NOTE: the calibrated peak (toolkit/observe/peak.py) is fitted on one rank; beyond it the engine also holds
+# reduce buckets (measured on the H200 at N = 8: 1.18x its prediction), so a peak outside the tolerance is
+# flagged, not enforced.
+PEAK_TOLERANCE = 0.10
 
 
 @dataclass(frozen=True)
@@ -282,12 +285,6 @@ def dry_run(recipe: Recipe, *, rank: int = 0, steps: int = 3) -> DryRunReport:
         measured = _measured_states(engine)
         skipped = engine.skipped_steps
         num_params = engine.num_parameters
-    estimate = estimate_memory(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank,
-                               seq_len=recipe.data.seq_len, dtype=recipe.precision.dtype, world_size=world,
-                               stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,
-                               offload_ratio=recipe.zero.offload_ratio)
-    activations = (estimate.activations.checkpointed if recipe.model.activation_checkpointing
-                   else estimate.activations.full)
     analytic = parameter_count(shape, tied_embeddings=tied)
     return DryRunReport(
         label=recipe.model.label, world_size=world, rank=rank, stage=recipe.zero.stage,
@@ -296,7 +293,7 @@ def dry_run(recipe: Recipe, *, rank: int = 0, steps: int = 3) -> DryRunReport:
         estimated=_estimated_states(recipe, analytic, recipe.zero.offload_ratio),
         estimated_padded=_engine_layout_estimate(recipe, padded, share, counters), step_counter_bytes=counters,
         comm_steps=comm_steps, comm_expected=expected, skipped_steps=skipped, peak=peak,
-        peak_estimate=estimate.states.gpu + activations, build_s=built - start, steps_s=done - built)
+        peak_estimate=predict_peak(recipe, on_cuda=True).allocated, build_s=built - start, steps_s=done - built)
 
 
 
