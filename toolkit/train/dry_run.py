@@ -33,9 +33,8 @@ STATE_ROWS = ("params", "grads", "optim", "host")  # optim: master weights + mom
 # The few floats a step all-reduces besides the model states: the loss and the gradient norm (8 bytes
 # each, float64) and fp16's overflow flag (4): a bound, in bytes of buffer.
 SCALAR_BUFFER_BYTES = 8 + 8 + 4
-# NOTE: the calibrated peak (toolkit/observe/peak.py) is fitted on one rank; beyond it the engine also holds
-# reduce buckets (measured on the H200 at N = 8: 1.18x its prediction), so a peak outside the tolerance is
-# flagged, not enforced.
+# NOTE: the calibrated peak (toolkit/observe/peak.py) is fitted on one-rank runs (at N = 8 on the H200 it
+# held 1.04x), so a peak outside the tolerance is flagged, not enforced.
 PEAK_TOLERANCE = 0.10
 
 
