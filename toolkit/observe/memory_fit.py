@@ -231,6 +231,8 @@ def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:
              f"{recipe.batch.micro_batch_per_rank} x {recipe.data.seq_len} x accumulation {recipe.batch.grad_accum_steps}",
              f"predicted peak per rank ({where}, as the run's `memory | peak` line shows it): "
              f"{format_bytes(p.allocated)} = " + " + ".join(parts)]
+    if recipe.parallel.active:  # NOTE: the model is of one data-parallel rank holding the whole model
+        lines.append("  (tensor / pipeline parallelism not counted here: the busiest mesh rank is in the table below)")
     if on_cuda:
         lines.append(f"  reserved by the allocator: about {format_bytes(p.reserved)}"
                      + (f"; in CPU memory besides: {format_bytes(p.host)} offloaded" if p.host else ""))
