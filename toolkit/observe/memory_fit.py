@@ -173,17 +173,6 @@ def memory_findings(recipe: Recipe, device, *, ranks: int, gpu: bool = True) -> 
     return [], [f"warning: {p}; trying anyway (training.memory_check=warn)" for p in problems]
 
 
-def check_memory_fit(recipe: Recipe, device, *, warn: bool = True) -> None:
-    """Refuse (UserError) or warn when the estimate per rank exceeds what `device` (a torch.device,
-    or "cpu") and the host have now; `warn=False` only refuses. The memory check alone: `toolkit run`
-    makes it with the others in its pre-flight (toolkit/train/preflight.py)."""
-    refusals, said = memory_findings(recipe, device, ranks=ranks_on_host(recipe))
-    if refusals:
-        raise UserError(*refusals)
-    for line in said if warn else ():
-        print(line, file=sys.stderr, flush=True)
-
-
 def is_allocation_failure(exc: BaseException) -> bool:
     """Whether an exception is an allocator's out-of-memory (CUDA or the CPU's DefaultCPUAllocator)."""
     text = str(exc)
