@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from toolkit.observe.estimate import PARAM_BYTES, parameter_count, resolve_model_shape
 from toolkit.observe.tiers import estimate_tiers
-from toolkit.specs import ModelSpec, Recipe
+from toolkit.specs import DataSpec, ModelSpec, Recipe
 
 CALIBRATION_TOLERANCE = 0.10  # |predicted / measured - 1| allowed for each calibration row (allocated peak)
 RESERVED_TOLERANCE = 0.25     # the same for the allocator's reserved peak (fragmentation varies more)
@@ -71,7 +71,6 @@ UNFUSED_STAGE0_H = {"gpt2": 22.6, "llama": 2 * 4.0 + 6.0}
 # and the calibration holds measured within CPU_RSS_BAND of it.
 CPU_RUNTIME_BYTES = int(0.37 * 2**30)
 CPU_RSS_BAND = (0.95, 2.0)
-TOKEN_BYTES = 8  # synthetic samples are int64 tensors of seq_len + 1 tokens (toolkit/data/batches.py)
 # The allocator's reserved peak (EMPIRICAL, H200 rows): at stages 0-2 its allocated peak times the median
 # ratio (1.12; measured 1.01-1.35); at stage 3 the allocated peak plus what the cache keeps of the
 # gathered units it frees and gathers again, about 5 bytes per parameter (124M, 1.5B, 3.2B rows).
@@ -130,6 +129,12 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
     return int(acts), int(logits)
 
 
+def token_buffer_bytes(data: DataSpec) -> int:
+    """The synthetic chain's in-memory token tensors (int64, seq_len + 1 per sample: toolkit/data/batches.py);
+    0 for real text, whose token files are read a window at a time."""
+    return (data.num_samples + data.eval_samples) * (data.seq_len + 1) * 8
+
+
 def _matmul_params(model: ModelSpec, n_params: int) -> int:
     """Parameters autocast casts for a matmul: all but the embedding tables the lookups read
     (gpt2's tied wte is also the head's weight, so only its position table stays out)."""
@@ -162,7 +167,7 @@ def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
         reserved = device + STAGE3_RESERVED_PER_PARAM * n_params if z.stage == 3 else RESERVED_FACTOR * device
         return PeakPrediction(states, cache, acts, logits, 0, device, int(reserved), tiers.cpu)
     # NOTE: on the CPU everything lives in the one process: offloaded states and the token buffers too
-    runtime = CPU_RUNTIME_BYTES + (d.num_samples + d.eval_samples) * (d.seq_len + 1) * TOKEN_BYTES
+    runtime = CPU_RUNTIME_BYTES + token_buffer_bytes(d)
     total = device + runtime + tiers.cpu
     return PeakPrediction(states, cache, acts, logits, runtime, total, total, tiers.cpu)
 
