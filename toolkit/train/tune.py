@@ -103,13 +103,16 @@ def _overrides(changes: dict) -> dict:
     return out
 
 
-def _as_override(key: str, value) -> str:
-    return f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
+def _override_args(changes: dict | None) -> list[str]:
+    """A candidate's changes as `key=value` arguments; none for None (the recipe as written, untouched)."""
+    if changes is None:
+        return []
+    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in _overrides(changes).items()]
 
 
 def trial_overrides(trial: Trial) -> list[str]:
     """`key=value` arguments for a trial's run; none for the baseline (the recipe as written, untouched)."""
-    return [] if trial.baseline else [_as_override(k, v) for k, v in _overrides(trial.changes).items()]
+    return _override_args(None if trial.baseline else trial.changes)
 
 
 def original_changes(recipe) -> dict:
@@ -147,9 +150,8 @@ def memory_cap(on_cuda: bool) -> tuple[int, str]:
 def predict(recipe_path, changes: dict | None, world_size: int, on_cuda: bool) -> tuple[int, str]:
     """(predicted bytes per rank, "") or (0, the recipe error) for one candidate (None: the recipe as written),
     torch-free."""
-    overrides = [] if changes is None else [_as_override(k, v) for k, v in _overrides(changes).items()]
     try:
-        recipe = load_recipe(recipe_path, overrides, world_size=world_size)
+        recipe = load_recipe(recipe_path, _override_args(changes), world_size=world_size)
     except UserError as exc:
         return 0, exc.lines[0]
     device, host = size_terms(recipe, on_cuda=on_cuda)
