@@ -19,8 +19,9 @@ from toolkit.train.tune_report import decision_text, write_outputs
 TINY = {"model": {"family": "gpt2", "size": "tiny"},
         "data": {"kind": "synthetic", "seq_len": 16, "vocab_size": 32000, "num_samples": 512, "eval_samples": 64},
         "batch": {"micro_batch_per_rank": 1, "global_batch": 32}, "training": {"max_steps": 100, "cpu_threads": 1}}
-# NOTE: 16-token sequences and one thread: a micro step's fixed cost outweighs its compute, so micro 1 (32 micro
-# steps) is several times slower than micro 4 (8), a gap no neighbour's load on a 2-core machine closes.
+# NOTE: 16-token sequences and one thread: a micro step's fixed cost weighs against its compute, so micro 1 (32
+# micro steps) is slower than micro 4 (8): 1.5-3x measured (1.50x on CI's loaded 2 cores), far beyond the 1% the
+# A/B decision needs.
 MICRO, STAGE, CKPT, OFFLOAD = "batch.micro_batch_per_rank", "zero.stage", "model.activation_checkpointing", "offload"
 
 
@@ -41,7 +42,7 @@ def test_tune_runs_the_baseline_first_and_writes_the_candidate_that_wins_its_ab_
                   log=lambda line: None)
     base, micro4, rerun_base, rerun_micro4, micro32 = result.trials
     assert base.baseline and base.status == "ok" and base.changes[MICRO] == 1
-    assert micro4.changes[MICRO] == 4 and micro4.tokens_per_s > 1.5 * base.tokens_per_s  # four times fewer steps
+    assert micro4.changes[MICRO] == 4 and micro4.tokens_per_s > 1.2 * base.tokens_per_s  # four times fewer steps
     assert (rerun_base.rerun_of, rerun_base.baseline, rerun_micro4.rerun_of) == (0, True, 1)
     assert rerun_base.status == rerun_micro4.status == "rerun"
     assert micro32.status == "pruned" and "cap" in micro32.why and micro32.wall_s == 0
