@@ -61,6 +61,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leave_rank() -> None:
+    """The end of a spawned test rank, once its results are saved: leave the group, then the process without the
+    interpreter's teardown, where gloo's threads may abort it (toolkit.distributed.exit_process says why)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def become_rank(rank: int, world: int, port: int, **env: str) -> None:
     """In a test's rank process: the environment torch.distributed reads, warnings off, one torch thread each
     (several ranks share the machine's cores)."""

@@ -10,7 +10,9 @@ strategies in toolkit/runtime/zero/), launching processes (toolkit/train/launch.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from toolkit.errors import UserError
 
 _owned_group = False  # True when this module created the default process group (and so may destroy it)
+_joined_group = False  # True once this process has been a rank of a group (it leaves by exit_process)
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,8 @@ def init_distributed(recipe_world_size: int, device: torch.device) -> DistInfo:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, rank=rank, world_size=world,
                             device_id=device if device.type == "cuda" else None)
-    global _owned_group
-    _owned_group = True
+    global _owned_group, _joined_group
+    _owned_group = _joined_group = True
     return DistInfo(rank, world, local_rank, backend)
 
 
@@ -155,3 +158,18 @@ def shutdown(info: DistInfo) -> None:
         dist.barrier()
         dist.destroy_process_group()
         _owned_group = False
+
+
+def exit_process(code: int) -> None:
+    """End the process with `code`. A rank that joined a group leaves without the interpreter's teardown."""
+    if not _joined_group:
+        sys.exit(code)
+    # NOTE: gloo's worker threads can abort the interpreter's teardown ("terminate called without an active
+    # exception": torch issues 190489, 109478; PR 179291 tried an atexit fix and was abandoned), turning a run
+    # that finished into a SIGABRT its launcher reports as failed. By now the run's files are closed and the
+    # group destroyed (shutdown); what is left is the exit handlers (swap folders: runtime/zero/swap.py) and
+    # the streams.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

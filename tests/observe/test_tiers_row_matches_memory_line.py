@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import become_rank, free_port
+from tests.conftest import become_rank, free_port, leave_rank
 
 pytestmark = pytest.mark.dist
 
@@ -36,9 +36,7 @@ def _rank_main(rank, world, port, out_dir):
             monitor.window_metrics(step)
         printed[name] = (row, monitor.summary())
     torch.save(printed, out_dir / f"rank{rank}.pt")
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from tests.conftest import REPO, become_rank, free_port
+from tests.conftest import REPO, become_rank, free_port, leave_rank
 from toolkit.runtime.engine import initialize
 from toolkit.errors import UserError
 from toolkit.recipe.load import recipe_from_dict
@@ -297,8 +297,7 @@ def _dist_rank(rank, world, port, out_dir):
             engine.save_checkpoint(out_dir / "ckpt", client_state={"rank0_only": rank})
     if rank == 0:
         torch.save(results, out_dir / "results.pt")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

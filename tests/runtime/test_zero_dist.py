@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import become_rank, free_port
+from tests.conftest import become_rank, free_port, leave_rank
 
 pytestmark = pytest.mark.dist
 
@@ -172,9 +172,7 @@ def _rank_main(rank, world, port, out_dir, mode):
         results["stage3_peak_units"] = _stage3_peak_units(world)
     _resharding(world, out_dir, results)
     torch.save(results, out_dir / f"rank{rank}-of-{world}-{mode}.pt")
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_rank()
 
 
 def launch(world, out_dir, mode):
