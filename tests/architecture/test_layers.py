@@ -115,3 +115,16 @@ def test_no_module_imports_a_benchmark():
                  if any(line.lstrip().startswith(("import benchmarks", "from benchmarks"))
                         for line in path.read_text(encoding="utf-8").splitlines())]
     assert not offenders
+
+
+def test_no_test_module_imports_another():
+    """What several test files share lives in a support module (tests/runtime/zero_helpers.py, ...), so running
+    one test file never collects another's tests and fixtures."""
+    found = []
+    for path in (REPO / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(REPO)} imports {n}" for n in names
+                      if n.startswith("tests.") and n.split(".")[-1].startswith("test_")]
+    assert not found, "\n".join(found)

@@ -17,25 +17,11 @@ from toolkit.checkpoint.state import capture_rng_state, flatten_state, restore_r
 from toolkit.cli.main import main
 from toolkit.runtime.engine import Engine
 from toolkit.errors import UserError
-from toolkit.recipe.load import load_recipe
 from toolkit.train.loop import run
+from tests.checkpoint.checkpoint_helpers import TINY, tiny, train_losses
 
 # A tiny, fast quickstart. dropout > 0 so that the resumed runs need the restored RNG
 # states; total_num_steps pinned so a 4-step run and an 8-step run share one lr schedule.
-TINY = ["data.num_samples=128", "data.seq_len=32", "data.eval_samples=16", "batch.micro_batch_per_rank=8",
-        "scheduler.warmup_num_steps=1", "scheduler.total_num_steps=8", "training.eval_batches=1",
-        "training.log_interval=1", "logging.console=false", "model.dropout=0.1"]
-
-
-def tiny(*overrides):
-    return load_recipe("quickstart", [*TINY, *overrides])
-
-
-def train_losses(run_dir):
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(m["step"], m["loss"]) for m in lines if "loss" in m]
-
-
 def final_weights(run_dir):
     return load_checkpoint(latest_checkpoint(run_dir / "checkpoints")).state["engine"]["model"]
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from tests.conftest import run_cli
-from tests.checkpoint.test_checkpoint import TINY, tiny, train_losses
+from tests.checkpoint.checkpoint_helpers import TINY, tiny, train_losses
 from tests.text_corpus import python_like_docs, text_recipe, write_corpus
 from toolkit.cli.main import main
 from toolkit.train.loop import run

@@ -8,9 +8,9 @@ from toolkit.observe.tiers import TIERS, estimate_tiers, tier_rows
 
 def _engine_tiers(overrides):
     """(num_params, counted TierBytes-like dict, root chunk bytes) after one step of a 1-rank fp32 engine."""
-    from tests.runtime.test_zero_dist import _engine
+    from tests.runtime.zero_helpers import tiny_engine
 
-    _, engine, stream = _engine(1, overrides)
+    _, engine, stream = tiny_engine(1, overrides)
     strategy = engine.strategy
     files = strategy.swap_dir.files if strategy.swap_dir is not None else []
     before = [(f.bytes_read, f.bytes_written) for f in files]
@@ -55,13 +55,13 @@ def test_three_tier_optimizer_bytes_equal_what_the_engine_holds(tmp_path, monkey
     """offload_optimizer nvme with nvme_ratio below 1: the estimate at the engine's whole-group split."""
     import toolkit.runtime.zero.offload as offload
     import toolkit.observe.tiers as tiers
-    from tests.runtime.test_zero_dist import _engine
+    from tests.runtime.zero_helpers import tiny_engine
 
     monkeypatch.setattr(offload, "PIECE_NUMEL", 1 << 12)
     monkeypatch.setattr(tiers, "PIECE_NUMEL", 1 << 12)
     overrides = ["zero.stage=3", "zero.offload_optimizer=nvme", "zero.offload_ratio=0.7", "zero.nvme_ratio=0.5",
                  f"zero.nvme_path={tmp_path}"]
-    _, engine, _ = _engine(1, overrides)
+    _, engine, _ = tiny_engine(1, overrides)
     parts = engine.strategy.parts
     shard, off, swapped = (engine.strategy.layout.numel, sum(p.layout.numel for p in parts if p.offloaded),
                            sum(p.layout.numel for p in parts if p.swap is not None))

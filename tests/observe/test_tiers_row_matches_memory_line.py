@@ -23,12 +23,12 @@ UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 def _rank_main(rank, world, port, out_dir):
     become_rank(rank, world, port)
-    from tests.runtime.test_zero_dist import _engine
+    from tests.runtime.zero_helpers import tiny_engine
     from toolkit.observe.memory_monitor import MemoryMonitor
 
     printed = {}
     for name, overrides in CONFIGS.items():
-        _, engine, stream = _engine(world, overrides)
+        _, engine, stream = tiny_engine(world, overrides)
         row = engine.strategy.describe_tiers()  # as the start-up table prints it, before the first step
         monitor = MemoryMonitor(engine)
         for step in range(2):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.ops.test_fused_ops import tiny_gpt2, tiny_llama
+from tests.ops.tiny_models import tiny_gpt2, tiny_llama
 from toolkit.ops import custom_ops
 from toolkit.ops.fused_modules import PaddedLMHead, pad_lm_head
 

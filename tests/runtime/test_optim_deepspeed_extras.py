@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.oracles import deepspeed
-from tests.runtime.test_zero_dist import RTOL, assert_params_close, train
+from tests.runtime.zero_helpers import RTOL, assert_params_close, train
 from toolkit.recipe.load import recipe_from_dict
 from toolkit.runtime.optim import Schedule, betas_at, lr_at
 

@@ -6,41 +6,16 @@ CPU offload, with and without gradient accumulation, 10 steps each on a tiny
 GPT-2; memory per rank from live tensors; resharding checkpoints. The ranks
 write what they saw to a file; the assertions run here.
 
-Tolerance (one reason for all comparisons of parameters): rtol 1e-5 plus atol
-1e-5. Runs at different world sizes or stages sum the same gradients in another
-order (the ranks' mean versus one batch mean; all-reduce versus reduce-scatter
-rings), so gradients differ in the last bit. AdamW divides each element's step
-by its own gradient scale, so for elements whose gradient is close to zero
-(rare embedding rows) that last bit moves the step by a visible fraction of lr
-(3e-3 here); 10 steps give observed differences up to ~5e-6. A real bug (a
-missing reduction, a wrong weight-decay group, a stale shard) moves parameters
-by ~lr per step, 300 times the tolerance.
+Tolerance: tests/runtime/zero_helpers.py says which and why.
 """
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import become_rank, free_port, leave_rank
+from tests.runtime.zero_helpers import BASE, SMALL_BUCKETS, STEPS, assert_params_close, tiny_engine, train
 
 pytestmark = pytest.mark.dist
-
-STEPS = 10
-RTOL, ATOL = 1e-5, 1e-5
-BASE = {
-    "model": {"family": "gpt2", "size": "tiny"},
-    "data": {"kind": "synthetic", "seq_len": 32, "vocab_size": 256, "branching": 4, "num_samples": 512,
-             "eval_samples": 64, "seed": 0},
-    "batch": {"global_batch": 16},
-    "optimizer": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "implementation": "torch"},
-    "scheduler": {"type": "WarmupCosineLR", "warmup_num_steps": 3},
-    # NOTE: device cpu, also on a GPU machine: the ranks are forked (CUDA cannot start in a forked child) and use gloo
-    "training": {"device": "cpu", "max_steps": STEPS, "seed": 1234, "eval_interval": 0, "log_interval": 1,
-                 "grad_clip": 0.5},
-    "logging": {"console": False, "tensorboard": False, "wandb": {"mode": "disabled"}},
-    "checkpoint": {"save_final": False},
-}
-# NOTE: a small reduce bucket, so the tiny model has several buckets and the in-order launch is exercised.
-SMALL_BUCKETS = "zero.reduce_bucket_size=20000"
 
 
 def config_name(stage: int, offload: bool, accum: int) -> str:
@@ -66,24 +41,6 @@ EXTRA = {
 # What the ranks run
 
 
-def _engine(world, overrides):
-    from toolkit.data.batches import BatchStream, Dataset
-    from toolkit.runtime.engine import Engine
-    from toolkit.recipe.load import recipe_from_dict
-
-    recipe = recipe_from_dict(BASE, overrides, world_size=world)
-    engine = Engine(recipe)
-    stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=engine.dist.rank, seed=recipe.training.seed)
-    return recipe, engine, stream
-
-
-def train(world, overrides, steps=STEPS):
-    """(engine, stream, losses, grad norms) after `steps` optimizer steps."""
-    _, engine, stream = _engine(world, overrides)
-    results = [engine.train_batch(stream.next_step()) for _ in range(steps)]
-    return engine, stream, [r.loss for r in results], [r.grad_norm for r in results]
-
-
 def _stage3_peak_units(world):
     """Most units gathered at once while a 6-block model trains (root + computing + prefetched)."""
     peaks = {}
@@ -97,7 +54,7 @@ def _checks_for_overflow(world):
     """An inf in one rank's gradient shard makes every rank skip (stages 0 and 2)."""
     seen = {}
     for stage in (0, 2):
-        _, engine, stream = _engine(world, [f"zero.stage={stage}"])
+        _, engine, stream = tiny_engine(world, [f"zero.stage={stage}"])
         engine.backward(engine(stream.next_step()[0]))
         chunks = engine.strategy.flat_grads if stage == 0 else engine.strategy.grad_chunks
         clean = engine.strategy.grads_overflow()
@@ -109,7 +66,7 @@ def _checks_for_overflow(world):
 
 def _checks_for_stage2_micro_step(world):
     """Between micro-steps stage 2 holds no .grad and only the gradient shard."""
-    _, engine, stream = _engine(world, ["zero.stage=2", "batch.grad_accum_steps=2", SMALL_BUCKETS])
+    _, engine, stream = tiny_engine(world, ["zero.stage=2", "batch.grad_accum_steps=2", SMALL_BUCKETS])
     first, second = stream.next_step()
     engine.backward(engine(first))
     grads_alive = sum(p.grad is not None for p in engine.model.parameters())
@@ -129,7 +86,7 @@ def _resharding(world, out_dir, results):
     overrides = {2: ["zero.stage=2", SMALL_BUCKETS], 4: ["zero.stage=3"]}
     own = f"world{world}"
     if (out_dir / own).exists() is False:  # first visit of this world size: save, then continue
-        recipe, engine, stream = _engine(world, overrides[world])
+        recipe, engine, stream = tiny_engine(world, overrides[world])
         checkpointer = Checkpointer(recipe, out_dir / own)
         losses = []
         for step in range(STEPS):
@@ -141,7 +98,7 @@ def _resharding(world, out_dir, results):
     if not (out_dir / other).exists():
         return
     ckpt = load_checkpoint(find_checkpoint(out_dir / other))
-    recipe, engine, stream = _engine(world, overrides[world])
+    recipe, engine, stream = tiny_engine(world, overrides[world])
     Checkpointer(recipe, out_dir / "scratch").restore(ckpt, engine, stream)
     zero = ckpt.state["engine"]["zero"]
     reader = ShardFilesReader(ckpt.path, zero["files"], zero["step"])
@@ -208,12 +165,6 @@ def world2_resume(ckpt_dir, world4):
 def one_process():
     engine, _, losses, norms = train(1, ["zero.stage=0"])
     return {"params": engine.strategy.full_parameters(), "losses": losses, "grad_norms": norms}
-
-
-def assert_params_close(got, want):
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------------------
@@ -349,7 +300,7 @@ def test_resume_in_one_process_from_world_2(ckpt_dir, world2):
     from toolkit.checkpoint.zero_shards import ShardFilesReader
 
     ckpt = load_checkpoint(find_checkpoint(ckpt_dir / "world2"))
-    recipe, engine, stream = _engine(1, ["zero.stage=0"])
+    recipe, engine, stream = tiny_engine(1, ["zero.stage=0"])
     Checkpointer(recipe, ckpt_dir / "scratch-1").restore(ckpt, engine, stream)
     zero = ckpt.state["engine"]["zero"]
     reader = ShardFilesReader(ckpt.path, zero["files"], zero["step"])

@@ -1,5 +1,5 @@
 """ZeRO-Infinity on the CPU: stage 3 with offload_param cpu / nvme and offload_optimizer nvme equals
-stage 0 after 10 steps on gloo (2 ranks; the tolerance and its reason are tests/runtime/test_zero_dist.py's),
+stage 0 after 10 steps on gloo (2 ranks; the tolerance and its reason are tests/runtime/zero_helpers.py's),
 parameters really come from their tier at every gather, checkpoints move between offload settings, the
 swap folder goes at exit (also after an error), bad nvme_path values are one line each, and host
 memory stays bounded with NVMe optimizer offload as the model grows (measured RSS)."""
@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import REPO, become_rank, free_port
-from tests.runtime.test_zero_dist import RTOL, STEPS, _engine, assert_params_close, train
+from tests.runtime.zero_helpers import RTOL, STEPS, assert_params_close, tiny_engine, train
 
 STAGE3 = ["zero.stage=3", "zero.prefetch_units=1"]
 
@@ -137,7 +137,7 @@ def test_swap_folder_goes_when_the_process_exits(how, tmp_path):
 
 def test_swapped_parameters_are_read_from_the_file_at_every_gather(tmp_path):
     """Zeroing block 0's bytes in the swap file zeroes block 0's weights at the next gather."""
-    _, engine, stream = _engine(1, [*STAGE3, "zero.offload_param=nvme", f"zero.nvme_path={tmp_path}"])
+    _, engine, stream = tiny_engine(1, [*STAGE3, "zero.offload_param=nvme", f"zero.nvme_path={tmp_path}"])
     engine.train_batch(stream.next_step())
     strategy = engine.strategy
     weights = strategy.weights
@@ -163,7 +163,7 @@ def test_checkpoints_move_between_nvme_offload_and_none(tmp_path):
             "zero.nvme_ratio=0.5", f"zero.nvme_path={tmp_path}"]
 
     def run(overrides, resume_from, save_at, folder):
-        recipe, engine, stream = _engine(1, overrides)
+        recipe, engine, stream = tiny_engine(1, overrides)
         checkpointer = Checkpointer(recipe, tmp_path / folder)
         start = 0
         if resume_from is not None:
@@ -199,7 +199,7 @@ def test_bad_nvme_path_is_one_line_before_training(case, tmp_path, monkeypatch):
         monkeypatch.setattr("toolkit.runtime.zero.swap.shutil.disk_usage",
                             lambda p: type("Usage", (), {"free": 1000})())
     with pytest.raises(UserError) as raised:
-        _engine(1, [*STAGE3, "zero.offload_optimizer=nvme", f"zero.nvme_path={path}"])
+        tiny_engine(1, [*STAGE3, "zero.offload_optimizer=nvme", f"zero.nvme_path={path}"])
     message = str(raised.value)
     assert "\n" not in message and message.startswith(f"recipe.zero.nvme_path: {path}: ")
     assert {"missing": "no such folder", "readonly": "not writable", "full": "GiB free"}[case] in message
@@ -234,7 +234,7 @@ def _rss_main(swap: Path, out: Path, layers: tuple[int, ...]):
         if tier == "nvme":
             overrides.append(f"zero.nvme_path={swap}")
         gc.collect()
-        _, engine, stream = _engine(1, overrides)
+        _, engine, stream = tiny_engine(1, overrides)
         peak, done = [rss()], []
 
         def sample():

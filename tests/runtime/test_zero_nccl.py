@@ -3,7 +3,7 @@
 One torch.multiprocessing launch over min(4, GPUs) ranks, one GPU each, trains the
 tiny GPT-2 of tests/runtime/test_zero_dist.py for 20 steps per configuration:
 - fp32 (TF32 off): stages 1-3, with and without CPU offload, equal stage 0 with
-  tests/runtime/test_zero_dist.py's tolerance (rtol 1e-5 + atol 1e-5; reasons there);
+  tests/runtime/zero_helpers.py's tolerance (rtol 1e-5 + atol 1e-5; reasons there);
 - bf16: stages 1-3 end within 2% of stage 0's losses. Stage 0 keeps fp32 weights under
   autocast while stages 1-3 keep bf16 weights beside the fp32 master, so their weights
   round differently every step; 2% is what that rounding drift stays under in 20 steps,
@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import become_rank, free_port
-from tests.runtime.test_zero_dist import SMALL_BUCKETS, _engine, assert_params_close
+from tests.runtime.zero_helpers import SMALL_BUCKETS, assert_params_close, tiny_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                    reason="needs 2 or more GPUs")]
@@ -41,7 +41,7 @@ def _rank_main(rank, world, port, out_dir, device):
 
     results = {}
     for name, overrides in {**FP32, **BF16}.items():
-        recipe, engine, stream = _engine(world, [f"training.device={device}", *overrides])
+        recipe, engine, stream = tiny_engine(world, [f"training.device={device}", *overrides])
         checkpointer = Checkpointer(recipe, out_dir / "run") if name == "stage2" else None
         losses = []
         for step in range(STEPS):
@@ -87,7 +87,7 @@ def test_checkpoint_from_n_gpus_resumes_on_one(run):
 
     out, results = run
     ckpt = load_checkpoint(find_checkpoint(out / "run"))
-    recipe, engine, stream = _engine(1, ["training.device=cuda", *FP32["stage2"]])
+    recipe, engine, stream = tiny_engine(1, ["training.device=cuda", *FP32["stage2"]])
     Checkpointer(recipe, out / "scratch").restore(ckpt, engine, stream)
     from toolkit.checkpoint.zero_shards import ShardFilesReader
 

@@ -1,10 +1,10 @@
 """ZeRO in one process (no process group, no launcher): every stage, with and
 without offload and accumulation, ends where stage 0 does; the tolerance and its
-reason are those of tests/runtime/test_zero_dist.py."""
+reason are those of tests/runtime/zero_helpers.py."""
 import pytest
 import torch
 
-from tests.runtime.test_zero_dist import RTOL, SMALL_BUCKETS, STEPS, _engine, assert_params_close, train
+from tests.runtime.zero_helpers import RTOL, SMALL_BUCKETS, STEPS, assert_params_close, tiny_engine, train
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
         return {(name, kind): view.clone() for name, _, _, views in engine.strategy.owned_pieces()
                 for kind, view in views.items()}
 
-    recipe, engine, stream = _engine(1, ["zero.stage=2", SMALL_BUCKETS, *PART_OFFLOAD])
+    recipe, engine, stream = tiny_engine(1, ["zero.stage=2", SMALL_BUCKETS, *PART_OFFLOAD])
     checkpointer = Checkpointer(recipe, tmp_path / "run")
     uninterrupted = []
     for step in range(STEPS):
@@ -63,7 +63,7 @@ def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
             checkpointer.save(engine, stream, None)
             saved = states(engine)
     ckpt = load_checkpoint(find_checkpoint(tmp_path / "run"))
-    recipe, engine, stream = _engine(1, ["zero.stage=2", SMALL_BUCKETS, "zero.offload_optimizer=cpu"])
+    recipe, engine, stream = tiny_engine(1, ["zero.stage=2", SMALL_BUCKETS, "zero.offload_optimizer=cpu"])
     assert len(engine.strategy.parts) == 1
     Checkpointer(recipe, tmp_path / "scratch").restore(ckpt, engine, stream)
     restored = states(engine)
@@ -88,7 +88,7 @@ def test_bf16_memory_per_rank_matches_the_toolkit_estimate(stage):
 def test_one_process_stage0_frees_gradients_and_accumulates_exactly():
     """One process holds no gradient buckets: gradients are dropped after each step (the next backward
     writes them instead of adding into zeros), and two accumulated micro-steps sum bitwise as they did."""
-    _, engine, stream = _engine(1, ["zero.stage=0", "batch.grad_accum_steps=2"])
+    _, engine, stream = tiny_engine(1, ["zero.stage=0", "batch.grad_accum_steps=2"])
     first, second = stream.next_step()
     engine.backward(engine(first))
     after_one = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
@@ -96,7 +96,7 @@ def test_one_process_stage0_frees_gradients_and_accumulates_exactly():
     summed = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
     engine.step()
     assert all(p.grad is None for p in engine.model.parameters())
-    _, fresh, stream = _engine(1, ["zero.stage=0", "batch.grad_accum_steps=2"])
+    _, fresh, stream = tiny_engine(1, ["zero.stage=0", "batch.grad_accum_steps=2"])
     first, second = stream.next_step()
     fresh.backward(fresh(second))
     for name, p in fresh.model.named_parameters():

@@ -1,0 +1,57 @@
+"""The tiny ZeRO runs the runtime tests share (tests/runtime/test_zero_dist.py, test_zero_single.py,
+test_zero_infinity.py, ...): the base recipe, an engine and its batch stream, N optimizer steps, and the
+parameter comparison with its tolerance.
+
+Tolerance (one reason for all comparisons of parameters): rtol 1e-5 plus atol
+1e-5. Runs at different world sizes or stages sum the same gradients in another
+order (the ranks' mean versus one batch mean; all-reduce versus reduce-scatter
+rings), so gradients differ in the last bit. AdamW divides each element's step
+by its own gradient scale, so for elements whose gradient is close to zero
+(rare embedding rows) that last bit moves the step by a visible fraction of lr
+(3e-3 here); 10 steps give observed differences up to ~5e-6. A real bug (a
+missing reduction, a wrong weight-decay group, a stale shard) moves parameters
+by ~lr per step, 300 times the tolerance.
+"""
+import torch
+
+STEPS = 10
+RTOL, ATOL = 1e-5, 1e-5
+BASE = {
+    "model": {"family": "gpt2", "size": "tiny"},
+    "data": {"kind": "synthetic", "seq_len": 32, "vocab_size": 256, "branching": 4, "num_samples": 512,
+             "eval_samples": 64, "seed": 0},
+    "batch": {"global_batch": 16},
+    "optimizer": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "implementation": "torch"},
+    "scheduler": {"type": "WarmupCosineLR", "warmup_num_steps": 3},
+    # NOTE: device cpu, also on a GPU machine: the ranks are forked (CUDA cannot start in a forked child) and use gloo
+    "training": {"device": "cpu", "max_steps": STEPS, "seed": 1234, "eval_interval": 0, "log_interval": 1,
+                 "grad_clip": 0.5},
+    "logging": {"console": False, "tensorboard": False, "wandb": {"mode": "disabled"}},
+    "checkpoint": {"save_final": False},
+}
+# NOTE: a small reduce bucket, so the tiny model has several buckets and the in-order launch is exercised.
+SMALL_BUCKETS = "zero.reduce_bucket_size=20000"
+
+
+def tiny_engine(world, overrides):
+    from toolkit.data.batches import BatchStream, Dataset
+    from toolkit.runtime.engine import Engine
+    from toolkit.recipe.load import recipe_from_dict
+
+    recipe = recipe_from_dict(BASE, overrides, world_size=world)
+    engine = Engine(recipe)
+    stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=engine.dist.rank, seed=recipe.training.seed)
+    return recipe, engine, stream
+
+
+def train(world, overrides, steps=STEPS):
+    """(engine, stream, losses, grad norms) after `steps` optimizer steps."""
+    _, engine, stream = tiny_engine(world, overrides)
+    results = [engine.train_batch(stream.next_step()) for _ in range(steps)]
+    return engine, stream, [r.loss for r in results], [r.grad_norm for r in results]
+
+
+def assert_params_close(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
