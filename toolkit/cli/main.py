@@ -329,9 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
     p.set_defaults(func=_cmd_build_kernels)
 
-    from toolkit.cli.convert_tune import add_parsers  # convert and tune
+    from toolkit.cli import convert, tune
 
-    add_parsers(sub)
+    convert.add_parser(sub)
+    tune.add_parser(sub)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema")
     p.set_defaults(func=_cmd_schema)
