@@ -19,7 +19,7 @@ def write_file(path: Path, text: str) -> None:
 
 
 def _cmd_convert(args) -> int:
-    from toolkit.recipe.deepspeed_config import convert_deepspeed, read_deepspeed_config
+    from toolkit.recipe.deepspeed import convert_deepspeed, read_deepspeed_config
 
     ds = read_deepspeed_config(args.ds_config)
     done = convert_deepspeed(ds, model=args.model, base=args.recipe, out=args.out, world_size=args.world_size,

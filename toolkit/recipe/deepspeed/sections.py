@@ -1,6 +1,6 @@
 """DeepSpeed config sections -> recipe keys: one function per DeepSpeed block, each saying for every key
 it meets whether it is carried over (to which recipe key), left to the recipe ("auto"), or not carried
-over and why. toolkit/recipe/deepspeed_config.py reads the file, calls these and assembles the recipe.
+over and why. convert.py reads the file, calls these and assembles the recipe.
 
 Names and defaults are DeepSpeed's (deepspeed/runtime/config.py, zero/config.py, zero/offload_config.py,
 lr_schedules.py; microsoft/DeepSpeed, commit 38327e07). Torch-free.
