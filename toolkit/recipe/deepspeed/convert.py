@@ -141,7 +141,7 @@ def _model_section(model: str) -> dict:
 
 def _derived_batch(given: dict, world_size: int) -> dict:
     """DeepSpeed's _set_batch_related_parameters on the recipe's names (all three filled)."""
-    from toolkit.recipe.checks import resolve_batch
+    from toolkit.recipe.assemble import resolve_batch
 
     spec, errors = resolve_batch(given, world_size)
     if errors:
