@@ -73,7 +73,7 @@ BATCH = {"train_batch_size": "batch.global_batch", "train_micro_batch_size_per_g
 
 def batch(c: Conversion, ds: dict) -> None:
     """The batch triple as given; the recipe derives the missing ones at run time by DeepSpeed's rules
-    (toolkit/recipe/checks.py resolve_batch, deepspeed/runtime/config.py _set_batch_related_parameters)."""
+    (toolkit/recipe/assemble.py resolve_batch, deepspeed/runtime/config.py _set_batch_related_parameters)."""
     for ds_key, path in BATCH.items():
         if ds_key in ds:
             c.put(ds_key, path, ds[ds_key])
