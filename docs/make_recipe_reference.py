@@ -30,7 +30,7 @@ TOP_KEYWORDS = KEY_KEYWORDS | {"$schema", "$id", "title"}
 BRANCH_KEYWORDS = {"properties", "required", "errorMessage"}  # what a `then` may say
 BRANCH_KEY_KEYWORDS = {"default", "enum"}                     # what a `then` may say about one key
 # NOTE: in these sections a key that an if/then branch names is read only when one of its branches
-# applies, and refused elsewhere (toolkit/recipe/checks.py, _data_spec); their tables get a "read when"
+# applies, and refused elsewhere (toolkit/recipe/assemble.py, data_spec); their tables get a "read when"
 # column. Elsewhere a branch only narrows a key (model.size per family) or changes a default.
 READ_ONLY_IN_BRANCH = {"data"}
 

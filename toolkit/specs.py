@@ -1,5 +1,5 @@
 """The typed, frozen specs a `Recipe` is made of: one per recipe section, each
-builder takes only its own. Built (and validated) by toolkit/recipe/load.py; the
+builder takes only its own. Built (and validated) by toolkit/recipe/assemble.py; the
 meaning and default of every field is in schemas/recipe.schema.json."""
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import pytest
 
 from toolkit.cli.main import main
 from toolkit.errors import UserError
-from toolkit.observe.estimate import (GB, GiB, estimate_activation_bytes, estimate_memory, estimate_model_state_bytes,
-                            find_device, fits, format_estimate, parameter_count)
+from toolkit.observe.estimate import (GB, GiB, EstimateInput, estimate_activation_bytes, estimate_memory,
+                                      estimate_model_state_bytes, find_device, fits, format_estimate, parameter_count)
 from toolkit.specs import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,13 +162,36 @@ def test_device_names_and_fit_verdict():
 def test_format_estimate_table_marks_the_recipe_row_and_verdicts():
     spec = model_spec("gpt2", n_layer=48, n_embd=1600, n_head=25, n_kv_head=25, intermediate_size=6400,
                       vocab_size=50257, max_positions=1024)
-    text = format_estimate(spec, micro_batch=16, seq_len=1024, dtype="bf16", world_size=8, device="a100-40gb",
-                           stage=2)
+    text = format_estimate(EstimateInput(spec, micro_batch=16, seq_len=1024, dtype="bf16", world_size=8, stage=2),
+                           device="a100-40gb")
     rows = [line for line in text.splitlines() if line[:8].strip()[:1] in "*0123" and "GiB" in line]
     assert len(rows) == 7  # stages 0-3, then 1-3 with cpu offload
     assert sum(row.startswith("*") for row in rows) == 1 and rows[2].startswith("*  2")
     assert all(row.endswith("with ckpt") for row in rows)
     assert "1.56B parameters" in text
+
+
+def test_estimate_input_from_recipe_carries_the_keys_the_estimators_read():
+    from toolkit.recipe.load import load_recipe
+
+    recipe = load_recipe("quickstart", ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_ratio=0.5",
+                                        "zero.offload_param=cpu", "kernels.cross_entropy=off", "precision.dtype=bf16",
+                                        "batch.micro_batch_per_rank=8", "batch.grad_accum_steps=2"], world_size=4)
+    inp = EstimateInput.from_recipe(recipe)
+    assert (inp.micro_batch, inp.grad_accum_steps, inp.world_size, inp.seq_len, inp.dtype) == (8, 2, 4, 64, "bf16")
+    assert (inp.stage, inp.offload_optimizer, inp.offload_param, inp.offload_ratio) == (3, "cpu", "cpu", 0.5)
+    assert inp.fused == (True, True, False) and inp.vocab_size == 256
+    assert inp.token_buffer_bytes == (4096 + 256) * 65 * 8  # int64 tokens, seq_len + 1 per sample
+    assert inp.num_params == parameter_count(recipe.model)
+    assert inp.model_states() == estimate_model_state_bytes(inp.num_params, stage=3, world_size=4, dtype="bf16",
+                                                            offload="cpu", offload_ratio=0.5)
+
+
+def test_estimate_input_reads_a_pretrained_shape_on_first_use_not_when_built(tmp_path):
+    spec = model_spec("gpt2", pretrained=tmp_path)
+    inp = EstimateInput(spec, micro_batch=1, seq_len=8, dtype="fp32", world_size=1)  # no config.json: no error yet
+    with pytest.raises(UserError, match="config.json: cannot read"):
+        inp.num_params
 
 
 def test_cli_estimate_quickstart_prints_table(capsys):

@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from toolkit.errors import UserError
-from toolkit.recipe.deepspeed_config import (convert_deepspeed, is_deepspeed_config, parse_deepspeed_json,
-                                             read_deepspeed_config)
+from toolkit.recipe.deepspeed import (convert_deepspeed, is_deepspeed_config, parse_deepspeed_json,
+                                      read_deepspeed_config)
 
 CORPUS = sorted((Path(__file__).parent / "deepspeed_configs").glob("*.json"))
 

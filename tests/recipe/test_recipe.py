@@ -312,7 +312,7 @@ def test_errors_are_reported_in_the_order_the_recipe_is_written():
 ], ids=lambda b: "-".join(f"{k.split('_')[0]}{v}" for k, v in b.items()))
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_fix_a_batch_error_names_resolves_the_batch(batch, world):
-    from toolkit.recipe.checks import resolve_batch
+    from toolkit.recipe.assemble import resolve_batch
 
     spec, errors = resolve_batch(batch, world)
     if not errors:

@@ -47,9 +47,6 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_estimate(args) -> int:
-    from toolkit.observe.estimate import format_estimate
-    from toolkit.observe.tiers import format_tier_estimate
-
     recipe = _load_recipe_and_warn(args, args.world_size, warn=False)
     if args.dry_run:  # one rank of the N-rank job, built and measured (toolkit/train/dry_run.py)
         from toolkit.train.dry_run import dry_run_command
@@ -57,26 +54,18 @@ def _cmd_estimate(args) -> int:
         return dry_run_command(recipe, rank=args.rank or 0, steps=3 if args.steps is None else args.steps)
     if args.rank is not None or args.steps is not None:
         raise UserError("estimate: --rank and --steps go with --dry-run")
-    from toolkit.observe.estimate import find_device
+    from toolkit.observe.estimate import EstimateInput, find_device, format_estimate
     from toolkit.observe.memory_fit import format_peak_summary
+    from toolkit.observe.tiers import format_tier_estimate
 
     print(format_peak_summary(recipe, find_device(args.device) if args.device else None) + "\n")
-    print(format_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
-                          dtype=recipe.precision.dtype, world_size=recipe.batch.world_size, device=args.device,
-                          stage=recipe.zero.stage, offload=recipe.zero.offload_optimizer,
-                          offload_ratio=recipe.zero.offload_ratio))
-    print(format_tier_estimate(recipe.model, micro_batch=recipe.batch.micro_batch_per_rank,
-                               seq_len=recipe.data.seq_len, dtype=recipe.precision.dtype,
-                               world_size=recipe.batch.world_size, stage=recipe.zero.stage,
-                               offload=recipe.zero.offload_optimizer, offload_param=recipe.zero.offload_param,
-                               offload_ratio=recipe.zero.offload_ratio, nvme_ratio=recipe.zero.nvme_ratio,
-                               grad_accum_steps=recipe.batch.grad_accum_steps))
-    if recipe.parallel.active:  # the mesh's busiest rank (toolkit/observe/parallel_estimate.py)
+    inp = EstimateInput.from_recipe(recipe)
+    print(format_estimate(inp, device=args.device))
+    print(format_tier_estimate(inp))
+    if inp.parallel.active:  # the mesh's busiest rank (toolkit/observe/parallel_estimate.py)
         from toolkit.observe.parallel_estimate import format_parallel_estimate
 
-        print(format_parallel_estimate(recipe.model, recipe.parallel, micro_batch=recipe.batch.micro_batch_per_rank,
-                                       seq_len=recipe.data.seq_len, dtype=recipe.precision.dtype,
-                                       dp=recipe.batch.world_size, stage=recipe.zero.stage))
+        print(format_parallel_estimate(inp))
     return 0
 
 
@@ -329,9 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
     p.set_defaults(func=_cmd_build_kernels)
 
-    from toolkit.cli.convert_tune import add_parsers  # convert and tune
+    from toolkit.cli import convert, tune
 
-    add_parsers(sub)
+    convert.add_parser(sub)
+    tune.add_parser(sub)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema")
     p.set_defaults(func=_cmd_schema)

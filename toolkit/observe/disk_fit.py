@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.observe.estimate import format_bytes, parameter_count, resolve_model_shape
-from toolkit.observe.tiers import estimate_tiers
+from toolkit.observe.estimate import EstimateInput, format_bytes
+from toolkit.observe.tiers import input_tiers
 from toolkit.specs import Recipe
 
 # NOTE: measured on quickstart: 12.7 bytes per parameter at stage 0 fp32 (fp32 weights + AdamW's two
@@ -42,10 +42,9 @@ def estimated_parameters(recipe: Recipe) -> int | None:
     """The recipe's parameter count as the estimator has it, before any model is built (None: it cannot
     size the model, a pretrained folder it does not know)."""
     try:
-        shape, tied = resolve_model_shape(recipe.model)
+        return EstimateInput.from_recipe(recipe).num_params
     except UserError:
         return None
-    return parameter_count(shape, tied_embeddings=tied)
 
 
 def swap_bytes(recipe: Recipe, num_parameters: int, ranks_on_host: int) -> int:
@@ -53,10 +52,7 @@ def swap_bytes(recipe: Recipe, num_parameters: int, ranks_on_host: int) -> int:
     z = recipe.zero
     if "nvme" not in (z.offload_optimizer, z.offload_param):
         return 0
-    tiers = estimate_tiers(num_parameters, stage=z.stage, world_size=recipe.batch.world_size,
-                           dtype=recipe.precision.dtype, offload_optimizer=z.offload_optimizer,
-                           offload_param=z.offload_param, offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio)
-    return tiers.nvme * ranks_on_host
+    return input_tiers(EstimateInput.from_recipe(recipe), num_params=num_parameters).nvme * ranks_on_host
 
 
 def nvme_path_problem(path: str | None) -> str | None:

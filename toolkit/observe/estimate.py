@@ -4,15 +4,20 @@ fits verdict; what `toolkit estimate` prints). What is measured during a run (mo
 states counted from tensors, peaks per log window, memory.png) is the runtime
 monitor in toolkit/observe/memory_monitor.py, which reuses `format_bytes` from here.
 
+`EstimateInput.from_recipe` is the one place a recipe becomes the estimators' input: `toolkit estimate`,
+the calibrated peak (peak.py, which the pre-flight's memory fit and `toolkit tune` read), the tier
+table (tiers.py), the parallel layout (parallel_estimate.py) and the dry run all start from it.
+
 This module imports no torch: `toolkit estimate` answers in well under a second.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from toolkit.errors import UserError
-from toolkit.specs import ModelSpec
+from toolkit.specs import ModelSpec, ParallelSpec, Recipe
 
 # ===========================================================================
 # Estimator: analytic bytes per rank before a run (torch-free).
@@ -89,6 +94,75 @@ class MemoryEstimate:
     @property
     def total_checkpointed(self) -> int:
         return self.states.gpu + self.activations.checkpointed
+
+
+@dataclass(frozen=True)
+class EstimateInput:
+    """What the estimators read of a recipe for one rank: the model, the batch, the precision, ZeRO's stage and
+    offload tiers, the fused kernels and the parallel layout (build it with `from_recipe`)."""
+
+    model: ModelSpec
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    world_size: int  # data-parallel ranks (recipe.batch.world_size)
+    stage: int = 0
+    grad_accum_steps: int = 1
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    offload_ratio: float = 1.0
+    nvme_ratio: float = 1.0
+    vocab_size: int | None = None  # data.vocab_size: the tokenizer's, where it differs from the model's
+    fused: tuple[bool, bool, bool] = (True, True, True)  # the (norm, GELU, cross-entropy) kernels not `off`
+    token_buffer_bytes: int = 0  # the synthetic data's in-memory token tensors
+    parallel: ParallelSpec = ParallelSpec()
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> EstimateInput:
+        """The estimators' input for one rank of `recipe` (reads no file: a pretrained shape is read on first use)."""
+        m, d, b, z, k = recipe.model, recipe.data, recipe.batch, recipe.zero, recipe.kernels
+        norm = k.layernorm if m.family == "gpt2" else k.rmsnorm
+        # NOTE: the synthetic chain holds its tokens as int64 tensors, seq_len + 1 per sample
+        # (toolkit/data/batches.py); real text reads its token files a window at a time (num_samples 0).
+        tokens = (d.num_samples + d.eval_samples) * (d.seq_len + 1) * 8
+        return cls(model=m, micro_batch=b.micro_batch_per_rank, seq_len=d.seq_len, dtype=recipe.precision.dtype,
+                   world_size=b.world_size, stage=z.stage, grad_accum_steps=b.grad_accum_steps,
+                   offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
+                   offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio, vocab_size=d.vocab_size,
+                   fused=(norm != "off", k.bias_gelu != "off", k.cross_entropy != "off"),
+                   token_buffer_bytes=tokens, parallel=recipe.parallel)
+
+    @cached_property
+    def _resolved(self) -> tuple[ModelSpec, bool | None]:
+        return resolve_model_shape(self.model)
+
+    @property
+    def shape(self) -> ModelSpec:
+        """The model's shape: a pretrained folder's config.json (read once), else the spec as is."""
+        return self._resolved[0]
+
+    @property
+    def tied(self) -> bool | None:
+        """Whether the head shares the embedding's weights (None: the family's default)."""
+        return self._resolved[1]
+
+    @cached_property
+    def num_params(self) -> int:
+        """The model's parameter count, from its shape."""
+        return parameter_count(self.shape, tied_embeddings=self.tied)
+
+    def model_states(self, num_params: int | None = None, offload_ratio: float | None = None) -> ModelStateBytes:
+        """Per-rank model-state bytes at this stage and optimizer offload, for `num_params` (default the model's)."""
+        return estimate_model_state_bytes(self.num_params if num_params is None else num_params, stage=self.stage,
+                                          world_size=self.world_size, dtype=self.dtype,
+                                          offload=self.offload_optimizer,
+                                          offload_ratio=self.offload_ratio if offload_ratio is None else offload_ratio)
+
+    def memory(self, stage: int, offload: str = "none") -> MemoryEstimate:
+        """Model states and activations of one rank at `stage` and `offload` (the rest as this input says)."""
+        return estimate_memory(self.model, micro_batch=self.micro_batch, seq_len=self.seq_len, dtype=self.dtype,
+                               world_size=self.world_size, stage=stage, offload=offload,
+                               offload_ratio=self.offload_ratio)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -278,20 +352,15 @@ def format_count(n: int) -> str:
     return str(n)
 
 
-def format_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
-                    device: str | None = None, stage: int | None = None, offload: str = "none",
-                    offload_ratio: float = 1.0) -> str:
-    """A table of per-rank memory for ZeRO stages 0-3 and cpu offload (`offload_ratio` of the optimizer
-    in CPU memory); `*` marks (stage, offload)."""
+def format_estimate(inp: EstimateInput, device: str | None = None) -> str:
+    """A table of per-rank memory for ZeRO stages 0-3 and cpu offload (`inp.offload_ratio` of the optimizer
+    in CPU memory); `*` marks the input's (stage, offload)."""
     device_key = find_device(device) if device is not None else None
-    shape, tied = resolve_model_shape(model)
-    rows = [estimate_memory(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, world_size=world_size,
-                            stage=st, offload=off, offload_ratio=offload_ratio)
-            for off in ("none", "cpu") for st in range(4) if not (off == "cpu" and st == 0)]
-    lines = [f"model {model.label}: "
-             f"{format_count(parameter_count(shape, tied_embeddings=tied))} parameters; "
-             f"micro batch {micro_batch} x {seq_len} tokens; {dtype} (Adam K={ADAM_K[dtype]}); "
-             f"world size {world_size}; activation checkpointing {'on' if model.activation_checkpointing else 'off'}"]
+    rows = [inp.memory(st, off) for off in ("none", "cpu") for st in range(4) if not (off == "cpu" and st == 0)]
+    lines = [f"model {inp.model.label}: {format_count(inp.num_params)} parameters; "
+             f"micro batch {inp.micro_batch} x {inp.seq_len} tokens; {inp.dtype} (Adam K={ADAM_K[inp.dtype]}); "
+             f"world size {inp.world_size}; activation checkpointing "
+             f"{'on' if inp.model.activation_checkpointing else 'off'}"]
     if device_key:
         capacity = DEVICE_MEMORY[device_key]
         lines.append(f"device {device_key}: {format_bytes(capacity)}; a rank fits under "
@@ -305,7 +374,7 @@ def format_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: 
             verdict = ["yes" if fits(row.total, device_key)
                        else "with ckpt" if fits(row.total_checkpointed, device_key) else "no"]
         s, a = row.states, row.activations
-        table.append(["*" if (row.stage, row.offload) == (stage, offload) else "", str(row.stage), row.offload,
+        table.append(["*" if (row.stage, row.offload) == (inp.stage, inp.offload_optimizer) else "", str(row.stage), row.offload,
                       format_bytes(s.params), format_bytes(s.grads), format_bytes(s.optim), format_bytes(a.full),
                       format_bytes(a.checkpointed), format_bytes(row.total), format_bytes(row.total_checkpointed),
                       format_bytes(s.cpu_optim) if s.cpu_optim else "-", *verdict])
@@ -315,7 +384,8 @@ def format_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: 
         lines.append("  ".join(cells).rstrip())
     lines.append("per rank; model states: the ZeRO paper's formulas (Rajbhandari et al. 2019) as the toolkit holds "
                  "them (fp32 weights at stage 0, fp32 reduced gradients at stages 1-3)"
-                 + (f", cpu rows with {offload_ratio:.0%} of the optimizer offloaded" if offload_ratio != 1 else "")
+                 + (f", cpu rows with {inp.offload_ratio:.0%} of the optimizer offloaded" if inp.offload_ratio != 1
+                    else "")
                  + "; activations: Korthikanti et al. 2022 with SDPA/flash attention (no s x s scores) incl. "
                  "logits; ckpt = full activation checkpointing")
     return "\n".join(lines)

@@ -19,9 +19,8 @@ import sys
 from dataclasses import dataclass
 
 from toolkit.errors import UserError
-from toolkit.observe.estimate import format_bytes
-from toolkit.observe.peak import (CALIBRATION_TOLERANCE, CPU_RSS_BAND, CPU_RUNTIME_BYTES, predict_peak,
-                                  token_buffer_bytes)
+from toolkit.observe.estimate import EstimateInput, format_bytes
+from toolkit.observe.peak import CALIBRATION_TOLERANCE, CPU_RSS_BAND, CPU_RUNTIME_BYTES, predict_peak
 from toolkit.recipe.checks import gpu_driver_visible
 from toolkit.specs import Recipe
 
@@ -72,7 +71,7 @@ def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]
                 f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len {d.seq_len}, model.n_embd "
                 f"{m.n_embd}, model.n_layer {m.n_layer}, model.activation_checkpointing "
                 f"{str(m.activation_checkpointing).lower()}, data.vocab_size {d.vocab_size or m.vocab_size}")
-    data = Term("data", token_buffer_bytes(d),
+    data = Term("data", EstimateInput.from_recipe(recipe).token_buffer_bytes,
                 f"data.num_samples + data.eval_samples {d.num_samples + d.eval_samples} x data.seq_len {d.seq_len}")
     offloaded = Term("offloaded optimizer", peak.host,
                      f"zero.offload_optimizer {z.offload_optimizer}, zero.offload_param {z.offload_param}")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from toolkit.observe.estimate import (MemoryEstimate, estimate_activation_bytes, estimate_model_state_bytes,
-                                      format_bytes, parameter_count, resolve_model_shape)
+from toolkit.observe.estimate import (EstimateInput, MemoryEstimate, estimate_activation_bytes,
+                                      estimate_model_state_bytes, format_bytes, parameter_count, resolve_model_shape)
 from toolkit.specs import ModelSpec, ParallelSpec
 
 
@@ -43,11 +43,11 @@ def estimate_parallel_memory(model: ModelSpec, parallel: ParallelSpec, *, micro_
                                                                  logits=in_flight * per_chunk.logits))
 
 
-def format_parallel_estimate(model: ModelSpec, parallel: ParallelSpec, *, micro_batch: int, seq_len: int,
-                             dtype: str, dp: int, stage: int) -> str:
-    """The lines `toolkit estimate` prints for a recipe with tensor/pipeline parallelism."""
-    est = estimate_parallel_memory(model, parallel, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, dp=dp,
-                                   stage=stage)
+def format_parallel_estimate(inp: EstimateInput) -> str:
+    """The lines `toolkit estimate` prints for an input with tensor/pipeline parallelism (the busiest rank)."""
+    model, parallel, dp, stage = inp.model, inp.parallel, inp.world_size, inp.stage
+    est = estimate_parallel_memory(model, parallel, micro_batch=inp.micro_batch, seq_len=inp.seq_len, dtype=inp.dtype,
+                                   dp=dp, stage=stage)
     ranks = dp * parallel.model_ranks
     return "\n".join([
         f"layout: dp {dp} x tp {parallel.tensor} x pp {parallel.pipeline} = {ranks} ranks, zero stage {stage}, "

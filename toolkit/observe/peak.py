@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.observe.estimate import PARAM_BYTES, parameter_count, resolve_model_shape
-from toolkit.observe.tiers import estimate_tiers
-from toolkit.specs import DataSpec, ModelSpec, Recipe
+from toolkit.observe.estimate import PARAM_BYTES, EstimateInput
+from toolkit.observe.tiers import input_tiers
+from toolkit.specs import ModelSpec, Recipe
 
 CALIBRATION_TOLERANCE = 0.10  # |predicted / measured - 1| allowed for each calibration row (allocated peak)
 RESERVED_TOLERANCE = 0.25     # the same for the allocator's reserved peak (fragmentation varies more)
@@ -129,12 +129,6 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
     return int(acts), int(logits)
 
 
-def token_buffer_bytes(data: DataSpec) -> int:
-    """The synthetic chain's in-memory token tensors (int64, seq_len + 1 per sample: toolkit/data/batches.py);
-    0 for real text, whose token files are read a window at a time."""
-    return (data.num_samples + data.eval_samples) * (data.seq_len + 1) * 8
-
-
 def _matmul_params(model: ModelSpec, n_params: int) -> int:
     """Parameters autocast casts for a matmul: all but the embedding tables the lookups read
     (gpt2's tied wte is also the head's weight, so only its position table stays out)."""
@@ -145,29 +139,22 @@ def _matmul_params(model: ModelSpec, n_params: int) -> int:
 
 def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
     """The predicted peak of one rank of `recipe` on a CUDA device (`on_cuda`) or the CPU."""
-    m, d, b, z = recipe.model, recipe.data, recipe.batch, recipe.zero
-    dtype = recipe.precision.dtype
-    shape, tied = resolve_model_shape(m)
-    n_params = parameter_count(shape, tied_embeddings=tied)
-    tiers = estimate_tiers(n_params, stage=z.stage, world_size=b.world_size, dtype=dtype,
-                           offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
-                           offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio)
+    inp = EstimateInput.from_recipe(recipe)
+    n_params = inp.num_params
+    tiers = input_tiers(inp)
     states = tiers.gpu
-    if z.stage == 0 and b.grad_accum_steps == 1:  # fp32 gradients appear during backward, after the peak
+    if inp.stage == 0 and inp.grad_accum_steps == 1:  # fp32 gradients appear during backward, after the peak
         states -= 4 * n_params
-    cache = 2 * _matmul_params(shape, n_params) if z.stage == 0 and dtype != "fp32" else 0
-    k = recipe.kernels
-    fused = (getattr(k, "layernorm" if m.family == "gpt2" else "rmsnorm") != "off", k.bias_gelu != "off",
-             k.cross_entropy != "off")
-    acts, logits = activation_peak_bytes(shape, micro_batch=b.micro_batch_per_rank, seq_len=d.seq_len,
-                                         dtype=dtype, stage=z.stage, on_cuda=on_cuda, fused=fused,
-                                         vocab_size=d.vocab_size)
+    cache = 2 * _matmul_params(inp.shape, n_params) if inp.stage == 0 and inp.dtype != "fp32" else 0
+    acts, logits = activation_peak_bytes(inp.shape, micro_batch=inp.micro_batch, seq_len=inp.seq_len,
+                                         dtype=inp.dtype, stage=inp.stage, on_cuda=on_cuda, fused=inp.fused,
+                                         vocab_size=inp.vocab_size)
     device = states + cache + acts + logits
     if on_cuda:
-        reserved = device + STAGE3_RESERVED_PER_PARAM * n_params if z.stage == 3 else RESERVED_FACTOR * device
+        reserved = device + STAGE3_RESERVED_PER_PARAM * n_params if inp.stage == 3 else RESERVED_FACTOR * device
         return PeakPrediction(states, cache, acts, logits, 0, device, int(reserved), tiers.cpu)
     # NOTE: on the CPU everything lives in the one process: offloaded states and the token buffers too
-    runtime = CPU_RUNTIME_BYTES + token_buffer_bytes(d)
+    runtime = CPU_RUNTIME_BYTES + inp.token_buffer_bytes
     total = device + runtime + tiers.cpu
     return PeakPrediction(states, cache, acts, logits, runtime, total, total, tiers.cpu)
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.observe.estimate import (PARAM_BYTES, estimate_memory, estimate_model_state_bytes, format_bytes,
-                                      parameter_count, resolve_model_shape)
-from toolkit.specs import ModelSpec
+from toolkit.observe.estimate import PARAM_BYTES, EstimateInput, estimate_model_state_bytes, format_bytes
 
 # NOTE: toolkit/runtime/zero/offload.py's PIECE_NUMEL (this layer may not import runtime; a test
 # checks the two agree).
@@ -69,6 +67,16 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
     return TierBytes(offload_optimizer, offload_param, params + states.grads + optim, cpu, nvme, read, written)
 
 
+def input_tiers(inp: EstimateInput, *, num_params: int | None = None, offload_ratio: float | None = None) -> TierBytes:
+    """Bytes per tier of the input's own offload combination, for `num_params` (default the model's) and
+    `offload_ratio` (default the input's)."""
+    return estimate_tiers(inp.num_params if num_params is None else num_params, stage=inp.stage,
+                          world_size=inp.world_size, dtype=inp.dtype, offload_optimizer=inp.offload_optimizer,
+                          offload_param=inp.offload_param,
+                          offload_ratio=inp.offload_ratio if offload_ratio is None else offload_ratio,
+                          nvme_ratio=inp.nvme_ratio, grad_accum_steps=inp.grad_accum_steps)
+
+
 def tier_rows(num_params: int, *, stage: int, world_size: int, dtype: str, offload_ratio: float = 1.0,
               nvme_ratio: float = 1.0, grad_accum_steps: int = 1) -> list[TierBytes]:
     """Every offload combination the stage allows (stage 0: none; stages 1-2: the optimizer's three)."""
@@ -102,17 +110,14 @@ def format_tiers(rows: list[TierBytes], *, stage: int, activations: int, mark: t
     return lines
 
 
-def format_tier_estimate(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
-                         stage: int, offload: str = "none", offload_param: str = "none", offload_ratio: float = 1.0,
-                         nvme_ratio: float = 1.0, grad_accum_steps: int = 1) -> str:
-    """The tier table `toolkit estimate` prints below format_estimate's: the recipe's stage (stage 3 when the
-    recipe's is 0), its row marked."""
-    tier_stage = stage or 3
-    shape, tied = resolve_model_shape(model)
-    probe = estimate_memory(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, world_size=world_size,
-                            stage=tier_stage)
-    activations = probe.activations.checkpointed if model.activation_checkpointing else probe.activations.full
-    rows = tier_rows(parameter_count(shape, tied_embeddings=tied), stage=tier_stage, world_size=world_size,
-                     dtype=dtype, offload_ratio=offload_ratio, nvme_ratio=nvme_ratio, grad_accum_steps=grad_accum_steps)
-    return "\n".join(format_tiers(rows, stage=tier_stage, activations=activations,
-                                  mark=(offload, offload_param) if stage == tier_stage else None))
+def format_tier_estimate(inp: EstimateInput) -> str:
+    """The tier table `toolkit estimate` prints below format_estimate's: the input's stage (stage 3 when it is
+    0), its row marked."""
+    tier_stage = inp.stage or 3
+    probe = inp.memory(tier_stage)
+    activations = probe.activations.checkpointed if inp.model.activation_checkpointing else probe.activations.full
+    rows = tier_rows(inp.num_params, stage=tier_stage, world_size=inp.world_size, dtype=inp.dtype,
+                     offload_ratio=inp.offload_ratio, nvme_ratio=inp.nvme_ratio,
+                     grad_accum_steps=inp.grad_accum_steps)
+    mark = (inp.offload_optimizer, inp.offload_param) if inp.stage == tier_stage else None
+    return "\n".join(format_tiers(rows, stage=tier_stage, activations=activations, mark=mark))

@@ -2,8 +2,10 @@
 
 Owns reading the JSON (files.py: `extends`, size and nesting caps), CLI
 `key=value` overrides (overrides.py), the JSON Schema and its defaults
-(schema.py), the semantic checks the schema cannot express (checks.py) and
-the assembly into specs (load.py: `load_recipe`, `recipe_from_dict`).
+(schema.py), the assembly of every spec with the checks that come with it
+(assemble.py), the semantic checks that build nothing (checks.py), the
+pipeline that runs them (load.py: `load_recipe`, `recipe_from_dict`), and the
+DeepSpeed config converter (deepspeed/).
 Torch-free: `toolkit validate` runs on it alone.
 
 May import: toolkit.errors, toolkit.regular_files, toolkit.resources,

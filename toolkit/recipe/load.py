@@ -8,26 +8,23 @@ No torch here: `toolkit validate` must answer in well under a second.
 Where it lives: this module builds the `Recipe` (`build_recipe`, `load_recipe`,
 `recipe_from_dict`) and re-exports the public names of the others, so import from
 toolkit.recipe.load. files.py reads files and `extends`; overrides.py applies
-`key.path=value`; schema.py validates and fills defaults; checks.py holds the
-semantic checks and section specs. The names these siblings hand each other are
+`key.path=value`; schema.py validates and fills defaults; assemble.py turns the
+filled dict into the specs (with the checks that come with each); checks.py holds
+the semantic checks that build nothing. The names these siblings hand each other are
 public (no underscore); an underscore name is private to its file.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from pathlib import Path
 
-from toolkit.recipe.checks import (cross_section_errors, data_spec, model_spec, recipe_warnings, resolve_batch,
-                                   resolve_world_size, steps_per_epoch, training_max_steps)
+from toolkit.recipe.assemble import assemble_recipe, resolve_batch
+from toolkit.recipe.checks import resolve_world_size
 from toolkit.recipe.files import check_nesting, deep_merge, find_recipe_file, load_with_extends
 from toolkit.recipe.overrides import apply_overrides
-from toolkit.recipe.parallel_checks import parallel_spec, pipeline_batch_errors
 from toolkit.recipe.schema import RecipeError, coerce_integers, fill_defaults, load_schema, schema_errors
-from toolkit.specs import (CheckpointSpec, CommunicationSpec, KernelsSpec, LoggingSpec, LossScaleSpec, OptimizerSpec,
-                           PrecisionSpec, Recipe, SchedulerSpec, TrainingSpec, WandbSpec, ZeroSpec)
+from toolkit.specs import Recipe
 
 __all__ = ["RecipeError", "apply_overrides", "build_recipe", "deep_merge", "fill_defaults", "find_recipe_file",
            "load_recipe", "load_schema", "recipe_from_dict", "resolve_batch", "schema_errors"]
@@ -35,8 +32,6 @@ __all__ = ["RecipeError", "apply_overrides", "build_recipe", "deep_merge", "fill
 
 # Recipe keys whose relative paths are taken from the recipe's folder (the schema's descriptions say so).
 _PATHS_FROM_RECIPE_DIR = (("data", "paths"), ("data", "cache_dir"), ("data", "tokenizer_path"), ("model", "pretrained"))
-# Keys that name or describe a recipe without changing what it trains: outside the hash.
-_NOT_HASHED = ("name", "description")
 
 
 def _anchored(value: str, recipe_dir: Path) -> str:
@@ -69,57 +64,9 @@ def build_recipe(raw: dict, *, source: Path | None = None, world_size: int | Non
         raise RecipeError(*errors)
     raw = coerce_integers(load_schema(), {k: v for k, v in raw.items() if k != "recipe_hash"})
     r = fill_defaults(load_schema(), raw)
-    r["_given_precision"] = raw.get("precision", {})
     recipe_dir = source.parent if source is not None else None
     _anchor_paths(r, recipe_dir)
-    data, errors = data_spec(r["data"], raw["data"], recipe_dir)
-    model, model_errors = model_spec(r["model"], raw["model"], r["data"], data.vocab_size if data else 2, recipe_dir)
-    # recipe.parallel: the batch triple is over the data-parallel ranks, world / (tensor x pipeline)
-    parallel, dp_world, parallel_errors = parallel_spec(r["parallel"], r["zero"], model, world_size)
-    batch, batch_errors = resolve_batch(r["batch"], dp_world)
-    errors += model_errors + batch_errors + parallel_errors + pipeline_batch_errors(parallel, batch)
-    max_steps, warnings = 0, []
-    if batch is not None:
-        max_steps, step_errors = training_max_steps(r["training"], r["data"], batch)
-        errors += step_errors + cross_section_errors(r, batch, max_steps)
-        warnings = recipe_warnings(r, raw, max_steps)
-    del r["_given_precision"]
-    if errors:
-        raise RecipeError(*errors)
-    if model.pretrained is not None:  # the folder's config.json says what the model is, not these defaults
-        for key in ("family", "size"):
-            if key not in raw["model"]:
-                del r["model"][key]
-
-    r["name"] = name = r.get("name") or default_name
-    canonical = json.dumps({k: v for k, v in r.items() if k not in _NOT_HASHED}, sort_keys=True, separators=(",", ":"))
-    p, s, t, lg = r["precision"], r["scheduler"], r["training"], r["logging"]
-    return Recipe(
-        name=name,
-        description=r.get("description", ""),
-        source=source,
-        resolved=r,
-        hash=hashlib.sha256(canonical.encode()).hexdigest()[:12],
-        model=model,
-        data=data,
-        batch=batch,
-        precision=PrecisionSpec(dtype=p["dtype"], fp16=LossScaleSpec(**p["fp16"])),
-        zero=ZeroSpec(**r["zero"]),
-        optimizer=OptimizerSpec(**{**r["optimizer"], "betas": tuple(r["optimizer"]["betas"])}),
-        # NOTE: absent from the resolved recipe, these two follow optimizer.lr and the run's length (schema).
-        scheduler=SchedulerSpec(**{**s, "total_num_steps": s.get("total_num_steps", max_steps),
-                                   "warmup_max_lr": s.get("warmup_max_lr", r["optimizer"]["lr"])}),
-        training=TrainingSpec(max_steps=max_steps, **{k: v for k, v in t.items() if k not in ("max_steps", "epochs")},
-                              steps_per_epoch=steps_per_epoch(r["data"], batch) if "epochs" in t else None),
-        logging=LoggingSpec(console=lg["console"], tensorboard=lg["tensorboard"],
-                            wandb=WandbSpec(run_name=lg["wandb"].get("run_name"),
-                                            **{k: v for k, v in lg["wandb"].items() if k != "run_name"})),
-        checkpoint=CheckpointSpec(**r["checkpoint"]),
-        kernels=KernelsSpec(**r["kernels"]),
-        warnings=tuple(warnings),
-        communication=CommunicationSpec(**r.get("communication", {})),
-        parallel=parallel,
-    )
+    return assemble_recipe(r, raw, source=source, world_size=world_size, default_name=default_name)
 
 
 def load_recipe(path_or_name: str | os.PathLike, overrides: list[str] | tuple = (), *,

@@ -197,6 +197,11 @@ def matching_branches(node: dict, instance: dict) -> list[dict]:
             if "if" in branch and "then" in branch and Draft202012Validator(branch["if"]).is_valid(instance)]
 
 
+def section_defaults(section_schema: dict) -> dict:
+    """The schema's default of each key of a section that has one."""
+    return {k: v["default"] for k, v in section_schema["properties"].items() if "default" in v}
+
+
 def fill_defaults(node: dict, instance: dict) -> dict:
     """Fill every absent property that has a schema default; recurse into objects.
 

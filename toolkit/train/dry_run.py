@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from toolkit.errors import UserError
 from toolkit.observe.comm import KINDS, format_wire_bytes, wire_bytes
-from toolkit.observe.estimate import estimate_model_state_bytes, format_bytes, parameter_count, resolve_model_shape
+from toolkit.observe.estimate import EstimateInput, format_bytes
 from toolkit.observe.peak import predict_peak
-from toolkit.observe.tiers import estimate_tiers
+from toolkit.observe.tiers import input_tiers
 from toolkit.specs import Recipe
 
 STATE_ROWS = ("params", "grads", "optim", "host")  # optim: master weights + moments on the device
@@ -198,22 +198,18 @@ def fake_process_group(rank: int, world_size: int):
         sys.excepthook = hook
 
 
-def _estimated_states(recipe: Recipe, numel: int, offload_ratio: float) -> dict:
+def _estimated_states(inp: EstimateInput, numel: int, offload_ratio: float) -> dict:
     """STATE_ROWS from the estimator for `numel` parameters (estimate.py per kind, tiers.py for offload)."""
-    zero, dtype, world = recipe.zero, recipe.precision.dtype, recipe.batch.world_size
-    states = estimate_model_state_bytes(numel, stage=zero.stage, world_size=world, dtype=dtype,
-                                        offload=zero.offload_optimizer, offload_ratio=offload_ratio)
-    tiers = estimate_tiers(numel, stage=zero.stage, world_size=world, dtype=dtype,
-                           offload_optimizer=zero.offload_optimizer, offload_param=zero.offload_param,
-                           offload_ratio=offload_ratio, grad_accum_steps=recipe.batch.grad_accum_steps)
-    params = 0 if zero.offload_param != "none" else states.params
+    states = inp.model_states(numel, offload_ratio)
+    tiers = input_tiers(inp, num_params=numel, offload_ratio=offload_ratio)
+    params = 0 if inp.offload_param != "none" else states.params
     return {"params": params, "grads": states.grads, "optim": tiers.gpu - params - states.grads, "host": tiers.cpu}
 
 
-def _engine_layout_estimate(recipe: Recipe, padded: int, share: float, step_counters: int) -> dict:
+def _engine_layout_estimate(inp: EstimateInput, padded: int, share: float, step_counters: int) -> dict:
     """The estimate at the engine's layout: its padded element count, its offloaded share, stage 0's
     step counters; what the measured bytes must equal exactly."""
-    states = _estimated_states(recipe, padded, share)
+    states = _estimated_states(inp, padded, share)
     return {**states, "optim": states["optim"] + step_counters}
 
 
@@ -254,7 +250,8 @@ def dry_run(recipe: Recipe, *, rank: int = 0, steps: int = 3) -> DryRunReport:
 
     check_dry_run(recipe, rank, steps)
     world = recipe.batch.world_size
-    shape, tied = resolve_model_shape(recipe.model)
+    inp = EstimateInput.from_recipe(recipe)
+    analytic = inp.num_params  # before the engine is built: a pretrained folder it cannot size fails first
     start = time.perf_counter()
     with fake_process_group(rank, world):
         engine = Engine(recipe)
@@ -284,13 +281,12 @@ def dry_run(recipe: Recipe, *, rank: int = 0, steps: int = 3) -> DryRunReport:
         measured = _measured_states(engine)
         skipped = engine.skipped_steps
         num_params = engine.num_parameters
-    analytic = parameter_count(shape, tied_embeddings=tied)
     return DryRunReport(
         label=recipe.model.label, world_size=world, rank=rank, stage=recipe.zero.stage,
         dtype=recipe.precision.dtype, steps=steps, device=str(engine.device), num_params=num_params,
         padded_numel=padded if groups else num_params, groups=groups, measured=measured,
-        estimated=_estimated_states(recipe, analytic, recipe.zero.offload_ratio),
-        estimated_padded=_engine_layout_estimate(recipe, padded, share, counters), step_counter_bytes=counters,
+        estimated=_estimated_states(inp, analytic, inp.offload_ratio),
+        estimated_padded=_engine_layout_estimate(inp, padded, share, counters), step_counter_bytes=counters,
         comm_steps=comm_steps, comm_expected=expected, skipped_steps=skipped, peak=peak,
         peak_estimate=predict_peak(recipe, on_cuda=True).allocated, build_s=built - start, steps_s=done - built)
 

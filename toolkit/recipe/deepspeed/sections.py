@@ -1,6 +1,6 @@
 """DeepSpeed config sections -> recipe keys: one function per DeepSpeed block, each saying for every key
 it meets whether it is carried over (to which recipe key), left to the recipe ("auto"), or not carried
-over and why. toolkit/recipe/deepspeed_config.py reads the file, calls these and assembles the recipe.
+over and why. convert.py reads the file, calls these and assembles the recipe.
 
 Names and defaults are DeepSpeed's (deepspeed/runtime/config.py, zero/config.py, zero/offload_config.py,
 lr_schedules.py; microsoft/DeepSpeed, commit 38327e07). Torch-free.
@@ -73,7 +73,7 @@ BATCH = {"train_batch_size": "batch.global_batch", "train_micro_batch_size_per_g
 
 def batch(c: Conversion, ds: dict) -> None:
     """The batch triple as given; the recipe derives the missing ones at run time by DeepSpeed's rules
-    (toolkit/recipe/checks.py resolve_batch, deepspeed/runtime/config.py _set_batch_related_parameters)."""
+    (toolkit/recipe/assemble.py resolve_batch, deepspeed/runtime/config.py _set_batch_related_parameters)."""
     for ds_key, path in BATCH.items():
         if ds_key in ds:
             c.put(ds_key, path, ds[ds_key])
