@@ -357,7 +357,7 @@ def initialize(recipe, model: nn.Module | None = None, zero3_units=None) -> Engi
     model section is then unused): what a batch is and what its forward may return is in
     toolkit/models/forward.py. `zero3_units` names stage 3's units (module names; toolkit/runtime/zero/stage3.py).
     """
-    from toolkit.recipe.deepspeed_config import is_deepspeed_config, recipe_from_deepspeed
+    from toolkit.recipe.deepspeed import is_deepspeed_config, recipe_from_deepspeed
     from toolkit.recipe.load import load_recipe, recipe_from_dict
 
     if isinstance(recipe, dict) and is_deepspeed_config(recipe):  # deepspeed.initialize(config=...) ports as is
