@@ -1,6 +1,7 @@
 """The training loop behind `toolkit run` and `toolkit.run(recipe)`: run
-directory, start-up table, accumulation through the engine, evaluation and
-logging cadence, summary. The engine (toolkit/runtime/engine.py) does the maths.
+directory, accumulation through the engine, evaluation and logging cadence,
+summary. The engine (toolkit/runtime/engine.py) does the maths; the start-up
+table lives in toolkit/train/startup_table.py.
 
 Run directory contract: recipe.json (resolved recipe + hash), metrics.jsonl
 (one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s,
@@ -19,16 +20,16 @@ from pathlib import Path
 from toolkit.checkpoint.checkpointer import Checkpointer
 from toolkit.checkpoint.resume import truncate_metrics
 from toolkit.checkpoint.state import restore_rng_state
-from toolkit.runtime.cpu_threads import apply_cpu_threads, choose_cpu_threads
+from toolkit.runtime.cpu_threads import apply_cpu_threads
 from toolkit.data.batches import BatchStream, Dataset, eval_batches
 from toolkit.runtime.engine import Engine, check_device, pick_device
 from toolkit.errors import UserError, write_failure
-from toolkit.observe.flops import MfuBasis, mfu_basis, unknown_peak_warning
-from toolkit.observe.comm import format_wire_bytes, per_step
+from toolkit.observe.flops import mfu_basis, unknown_peak_warning
+from toolkit.observe.comm import per_step
 from toolkit.observe.memory_monitor import MemoryMonitor
-from toolkit.runtime.comm import expected_bytes_per_step
 from toolkit.train.preflight import preflight
 from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
+from toolkit.train.startup_table import MESH_NOT_COUNTED, startup_table
 from toolkit.train.stop import RunStopped, StopSignals, under_elastic_launcher
 from toolkit.specs import Recipe
 from toolkit.observe.trackers import Trackers, build_trackers
@@ -56,66 +57,6 @@ class RunResult:
     @property
     def final_loss(self) -> float:
         return self.train_metrics[-1]["loss"]
-
-
-def model_shape_text(spec, model) -> str:
-    """"4 layers, width 128, 4 heads": the recipe's shape, or a pretrained folder's (its loaded config's)."""
-    config = getattr(model, "config", None) if spec.pretrained is not None else None
-    shape = (getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None),
-             getattr(config, "num_attention_heads", None))
-    layers, width, heads = shape if None not in shape else (spec.n_layer, spec.n_embd, spec.n_head)
-    return f"{layers} layers, width {width}, {heads} heads"
-
-
-def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasis | None = None) -> str:
-    """Everything that matters about the run, computed once and printed at start."""
-    b, m, d = recipe.batch, recipe.model, recipe.data
-    tokens_per_step = b.global_batch * d.seq_len
-    device = engine.device
-    mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size,
-                           recipe.training.peak_tflops)
-    weights = "fp32 weights" if recipe.zero.stage == 0 else "16-bit weights, fp32 master in the ZeRO shard"
-    precision = {"fp32": "fp32", "bf16": f"bf16 autocast, {weights}",
-                 "fp16": f"fp16 autocast, {weights}, "
-                         + ("dynamic loss scale" if recipe.precision.fp16.loss_scale == 0 else "static loss scale")}
-    rows = [
-        ("recipe", f"{recipe.name} (hash {recipe.hash})"),
-        ("model", f"{m.label}: {engine.num_parameters / 1e6:.2f}M parameters, " + model_shape_text(m, engine.model)
-                  + (", activation checkpointing" if m.activation_checkpointing else "")),
-        ("data", dataset.describe()),
-        ("batch", f"global {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
-                  f"x world {b.world_size}; {tokens_per_step:,} tokens per step"),
-        ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
-        ("precision", precision[recipe.precision.dtype]),
-        ("zero", engine.strategy.describe()),
-        ("comm", comm_row(engine)),
-        *([("tiers", engine.strategy.describe_tiers())] if hasattr(engine.strategy, "describe_tiers") else []),
-        ("kernels", engine.kernels.describe()),
-        ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
-                      f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
-        ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),
-        ("threads", choose_cpu_threads(recipe).describe()),
-        ("flops", mfu.describe_flops()),
-    ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
-
-
-# NOTE: DTensor and torch.distributed.pipelining issue their own collectives, outside the Communicator.
-MESH_NOT_COUNTED = ("tensor/pipeline parallelism: not counted yet (DTensor and torch.distributed.pipelining issue "
-                    "their own collectives; only the engine's loss and norm all-reduces are)")
-
-
-def comm_row(engine: Engine) -> str:
-    """The start-up table's comm row: the formula's bytes per rank per step, and how collectives run."""
-    if not engine.dist.active:
-        return engine.comm.describe()
-    if engine.recipe.parallel.active:
-        return MESH_NOT_COUNTED
-    expected = expected_bytes_per_step(engine.strategy, engine.grad_accum_steps)
-    kinds = " + ".join(f"{k.replace('_', '-')} {format_wire_bytes(v)}" for k, v in expected.items())
-    return (f"expected {format_wire_bytes(sum(expected.values()))} sent per rank per step ({kinds}; "
-            f"docs/communication.md); {engine.comm.describe()}")
 
 
 def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = False) -> RunResult:
