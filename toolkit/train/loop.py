@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.checkpoint.checkpointer import Checkpointer
+from toolkit.checkpoint.checkpointer import Checkpointer, find_resume_point, restore_engine_and_stream
 from toolkit.checkpoint.resume import truncate_metrics
 from toolkit.checkpoint.state import restore_rng_state
 from toolkit.runtime.cpu_threads import apply_cpu_threads
@@ -27,7 +27,7 @@ from toolkit.errors import UserError, write_failure
 from toolkit.observe.flops import mfu_basis, unknown_peak_warning
 from toolkit.observe.comm import per_step
 from toolkit.observe.memory_monitor import MemoryMonitor
-from toolkit.train.preflight import preflight
+from toolkit.train.preflight import checkpoint_dir_of, preflight
 from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
 from toolkit.train.startup_table import MESH_NOT_COUNTED, startup_table
 from toolkit.train.stop import RunStopped, StopSignals, under_elastic_launcher
@@ -109,7 +109,7 @@ def _agree(claim, info):
 
 
 def _check_steps_left(recipe: Recipe, resumed, *, warn: bool) -> None:
-    """A checkpoint at training.max_steps leaves nothing to train (a warning; past it, resume_point refuses)."""
+    """A checkpoint at training.max_steps leaves nothing to train (a warning; past it, find_resume_point refuses)."""
     if resumed is None or resumed.step != recipe.training.max_steps:
         return
     where = f"the checkpoint {resumed.path} is at step {resumed.step}"
@@ -122,15 +122,14 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, num_parameter
            quiet: bool) -> RunResult:
     """The run behind `run`, in a run directory this process (or its launcher) holds; `num_parameters` is the
     pre-flight's count (None: the checkpoint's room is checked here, once the model is built)."""
-    checkpointer = Checkpointer(recipe, run_dir)
-    saves = recipe.checkpoint.interval > 0 or recipe.checkpoint.save_final
-    _agree(lambda: check_writable(run_dir, checkpointer.dir if saves else None), info)
-    resumed = checkpointer.resume_point()  # before the run dir changes: a refused resume leaves it as it was
-    start_step = resumed.step if resumed is not None else 0
+    saves_to = checkpoint_dir_of(recipe, run_dir)  # None: the run saves no checkpoint
+    _agree(lambda: check_writable(run_dir, saves_to), info)
+    start = find_resume_point(recipe, run_dir)  # before the run dir changes: a refused resume leaves it as it was
+    resumed, start_step = start.checkpoint, start.step
     _check_steps_left(recipe, resumed, warn=info.is_main)
     engine = Engine(recipe)
-    if saves and num_parameters is None:
-        _agree(lambda: check_room_for_checkpoint(checkpointer.dir, engine.num_parameters), info)
+    if saves_to is not None and num_parameters is None:
+        _agree(lambda: check_room_for_checkpoint(saves_to, engine.num_parameters), info)
     barrier(info)  # every rank has read the checkpoint before rank 0 touches the run dir
     if info.is_main:
         (run_dir / "recipe.json").write_text(recipe.to_json())
@@ -147,7 +146,7 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, num_parameter
     held_out = eval_batches(dataset.eval, recipe.batch, rank=data_rank, count=recipe.training.eval_batches)
     training = recipe.training
     if resumed is not None:
-        checkpointer.restore(resumed, engine, stream)
+        restore_engine_and_stream(resumed, engine, stream)
         if info.is_main:
             truncate_metrics(run_dir / "metrics.jsonl", resumed.step)  # steps past the checkpoint are logged again
     trackers = Trackers([])  # ranks other than 0 log nothing
@@ -156,6 +155,7 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, num_parameter
                                   append=resumed is not None, config=recipe.resolved,
                                   wandb_run_id=resumed.wandb_run_id if resumed is not None else None,
                                   steps_per_epoch=training.steps_per_epoch)
+    checkpointer = Checkpointer(recipe, run_dir, engine, stream, wandb_run_id=trackers.wandb_run_id, start=start)
     if not quiet:
         print(startup_table(recipe, engine, dataset, mfu), flush=True)
         print(f"run dir | {run_dir}", flush=True)
@@ -210,13 +210,13 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, num_parameter
                 window_start, window_steps, window_comm = now, 0, {}
             if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
                 evaluate(step)
-            checkpointer.after_step(engine, stream, trackers.wandb_run_id)
+            checkpointer.after_step()
         if stopped_by:
-            checkpointer.save_for_resume(engine, stream, trackers.wandb_run_id)
+            checkpointer.save_for_resume()
         else:
             if engine.global_step > start_step:  # a checkpoint already at max_steps has nothing left to do
                 evaluate(engine.global_step)
-            checkpointer.finish(engine, stream, trackers.wandb_run_id)
+            checkpointer.finish()
     finally:
         trackers.close()
         monitor.close()
