@@ -55,6 +55,7 @@ class ResumePoint:
 
     @property
     def step(self) -> int:
+        """The step training continues from (0: fresh)."""
         return self.checkpoint.step if self.checkpoint is not None else 0
 
 

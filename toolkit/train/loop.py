@@ -80,10 +80,12 @@ class Run:
     result: RunResult
 
     def log(self, metrics: dict) -> None:
+        """Keep a metrics line for the result and hand it to the trackers."""
         self.result.metrics.append(metrics)
         self.trackers.log(metrics)
 
     def evaluate(self, step: int) -> None:
+        """Log the held-out loss at `step` (nothing without held-out batches: training.eval_batches=0)."""
         if self.held_out:
             self.log({"step": step, "eval_loss": self.engine.evaluate(self.held_out)})
 
