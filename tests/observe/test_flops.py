@@ -11,7 +11,7 @@ from toolkit.runtime.engine import Engine
 from toolkit.observe.flops import (PEAK_TFLOPS, MfuBasis, device_key, flops_per_token, matmul_parameters, mfu,
                            mfu_basis, peak_flops)
 from toolkit.recipe.load import load_recipe
-from toolkit.train.loop import startup_table
+from toolkit.train.startup_table import startup_table
 
 
 def meta_model(cls, config):

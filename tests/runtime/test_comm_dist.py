@@ -54,21 +54,20 @@ def _steps(world, overrides, steps):
 
 def _onebit_resume(world, out_dir):
     """8 steps straight; and 5 steps, a checkpoint, a new engine that loads it and takes 3 more."""
-    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
 
     recipe, engine, stream = _engine(world, ONEBIT)
-    checkpointer = Checkpointer(recipe, out_dir / f"onebit{world}")
+    checkpointer = Checkpointer(recipe, out_dir / f"onebit{world}", engine, stream)
     straight = []
     for step in range(8):
         straight.append(engine.train_batch(stream.next_step()).loss)
         if step == 4:
-            checkpointer.save(engine, stream, None)
+            checkpointer.save()
     errors_at_end = engine.strategy.optimizer.worker_error.abs().sum().item()
     recipe, engine, stream = _engine(world, ONEBIT)
-    Checkpointer(recipe, out_dir / "scratch").restore(load_checkpoint(find_checkpoint(out_dir / f"onebit{world}")),
-                                                      engine, stream)
+    restore_engine_and_stream(load_checkpoint(find_checkpoint(out_dir / f"onebit{world}")), engine, stream)
     resumed = [engine.train_batch(stream.next_step()).loss for _ in range(3)]
     return {"straight": straight, "resumed": resumed, "errors": errors_at_end,
             "params": {n: p.detach().clone() for n, p in engine.model.named_parameters()}}

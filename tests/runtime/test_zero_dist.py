@@ -78,7 +78,7 @@ def _checks_for_stage2_micro_step(world):
 
 def _resharding(world, out_dir, results):
     """Save at step 5 during a 10-step run; load the other world size's checkpoint and continue."""
-    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
     from toolkit.checkpoint.zero_shards import ShardFilesReader
@@ -87,19 +87,19 @@ def _resharding(world, out_dir, results):
     own = f"world{world}"
     if (out_dir / own).exists() is False:  # first visit of this world size: save, then continue
         recipe, engine, stream = tiny_engine(world, overrides[world])
-        checkpointer = Checkpointer(recipe, out_dir / own)
+        checkpointer = Checkpointer(recipe, out_dir / own, engine, stream)
         losses = []
         for step in range(STEPS):
             losses.append(engine.train_batch(stream.next_step()).loss)
             if step == 4:
-                checkpointer.save(engine, stream, None)
+                checkpointer.save()
         results["uninterrupted"] = losses
     other = {2: "world4", 4: "world2"}[world]
     if not (out_dir / other).exists():
         return
     ckpt = load_checkpoint(find_checkpoint(out_dir / other))
     recipe, engine, stream = tiny_engine(world, overrides[world])
-    Checkpointer(recipe, out_dir / "scratch").restore(ckpt, engine, stream)
+    restore_engine_and_stream(ckpt, engine, stream)
     zero = ckpt.state["engine"]["zero"]
     reader = ShardFilesReader(ckpt.path, zero["files"], zero["step"])
     worst = max(float((view - reader.read(kind, name, a, b)).abs().max())
@@ -294,14 +294,14 @@ def test_resume_at_world_2_from_world_4_restores_states_and_continues(world4, wo
 
 
 def test_resume_in_one_process_from_world_2(ckpt_dir, world2):
-    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.checkpointer import restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
     from toolkit.checkpoint.zero_shards import ShardFilesReader
 
     ckpt = load_checkpoint(find_checkpoint(ckpt_dir / "world2"))
     recipe, engine, stream = tiny_engine(1, ["zero.stage=0"])
-    Checkpointer(recipe, ckpt_dir / "scratch-1").restore(ckpt, engine, stream)
+    restore_engine_and_stream(ckpt, engine, stream)
     zero = ckpt.state["engine"]["zero"]
     reader = ShardFilesReader(ckpt.path, zero["files"], zero["step"])
     for name, p in engine.model.named_parameters():

@@ -154,7 +154,7 @@ def test_swapped_parameters_are_read_from_the_file_at_every_gather(tmp_path):
 def test_checkpoints_move_between_nvme_offload_and_none(tmp_path):
     """Saved without offload at step 5, resumed with both nvme tiers (the optimizer over three: device, CPU
     memory, swap file) and saved at step 7, resumed without: each resumed run's losses are the uninterrupted run's."""
-    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
 
@@ -164,17 +164,17 @@ def test_checkpoints_move_between_nvme_offload_and_none(tmp_path):
 
     def run(overrides, resume_from, save_at, folder):
         recipe, engine, stream = tiny_engine(1, overrides)
-        checkpointer = Checkpointer(recipe, tmp_path / folder)
+        checkpointer = Checkpointer(recipe, tmp_path / folder, engine, stream)
         start = 0
         if resume_from is not None:
             ckpt = load_checkpoint(find_checkpoint(tmp_path / resume_from))
-            Checkpointer(recipe, tmp_path / "scratch").restore(ckpt, engine, stream)
+            restore_engine_and_stream(ckpt, engine, stream)
             start = ckpt.step
         losses = []
         for step in range(start, STEPS):
             losses.append(engine.train_batch(stream.next_step()).loss)
             if step + 1 == save_at:
-                checkpointer.save(engine, stream, None)
+                checkpointer.save()
         if engine.strategy.swap_dir is not None:
             engine.strategy.swap_dir.remove()
         return losses

@@ -42,12 +42,12 @@ def _rank_main(rank, world, port, out_dir, device):
     results = {}
     for name, overrides in {**FP32, **BF16}.items():
         recipe, engine, stream = tiny_engine(world, [f"training.device={device}", *overrides])
-        checkpointer = Checkpointer(recipe, out_dir / "run") if name == "stage2" else None
+        checkpointer = Checkpointer(recipe, out_dir / "run", engine, stream) if name == "stage2" else None
         losses = []
         for step in range(STEPS):
             losses.append(engine.train_batch(stream.next_step()).loss)
             if checkpointer is not None and step == 9:
-                checkpointer.save(engine, stream, None)
+                checkpointer.save()
         results[name] = {"losses": losses, "params": {k: v.float().cpu() for k, v in
                                                       engine.strategy.full_parameters().items()}}
     torch.save(results, out_dir / f"rank{rank}.pt")
@@ -81,14 +81,14 @@ def test_bf16_stages_on_nccl_track_stage0(run, name):
 
 
 def test_checkpoint_from_n_gpus_resumes_on_one(run):
-    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.checkpointer import restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
 
     out, results = run
     ckpt = load_checkpoint(find_checkpoint(out / "run"))
     recipe, engine, stream = tiny_engine(1, ["training.device=cuda", *FP32["stage2"]])
-    Checkpointer(recipe, out / "scratch").restore(ckpt, engine, stream)
+    restore_engine_and_stream(ckpt, engine, stream)
     from toolkit.checkpoint.zero_shards import ShardFilesReader
 
     zero = ckpt.state["engine"]["zero"]

@@ -46,7 +46,7 @@ def test_part_offloaded_optimizer_matches_stage0(overrides, stage0, monkeypatch)
 
 def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
     """Saved with half the optimizer offloaded, resumed with all of it offloaded: same states, same losses."""
-    from toolkit.checkpoint.checkpointer import Checkpointer
+    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
 
@@ -55,17 +55,17 @@ def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
                 for kind, view in views.items()}
 
     recipe, engine, stream = tiny_engine(1, ["zero.stage=2", SMALL_BUCKETS, *PART_OFFLOAD])
-    checkpointer = Checkpointer(recipe, tmp_path / "run")
+    checkpointer = Checkpointer(recipe, tmp_path / "run", engine, stream)
     uninterrupted = []
     for step in range(STEPS):
         uninterrupted.append(engine.train_batch(stream.next_step()).loss)
         if step == 4:
-            checkpointer.save(engine, stream, None)
+            checkpointer.save()
             saved = states(engine)
     ckpt = load_checkpoint(find_checkpoint(tmp_path / "run"))
     recipe, engine, stream = tiny_engine(1, ["zero.stage=2", SMALL_BUCKETS, "zero.offload_optimizer=cpu"])
     assert len(engine.strategy.parts) == 1
-    Checkpointer(recipe, tmp_path / "scratch").restore(ckpt, engine, stream)
+    restore_engine_and_stream(ckpt, engine, stream)
     restored = states(engine)
     assert restored.keys() == saved.keys()
     assert all(torch.equal(restored[key], saved[key]) for key in saved)

@@ -115,7 +115,7 @@ def test_divergence_is_reported_at_the_first_bad_step_and_blocks_checkpoints(tmp
     for result in (third, second):
         with pytest.raises(UserError, match=r"training diverged at step 2: the loss is not finite"):
             result.loss
-    checkpointer = Checkpointer(recipe, tmp_path)
+    checkpointer = Checkpointer(recipe, tmp_path, engine, stream)
     with pytest.raises(UserError, match="diverged at step 2"):
-        checkpointer.save(engine, stream, None)
+        checkpointer.save()
     assert not any(tmp_path.rglob("*.safetensors"))

@@ -45,6 +45,17 @@ def sixteen_bit_weights(dtype: str, zero_stage: int) -> torch.dtype | None:
     return AUTOCAST_DTYPES.get(dtype) if zero_stage >= 1 else None
 
 
+def describe_precision(spec: PrecisionSpec, zero_stage: int) -> str:
+    """One line for the start-up table: the autocast dtype, the weights' dtype and, under fp16, the loss scale."""
+    if spec.dtype == "fp32":
+        return "fp32"
+    weights = ("16-bit weights, fp32 master in the ZeRO shard" if sixteen_bit_weights(spec.dtype, zero_stage)
+               else "fp32 weights")
+    if spec.dtype == "bf16":
+        return f"bf16 autocast, {weights}"
+    return f"fp16 autocast, {weights}, " + ("dynamic loss scale" if spec.fp16.loss_scale == 0 else "static loss scale")
+
+
 def has_inf_or_nan(grads: Iterable[torch.Tensor | None]) -> bool:
     """True when any gradient holds an inf or NaN; one fused reduction and one host sync per device."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}

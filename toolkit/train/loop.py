@@ -1,6 +1,7 @@
-"""The training loop behind `toolkit run` and `toolkit.run(recipe)`: run
-directory, start-up table, accumulation through the engine, evaluation and
-logging cadence, summary. The engine (toolkit/runtime/engine.py) does the maths.
+"""The training loop behind `toolkit run` and `toolkit.run(recipe)`, read top to bottom: set up (the run
+directory's checks, the resume point, engine, data, trackers, checkpointer: one `Run` record), the loop
+(accumulation through the engine, evaluation, logging and checkpoint cadence), then the report. The engine
+(toolkit/runtime/engine.py) does the maths; the start-up table lives in toolkit/train/startup_table.py.
 
 Run directory contract: recipe.json (resolved recipe + hash), metrics.jsonl
 (one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s,
@@ -16,23 +17,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.checkpoint.checkpointer import Checkpointer
+import torch
+
+from toolkit.checkpoint.checkpointer import (Checkpointer, ResumePoint, find_resume_point,
+                                             restore_engine_and_stream)
 from toolkit.checkpoint.resume import truncate_metrics
 from toolkit.checkpoint.state import restore_rng_state
-from toolkit.runtime.cpu_threads import apply_cpu_threads, choose_cpu_threads
+from toolkit.runtime.cpu_threads import apply_cpu_threads
 from toolkit.data.batches import BatchStream, Dataset, eval_batches
 from toolkit.runtime.engine import Engine, check_device, pick_device
 from toolkit.errors import UserError, write_failure
 from toolkit.observe.flops import MfuBasis, mfu_basis, unknown_peak_warning
-from toolkit.observe.comm import format_wire_bytes, per_step
+from toolkit.observe.comm import per_step
 from toolkit.observe.memory_monitor import MemoryMonitor
-from toolkit.runtime.comm import expected_bytes_per_step
-from toolkit.train.preflight import preflight
+from toolkit.train.preflight import checkpoint_dir_of, preflight
 from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
+from toolkit.train.startup_table import MESH_NOT_COUNTED, startup_table
 from toolkit.train.stop import RunStopped, StopSignals, under_elastic_launcher
 from toolkit.specs import Recipe
 from toolkit.observe.trackers import Trackers, build_trackers
-from toolkit.distributed import any_true, barrier, broadcast_object, shutdown, start_process_group
+from toolkit.distributed import DistInfo, any_true, barrier, broadcast_object, shutdown, start_process_group
 
 
 @dataclass
@@ -58,64 +62,32 @@ class RunResult:
         return self.train_metrics[-1]["loss"]
 
 
-def model_shape_text(spec, model) -> str:
-    """"4 layers, width 128, 4 heads": the recipe's shape, or a pretrained folder's (its loaded config's)."""
-    config = getattr(model, "config", None) if spec.pretrained is not None else None
-    shape = (getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None),
-             getattr(config, "num_attention_heads", None))
-    layers, width, heads = shape if None not in shape else (spec.n_layer, spec.n_embd, spec.n_head)
-    return f"{layers} layers, width {width}, {heads} heads"
+@dataclass
+class Run:
+    """One run's parts, built once by `_set_up`; the loop and the report read them."""
+    recipe: Recipe
+    run_dir: Path
+    info: DistInfo
+    engine: Engine
+    dataset: Dataset
+    stream: BatchStream
+    held_out: list[torch.Tensor]  # the same micro batches at every evaluation
+    mfu: MfuBasis
+    monitor: MemoryMonitor
+    trackers: Trackers  # empty on ranks other than 0: they log nothing
+    checkpointer: Checkpointer
+    start_step: int  # the resumed checkpoint's step (0: fresh)
+    result: RunResult
 
+    def log(self, metrics: dict) -> None:
+        """Keep a metrics line for the result and hand it to the trackers."""
+        self.result.metrics.append(metrics)
+        self.trackers.log(metrics)
 
-def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasis | None = None) -> str:
-    """Everything that matters about the run, computed once and printed at start."""
-    b, m, d = recipe.batch, recipe.model, recipe.data
-    tokens_per_step = b.global_batch * d.seq_len
-    device = engine.device
-    mfu = mfu or mfu_basis(engine.model, d.seq_len, recipe.precision.dtype, device, b.world_size,
-                           recipe.training.peak_tflops)
-    weights = "fp32 weights" if recipe.zero.stage == 0 else "16-bit weights, fp32 master in the ZeRO shard"
-    precision = {"fp32": "fp32", "bf16": f"bf16 autocast, {weights}",
-                 "fp16": f"fp16 autocast, {weights}, "
-                         + ("dynamic loss scale" if recipe.precision.fp16.loss_scale == 0 else "static loss scale")}
-    rows = [
-        ("recipe", f"{recipe.name} (hash {recipe.hash})"),
-        ("model", f"{m.label}: {engine.num_parameters / 1e6:.2f}M parameters, " + model_shape_text(m, engine.model)
-                  + (", activation checkpointing" if m.activation_checkpointing else "")),
-        ("data", dataset.describe()),
-        ("batch", f"global {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
-                  f"x world {b.world_size}; {tokens_per_step:,} tokens per step"),
-        ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
-        ("precision", precision[recipe.precision.dtype]),
-        ("zero", engine.strategy.describe()),
-        ("comm", comm_row(engine)),
-        *([("tiers", engine.strategy.describe_tiers())] if hasattr(engine.strategy, "describe_tiers") else []),
-        ("kernels", engine.kernels.describe()),
-        ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
-                      f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
-        ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),
-        ("threads", choose_cpu_threads(recipe).describe()),
-        ("flops", mfu.describe_flops()),
-    ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
-
-
-# NOTE: DTensor and torch.distributed.pipelining issue their own collectives, outside the Communicator.
-MESH_NOT_COUNTED = ("tensor/pipeline parallelism: not counted yet (DTensor and torch.distributed.pipelining issue "
-                    "their own collectives; only the engine's loss and norm all-reduces are)")
-
-
-def comm_row(engine: Engine) -> str:
-    """The start-up table's comm row: the formula's bytes per rank per step, and how collectives run."""
-    if not engine.dist.active:
-        return engine.comm.describe()
-    if engine.recipe.parallel.active:
-        return MESH_NOT_COUNTED
-    expected = expected_bytes_per_step(engine.strategy, engine.grad_accum_steps)
-    kinds = " + ".join(f"{k.replace('_', '-')} {format_wire_bytes(v)}" for k, v in expected.items())
-    return (f"expected {format_wire_bytes(sum(expected.values()))} sent per rank per step ({kinds}; "
-            f"docs/communication.md); {engine.comm.describe()}")
+    def evaluate(self, step: int) -> None:
+        """Log the held-out loss at `step` (nothing without held-out batches: training.eval_batches=0)."""
+        if self.held_out:
+            self.log({"step": step, "eval_loss": self.engine.evaluate(self.held_out)})
 
 
 def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = False) -> RunResult:
@@ -167,33 +139,36 @@ def _agree(claim, info):
     return result
 
 
-def _check_steps_left(recipe: Recipe, resumed, *, warn: bool) -> None:
-    """A checkpoint at training.max_steps leaves nothing to train (a warning; past it, resume_point refuses)."""
-    if resumed is None or resumed.step != recipe.training.max_steps:
-        return
-    where = f"the checkpoint {resumed.path} is at step {resumed.step}"
-    if warn:
-        print(f"warning: recipe.training.max_steps: nothing to train: {where}, which is training.max_steps; "
-              "raise training.max_steps to train further", file=sys.stderr, flush=True)
-
-
-def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, num_parameters: int | None, *,
+def _train(recipe: Recipe, run_dir: Path, info: DistInfo, stop: StopSignals, num_parameters: int | None, *,
            quiet: bool) -> RunResult:
     """The run behind `run`, in a run directory this process (or its launcher) holds; `num_parameters` is the
     pre-flight's count (None: the checkpoint's room is checked here, once the model is built)."""
-    checkpointer = Checkpointer(recipe, run_dir)
-    saves = recipe.checkpoint.interval > 0 or recipe.checkpoint.save_final
-    _agree(lambda: check_writable(run_dir, checkpointer.dir if saves else None), info)
-    resumed = checkpointer.resume_point()  # before the run dir changes: a refused resume leaves it as it was
-    start_step = resumed.step if resumed is not None else 0
-    _check_steps_left(recipe, resumed, warn=info.is_main)
-    engine = Engine(recipe)
-    if saves and num_parameters is None:
-        _agree(lambda: check_room_for_checkpoint(checkpointer.dir, engine.num_parameters), info)
-    barrier(info)  # every rank has read the checkpoint before rank 0 touches the run dir
-    if info.is_main:
-        (run_dir / "recipe.json").write_text(recipe.to_json())
+    run = _set_up(recipe, run_dir, info, num_parameters, quiet=quiet)
+    start = time.perf_counter()
+    try:
+        stopped_by = _loop(run, stop, start)
+    finally:
+        run.trackers.close()
+        run.monitor.close()
+    memory_note = run.monitor.write_timeline(run_dir / "memory.png") if info.is_main else ""
+    shutdown(info)
+    if stopped_by:
+        raise RunStopped(stopped_by, run_dir, run.engine.global_step, recipe.training.max_steps,
+                         run.checkpointer.last_saved_path,
+                         why="no step was trained" if run.engine.global_step == 0 else
+                         "checkpoint.interval is 0 and checkpoint.save_final is false")
+    if not quiet:
+        _report(run, time.perf_counter() - start, memory_note)
+    return run.result
 
+
+# ---------------------------------------------------------------------------
+# Set up
+
+def _set_up(recipe: Recipe, run_dir: Path, info: DistInfo, num_parameters: int | None, *, quiet: bool) -> Run:
+    """Everything before the first step: resume point and engine, data, restore, trackers, start-up table."""
+    start, engine = _start_engine(recipe, run_dir, info, num_parameters)
+    resumed = start.checkpoint
     monitor = MemoryMonitor(engine)
     mfu = mfu_basis(engine.model, recipe.data.seq_len, recipe.precision.dtype, engine.device, recipe.batch.world_size,
                     recipe.training.peak_tflops)
@@ -204,100 +179,143 @@ def _train(recipe: Recipe, run_dir: Path, info, stop: StopSignals, num_parameter
     data_rank = engine.strategy.mesh.dp_rank if recipe.parallel.active else info.rank  # tp/pp ranks share data
     stream = BatchStream(dataset.train, recipe.batch, rank=data_rank, seed=recipe.training.seed)
     held_out = eval_batches(dataset.eval, recipe.batch, rank=data_rank, count=recipe.training.eval_batches)
-    training = recipe.training
     if resumed is not None:
-        checkpointer.restore(resumed, engine, stream)
+        restore_engine_and_stream(resumed, engine, stream)
         if info.is_main:
             truncate_metrics(run_dir / "metrics.jsonl", resumed.step)  # steps past the checkpoint are logged again
-    trackers = Trackers([])  # ranks other than 0 log nothing
-    if info.is_main:
-        trackers = build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet,
-                                  append=resumed is not None, config=recipe.resolved,
-                                  wandb_run_id=resumed.wandb_run_id if resumed is not None else None,
-                                  steps_per_epoch=training.steps_per_epoch)
+    trackers = _build_trackers(recipe, run_dir, info, resumed, quiet=quiet)
+    checkpointer = Checkpointer(recipe, run_dir, engine, stream, wandb_run_id=trackers.wandb_run_id, start=start)
     if not quiet:
         print(startup_table(recipe, engine, dataset, mfu), flush=True)
         print(f"run dir | {run_dir}", flush=True)
         if resumed is not None:
-            print(f"resume  | {resumed.path} (step {resumed.step} of {training.max_steps})", flush=True)
+            print(f"resume  | {resumed.path} (step {resumed.step} of {recipe.training.max_steps})", flush=True)
     if resumed is not None:
         restore_rng_state(resumed.state["rng"])  # last before the loop, so nothing draws from them in between
+    return Run(recipe, run_dir, info, engine, dataset, stream, held_out, mfu, monitor, trackers, checkpointer,
+               start.step, RunResult(run_dir))
 
-    result = RunResult(run_dir)
-    tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
 
-    def log(metrics: dict) -> None:
-        result.metrics.append(metrics)
-        trackers.log(metrics)
+def _start_engine(recipe: Recipe, run_dir: Path, info: DistInfo,
+                  num_parameters: int | None) -> tuple[ResumePoint, Engine]:
+    """The run dir's checks, the resume point and the engine; then rank 0 writes recipe.json (the first change
+    to the run dir, so a refused resume or a run dir that cannot take files leaves it as it was)."""
+    saves_to = checkpoint_dir_of(recipe, run_dir)  # None: the run saves no checkpoint
+    _agree(lambda: check_writable(run_dir, saves_to), info)
+    start = find_resume_point(recipe, run_dir)
+    _check_steps_left(recipe, start.checkpoint, warn=info.is_main)
+    engine = Engine(recipe)
+    if saves_to is not None and num_parameters is None:
+        _agree(lambda: check_room_for_checkpoint(saves_to, engine.num_parameters), info)
+    barrier(info)  # every rank has read the checkpoint before rank 0 touches the run dir
+    if info.is_main:
+        (run_dir / "recipe.json").write_text(recipe.to_json())
+    return start, engine
 
-    def evaluate(step: int) -> None:
-        if held_out:
-            log({"step": step, "eval_loss": engine.evaluate(held_out)})
 
-    start = window_start = time.perf_counter()
-    window_steps = stopped_by = 0
-    window_comm: dict = {}  # summed comm_* fields of the steps since the last logged one
+def _check_steps_left(recipe: Recipe, resumed, *, warn: bool) -> None:
+    """A checkpoint at training.max_steps leaves nothing to train (a warning; past it, find_resume_point refuses)."""
+    if resumed is None or resumed.step != recipe.training.max_steps:
+        return
+    where = f"the checkpoint {resumed.path} is at step {resumed.step}"
+    if warn:
+        print(f"warning: recipe.training.max_steps: nothing to train: {where}, which is training.max_steps; "
+              "raise training.max_steps to train further", file=sys.stderr, flush=True)
+
+
+def _build_trackers(recipe: Recipe, run_dir: Path, info: DistInfo, resumed, *, quiet: bool) -> Trackers:
+    """Rank 0's trackers (a resumed run appends to its metrics and continues its W&B run); none elsewhere."""
+    if not info.is_main:
+        return Trackers([])
+    training = recipe.training
+    return build_trackers(recipe.logging, run_dir, training.max_steps, console=not quiet,
+                          append=resumed is not None, config=recipe.resolved,
+                          wandb_run_id=resumed.wandb_run_id if resumed is not None else None,
+                          steps_per_epoch=training.steps_per_epoch)
+
+
+# ---------------------------------------------------------------------------
+# The loop
+
+@dataclass
+class _Window:
+    """The steps since the last logged one: when the first began, how many, their summed comm_* fields."""
+    start: float
+    steps: int = 0
+    comm: dict = field(default_factory=dict)
+
+    def add(self, comm: dict) -> None:
+        self.steps += 1
+        for key, value in comm.items():
+            self.comm[key] = self.comm.get(key, 0) + value
+
+
+def _loop(run: Run, stop: StopSignals, start: float) -> int:
+    """Train to training.max_steps, logging, evaluating and saving on cadence, then the last evaluation and save;
+    returns the signal that stopped it early (0: none), after a checkpoint for the resume."""
+    engine, training, info = run.engine, run.recipe.training, run.info
+    window = _Window(start)
+    stopped_by = 0
     stop.deferring = True  # from here a signal stops the run at the next step boundary, with a checkpoint
-    try:
-        while engine.global_step < training.max_steps:
-            # NOTE: several ranks agree on the stop flag through a collective, which waits for the GPU: so only
-            # at logging steps, where the loop waits anyway to read the loss (one process: every step).
-            if not info.active or engine.global_step % training.log_interval == 0:
-                stopped_by = stop.agreed(info, engine.device)
-            if stopped_by:
-                break
-            step_result = engine.train_batch(stream.next_step())
-            step, window_steps = engine.global_step, window_steps + 1
-            for key, value in step_result.comm.items():
-                window_comm[key] = window_comm.get(key, 0) + value
-            if step % training.log_interval == 0 or step == training.max_steps:
-                now = time.perf_counter()
-                tokens_per_s = window_steps * tokens_per_step / (now - window_start)
-                log({
-                    "step": step,
-                    "loss": step_result.loss,
-                    "lr": step_result.lr,
-                    "grad_norm": step_result.grad_norm,
-                    "loss_scale": step_result.loss_scale,
-                    "skipped_steps": engine.skipped_steps,
-                    "tokens_per_s": tokens_per_s,
-                    "elapsed_s": now - start,
-                    **({"mfu": mfu.mfu(tokens_per_s)} if mfu.peak_flops is not None else {}),
-                    **monitor.window_metrics(step),  # with the engine's offload_metrics()
-                    **per_step(window_comm, window_steps),  # comm_bytes, comm_exposed_s, ... per step
-                })
-                window_start, window_steps, window_comm = now, 0, {}
-            if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
-                evaluate(step)
-            checkpointer.after_step(engine, stream, trackers.wandb_run_id)
+    while engine.global_step < training.max_steps:
+        # NOTE: several ranks agree on the stop flag through a collective, which waits for the GPU: so only
+        # at logging steps, where the loop waits anyway to read the loss (one process: every step).
+        if not info.active or engine.global_step % training.log_interval == 0:
+            stopped_by = stop.agreed(info, engine.device)
         if stopped_by:
-            checkpointer.save_for_resume(engine, stream, trackers.wandb_run_id)
-        else:
-            if engine.global_step > start_step:  # a checkpoint already at max_steps has nothing left to do
-                evaluate(engine.global_step)
-            checkpointer.finish(engine, stream, trackers.wandb_run_id)
-    finally:
-        trackers.close()
-        monitor.close()
-    memory_note = monitor.write_timeline(run_dir / "memory.png") if info.is_main else ""
-    shutdown(info)
+            break
+        step_result = engine.train_batch(run.stream.next_step())
+        step = engine.global_step
+        window.add(step_result.comm)
+        if step % training.log_interval == 0 or step == training.max_steps:
+            now = time.perf_counter()
+            run.log(_step_metrics(run, step_result, window, now - window.start, now - start))
+            window = _Window(now)
+        if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
+            run.evaluate(step)
+        run.checkpointer.after_step()
     if stopped_by:
-        raise RunStopped(stopped_by, run_dir, engine.global_step, training.max_steps, checkpointer.last_saved_path,
-                         why="no step was trained" if engine.global_step == 0 else
-                         "checkpoint.interval is 0 and checkpoint.save_final is false")
-    if not quiet:
-        wall = time.perf_counter() - start
-        train = result.train_metrics
-        summary = f"done: {engine.global_step} steps in {wall:.1f}s"
-        if train:
-            summary += f", loss {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}"
-        if result.eval_metrics:
-            summary += f", eval loss {result.eval_metrics[-1]['eval_loss']:.4f}"
-        print(summary + f" ({dataset.loss_reference()})", flush=True)
-        if checkpointer.last_saved_path is not None:
-            print(f"checkpoint | {checkpointer.last_saved_path}", flush=True)
-        print(monitor.summary() + "\n" + memory_note, flush=True)
-        if info.active:
-            mesh = f" [{MESH_NOT_COUNTED}]" if recipe.parallel.active else ""
-            print(engine.comm.ledger.summary() + mesh, flush=True)
-    return result
+        run.checkpointer.save_for_resume()
+        return stopped_by
+    if engine.global_step > run.start_step:  # a checkpoint already at max_steps has nothing left to do
+        run.evaluate(engine.global_step)
+    run.checkpointer.finish()
+    return 0
+
+
+def _step_metrics(run: Run, step_result, window: _Window, window_s: float, elapsed_s: float) -> dict:
+    """A logged step's metrics.jsonl line (the keys in the module docstring's order)."""
+    tokens_per_s = window.steps * run.recipe.batch.global_batch * run.recipe.data.seq_len / window_s
+    return {
+        "step": run.engine.global_step,
+        "loss": step_result.loss,
+        "lr": step_result.lr,
+        "grad_norm": step_result.grad_norm,
+        "loss_scale": step_result.loss_scale,
+        "skipped_steps": run.engine.skipped_steps,
+        "tokens_per_s": tokens_per_s,
+        "elapsed_s": elapsed_s,
+        **({"mfu": run.mfu.mfu(tokens_per_s)} if run.mfu.peak_flops is not None else {}),
+        **run.monitor.window_metrics(run.engine.global_step),  # with the engine's offload_metrics()
+        **per_step(window.comm, window.steps),  # comm_bytes, comm_exposed_s, ... per step
+    }
+
+
+# ---------------------------------------------------------------------------
+# The report
+
+def _report(run: Run, wall_s: float, memory_note: str) -> None:
+    """The closing lines: steps, time and losses; the last checkpoint; memory; communication under several ranks."""
+    train, evals = run.result.train_metrics, run.result.eval_metrics
+    summary = f"done: {run.engine.global_step} steps in {wall_s:.1f}s"
+    if train:
+        summary += f", loss {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}"
+    if evals:
+        summary += f", eval loss {evals[-1]['eval_loss']:.4f}"
+    print(summary + f" ({run.dataset.loss_reference()})", flush=True)
+    if run.checkpointer.last_saved_path is not None:
+        print(f"checkpoint | {run.checkpointer.last_saved_path}", flush=True)
+    print(run.monitor.summary() + "\n" + memory_note, flush=True)
+    if run.info.active:
+        mesh = f" [{MESH_NOT_COUNTED}]" if run.recipe.parallel.active else ""
+        print(run.engine.comm.ledger.summary() + mesh, flush=True)
