@@ -25,8 +25,6 @@ ELSEWHERE = {
 NOT_READ_AS_ATTRIBUTE = {
     "KernelsSpec.adamw": "read as getattr(modes, name) over the kernel names (toolkit/ops/loader.py resolve)",
     "Recipe.description": "says what a recipe is, for people; outside the hash (`toolkit recipes` reads the files)",
-    "LoggingSpec.console": "NOT HONOURED: logging.console=false still prints the table and progress bar; "
-                           "toolkit/train/loop.py passes console=not quiet (its owner fixes it; then drop this line)",
 }
 
 

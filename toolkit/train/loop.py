@@ -105,7 +105,9 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     lock = _agree(lambda: claim_run_dir(run_dir), info)  # rank 0 holds it (or the --nproc launcher does)
     stop = StopSignals(under_elastic_launcher()).install(run_dir, recipe.training.max_steps)
     try:
-        return _train(recipe, run_dir, info, stop, num_parameters, quiet=quiet or not info.is_main)
+        # logging.console false: no start-up table, progress or summary (rank 0's metrics files stay)
+        quiet = quiet or not info.is_main or not recipe.logging.console
+        return _train(recipe, run_dir, info, stop, num_parameters, quiet=quiet)
     except OSError as exc:  # recipe.json, metrics, events, the memory plot: one line naming the file
         raise (write_failure(exc, run_dir) or exc) from None
     finally:
