@@ -24,7 +24,6 @@ from torch import nn
 from toolkit.ops import custom_ops, loader
 from toolkit.checkpoint.engine_state import engine_state, load_engine_state
 from toolkit.errors import UserError
-from toolkit.ops.fused_adamw import FusedAdamW, OnePassStep
 from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models.build import build_model, count_parameters
@@ -134,9 +133,6 @@ class Engine:
             self.strategy = self._data_parallel_strategy(recipe, zero3_units, adamw)
         self.comm.ledger.discard_open_step()  # the start-up broadcast is no step's traffic
         self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
-        # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
-        self._step_strategy = (OnePassStep(self.strategy) if self.strategy.stage == 0
-                               and isinstance(self.optimizer, FusedAdamW) else self.strategy)
         if recipe.training.compile:
             self.model.compile()  # in place: parameter names (checkpoints) unchanged
         self.scheduler = Schedule(self.optimizer, recipe.scheduler, recipe.optimizer.lr)
@@ -236,7 +232,7 @@ class Engine:
         """Update the weights at an accumulation boundary (else do nothing and return None)."""
         if not self.is_accumulation_boundary():
             return None
-        strategy = self._step_strategy
+        strategy = self.strategy
         lr = self.current_lr  # the rate this update uses (the schedule then moves on)
         skipped = False
         scale = 1.0

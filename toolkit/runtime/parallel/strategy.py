@@ -31,6 +31,7 @@ from toolkit.runtime.optim import param_groups
 from toolkit.runtime.parallel.mesh import ParallelMesh
 from toolkit.runtime.parallel.tensor_parallel import ShardLayout
 from toolkit.runtime.precision import has_inf_or_nan
+from toolkit.runtime.strategy import StrategyBase
 
 TIED_EMBEDDING = "transformer.wte.weight"  # GPT-2's token embedding, also its LM head
 
@@ -39,11 +40,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class MeshStrategy:
+class MeshStrategy(StrategyBase):
     """Data parallelism (zero.stage 0, or 1: optimizer states sharded) over the mesh's dp dimension, for a
     tensor- and/or pipeline-parallel model."""
 
-    offload = False
     sharded_checkpoint = True  # whole parameters in ZeRO shard files (see the module docstring)
 
     def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, mesh: ParallelMesh,
@@ -89,6 +89,25 @@ class MeshStrategy:
         what = ("stage 1 (optimizer states sharded, torch ZeroRedundancyOptimizer)" if self.stage == 1
                 else "stage 0 (data parallel)")
         return f"{what} over dp {self.mesh.dp}; {self.mesh.describe()}"
+
+    def describe_tiers(self) -> str:
+        """One line for the start-up table: everything on the device, this rank's bytes (its shards and stages)."""
+        from toolkit.observe.estimate import format_bytes
+
+        mem = self.memory_bytes()
+        return (f"params device ({format_bytes(mem['mem_params_bytes'])}); grads device "
+                f"({format_bytes(mem['mem_grads_bytes'])}); optimizer states device "
+                f"({format_bytes(mem['mem_optim_bytes'])})")
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index along the mesh's dp dimension: tensor and pipeline ranks of a replica share data."""
+        return self.mesh.dp_rank
+
+    def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
+        """None by formula: DTensor and torch.distributed.pipelining issue the mesh's collectives themselves,
+        outside the Communicator that counts (toolkit/runtime/comm.py)."""
+        return {}
 
     # -- gradients -----------------------------------------------------------------------
 

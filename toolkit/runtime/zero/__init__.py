@@ -1,23 +1,12 @@
 """ZeRO on torch.distributed: how the model states are split across data-parallel ranks.
 
-One strategy per recipe.zero.stage, all with the same small interface the engine
-(toolkit/runtime/engine.py) drives, so the engine's step reads the same for every stage:
-
-    begin_micro_step(boundary)  before backward (is this the last micro-step of the step?)
-    end_micro_step()            after backward: flush gradient buckets, wait for collectives
-    grads_overflow() -> bool    any inf/NaN on any rank (every rank gets the same answer)
-    scale_grads(factor)         unscale after fp16 loss scaling
-    clip_grad_norm(max) -> norm global L2 norm over all ranks' gradients, clipped to max (0: measure);
-                                a float, or a 0-dim tensor left on the device (no sync)
-    optimizer_step()            AdamW, then every rank has the new weights
-    zero_grad()
-    optimizer                   has param_groups with "lr" (toolkit.runtime.optim.Schedule writes it)
-    memory_bytes() -> dict      mem_params_bytes, mem_grads_bytes, mem_optim_bytes,
-                                mem_master_bytes, mem_offload_bytes of this rank, from live tensors
+One strategy per recipe.zero.stage, each a `Strategy` (toolkit/runtime/strategy.py: what the engine,
+checkpoints, the communication ledger and the loop may ask of it), so the engine's step reads the
+same for every stage.
 
 Files: flat.py (flat sharded layout), adamw.py (the shard's AdamW: torch's, or the
 CPU Adam kernel of toolkit/ops/cpu_adam.py under offload), offload.py (the CPU step),
-ddp.py (stage 0), partition.py (stages 1-2), stage3.py (stage 3), sharded.py (what 1-3
+ddp.py (stage 0, and its one-pass step over the fused AdamW), partition.py (stages 1-2), stage3.py (stage 3), sharded.py (what 1-3
 share), shard_part.py (one tier of the optimizer shard: device, CPU memory or swap file). The process group is toolkit/distributed.py; the shard checkpoint format
 toolkit/checkpoint/zero_shards.py; the benchmarks benchmarks/zero_cpu.py and
 benchmarks/zero_gpu.py.

@@ -233,9 +233,9 @@ class OnebitAdamStrategy(DataParallel):
             buffer[r * chunk:(r + 1) * chunk] = signs[r] * torch.repeat_interleave(
                 piece_scales, torch.tensor(lengths_r, device=buffer.device))
 
-    def compressed_bytes_per_step(self) -> dict[str, int]:
-        """Bytes per rank of one compressed step (the warm-up's are stage 0's): the packed signs twice,
-        the scales twice (the formula behind the start-up table and the tests)."""
+    def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
+        """Bytes per rank of one compressed step, after the freeze step (the warm-up's are stage 0's): the
+        packed signs twice, the scales twice (the formula behind the start-up table and the tests)."""
         opt, world = self.optimizer, self.info.world_size
         signs = opt.padded // 8
         scales = world * 4 * (len(opt.lengths) + self._most_pieces)
@@ -244,12 +244,12 @@ class OnebitAdamStrategy(DataParallel):
 
     # -- checkpoint: the error-feedback buffers, one file per rank -------------------------------
 
-    def error_feedback(self) -> dict[str, torch.Tensor]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
         """This rank's worker and server error buffers."""
         return {"worker_error": self.optimizer.worker_error, "server_error": self.optimizer.server_error}
 
     @torch.no_grad()
-    def load_error_feedback(self, directory: Path, files: list[str]) -> None:
+    def load_extra_state(self, directory: Path, files: list[str]) -> None:
         """This rank's error buffers from a checkpoint saved at the same world size; else start them at zero
         (DeepSpeed's behaviour on every load) with a warning."""
         from safetensors.torch import load_file
@@ -260,7 +260,7 @@ class OnebitAdamStrategy(DataParallel):
                       f"this run has {self.info.world_size}; they restart at zero", file=sys.stderr, flush=True)
             return
         saved = load_file(str(Path(directory) / files[self.info.rank]))
-        for name, buffer in self.error_feedback().items():
+        for name, buffer in self.extra_state().items():
             buffer.copy_(saved[name])
 
     # -- what stage 0's versions read from a torch optimizer ------------------------------------

@@ -26,7 +26,9 @@ import torch
 
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
+from toolkit.observe.comm import expected_step_bytes
 from toolkit.runtime.comm import Communicator
+from toolkit.runtime.strategy import StrategyBase
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, split_groups
@@ -47,10 +49,11 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
-class ShardedStrategy:
+class ShardedStrategy(StrategyBase):
     """Base of stages 1-3: the shard's optimizer step and bookkeeping."""
 
     stage = 1
+    sharded_checkpoint = True  # each rank writes its shard (toolkit/checkpoint/zero_shards.py)
 
     def __init__(self, recipe, device: torch.device, info: DistInfo, groups: list[FlatGroup],
                  param_dtype: torch.dtype, comm: Communicator):
@@ -226,6 +229,17 @@ class ShardedStrategy:
         """Clear the accumulated gradients for the next optimizer step."""
         for chunk in self.grad_chunks:
             chunk.zero_()
+
+    def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
+        """The formula's bytes per rank per step for this flat layout (toolkit/observe/comm.py expected_step_bytes)."""
+        numel = sum(g.padded_numel for g in self.groups)
+        element = torch.empty((), dtype=self.param_dtype).element_size()
+        return expected_step_bytes(self.stage, numel, self.info.world_size, element, grad_accum_steps,
+                                   root_numel=self._gathered_all_along())
+
+    def _gathered_all_along(self) -> int:
+        """Elements gathered once per micro step rather than per unit (stage 3's root unit; none before)."""
+        return 0
 
     # -- checkpoint state (toolkit/checkpoint/zero_shards.py) --------------------------------------
 

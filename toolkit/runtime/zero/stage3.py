@@ -293,6 +293,9 @@ class Stage3Strategy(ShardedStrategy):
                 self._release(g)
         self._reset_round()
 
+    def _gathered_all_along(self) -> int:
+        return self.groups[self.root].padded_numel
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (a collective: every rank must call it)."""
         out = {}
