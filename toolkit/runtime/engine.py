@@ -27,7 +27,8 @@ from toolkit.errors import UserError
 from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models.build import build_model, count_parameters
-from toolkit.runtime.optim import Schedule, adamw_kernel_applies, adamw_param_names, choose_adamw
+from toolkit.runtime.optim import (Schedule, adamw_implementation, adamw_kernel_applies, adamw_param_names,
+                                   choose_adamw)
 from toolkit.runtime.cpu_threads import apply_cpu_threads
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.specs import Recipe
@@ -104,12 +105,13 @@ class Engine:
         self.num_parameters = count_parameters(self.model)
         # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error).
         # The AdamW kernel only where stage 0's optimizer can step with it; with recipe.optimizer.implementation
-        # that gives the one AdamW decision, passed to the strategy below.
-        use_adamw_kernel = adamw_kernel_applies(recipe.optimizer.implementation, recipe.zero.stage)
+        # that gives the one AdamW decision, passed to the strategy below (stages 1-3 step their shards).
+        implementation = adamw_implementation(recipe.optimizer, recipe.kernels)
+        use_adamw_kernel = adamw_kernel_applies(implementation, recipe.zero.stage, recipe.parallel.active)
         self.kernels = loader.resolve(recipe.kernels, self.device.type,
                                       loader.needed_kernels(recipe.model.family, use_adamw_kernel))
-        adamw = (choose_adamw(recipe.optimizer.implementation, self.device.type, self.kernels.active("adamw"))
-                 if recipe.zero.stage == 0 else None)
+        adamw = (choose_adamw(implementation, self.device.type, self.kernels.active("adamw"))
+                 if recipe.zero.stage == 0 or recipe.parallel.active else None)
         # NOTE: not under recipe.parallel: the tensor-parallel plans name transformers' own modules.
         swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
                                         if self.kernels.active(name) and not recipe.parallel.active})
@@ -128,7 +130,7 @@ class Engine:
                                 "parallel.pipeline to 1")
             from toolkit.runtime.parallel.build import build_parallel
 
-            self.strategy, self.pipeline = build_parallel(self.model, recipe, self.device, self.dist)
+            self.strategy, self.pipeline = build_parallel(self.model, recipe, self.device, self.dist, adamw)
         else:
             self.strategy = self._data_parallel_strategy(recipe, zero3_units, adamw)
         self.comm.ledger.discard_open_step()  # the start-up broadcast is no step's traffic

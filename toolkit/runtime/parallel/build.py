@@ -13,9 +13,10 @@ from toolkit.runtime.parallel.strategy import MeshStrategy
 from toolkit.runtime.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def build_parallel(model: nn.Module, recipe, device: torch.device, info: DistInfo
+def build_parallel(model: nn.Module, recipe, device: torch.device, info: DistInfo, adamw: str
                    ) -> tuple[MeshStrategy, PipelineRunner | None]:
-    """(strategy, pipeline runner or None) for recipe.parallel; `model` is cut and sharded in place."""
+    """(strategy, pipeline runner or None) for recipe.parallel; `model` is cut and sharded in place; `adamw`
+    is the engine's AdamW choice (toolkit.runtime.optim.choose_adamw)."""
     spec = recipe.parallel
     mesh = build_mesh(spec, info, device)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
@@ -29,4 +30,4 @@ def build_parallel(model: nn.Module, recipe, device: torch.device, info: DistInf
     if spec.pipeline > 1:
         runner = PipelineRunner(modules, stages, n_stages, spec.pipeline_schedule, spec.pipeline_microbatches,
                                 device, mesh.group("pp"))
-    return MeshStrategy(model, recipe, device, info, mesh, layouts, full_shapes), runner
+    return MeshStrategy(model, recipe, device, info, mesh, layouts, full_shapes, adamw), runner

@@ -7,9 +7,11 @@ parallelism); at the accumulation boundary they are averaged over the data-paral
 tied embedding is summed over the pipeline (the first stage's input use plus the last stage's head use).
 The norm for clipping is global: each parameter counted once (a tensor shard by every tensor rank, a
 replicated parameter by tensor rank 0, the tied embedding by stage 0), summed over the whole mesh.
-AdamW is torch's, on each rank's local tensors, so each element sees the one-process arithmetic. Under
-zero.stage 1 it is wrapped in torch's ZeroRedundancyOptimizer over the dp group: each dp rank keeps the
-moments of about 1/dp of its local tensors, steps those and broadcasts them (ZeRO-1, DeepSpeed's "3D").
+The optimizer is the recipe's (optimizer.type adamw or adam, optimizer.implementation: torch's fused or
+default step; toolkit.runtime.optim.build_optimizer), on each rank's local tensors, so each element sees
+the one-process arithmetic. Under zero.stage 1 it is wrapped in torch's ZeroRedundancyOptimizer over the
+dp group: each dp rank keeps the moments of about 1/dp of its local tensors, steps those and broadcasts
+them (ZeRO-1, DeepSpeed's "3D").
 
 Checkpoints are the ZeRO shard format (toolkit/checkpoint/zero_shards.py) with whole parameters: the
 (dp 0, tp 0) rank of each stage writes its stage's parameters gathered over the tensor group, with the
@@ -27,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.distributed import DistInfo, any_true
-from toolkit.runtime.optim import param_groups
+from toolkit.runtime.optim import build_optimizer, param_groups
 from toolkit.runtime.parallel.mesh import ParallelMesh
 from toolkit.runtime.parallel.tensor_parallel import ShardLayout
 from toolkit.runtime.precision import has_inf_or_nan
@@ -47,7 +49,7 @@ class MeshStrategy(StrategyBase):
     sharded_checkpoint = True  # whole parameters in ZeRO shard files (see the module docstring)
 
     def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, mesh: ParallelMesh,
-                 layouts: dict[str, ShardLayout], full_shapes: dict[str, tuple[int, ...]]):
+                 layouts: dict[str, ShardLayout], full_shapes: dict[str, tuple[int, ...]], adamw: str):
         self.model, self.device, self.info, self.mesh = model, device, info, mesh
         self.layouts, self.full_shapes = layouts, full_shapes
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -56,17 +58,12 @@ class MeshStrategy(StrategyBase):
             self._local_of = {id(p): _local(p) for p in self.params}
         groups = [{**g, "params": [self._local_of[id(p)] for p in g["params"]]}
                   for g in param_groups(model, recipe.optimizer.weight_decay)]
-        spec = recipe.optimizer
-        adamw = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
         self.stage = recipe.zero.stage  # 0 or 1 (recipe/parallel_checks.py refuses more)
-        if self.stage == 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            self.optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=mesh.group("dp"),
-                                                     **adamw)
-            self._local_optimizer = self.optimizer.optim  # AdamW over the tensors this dp rank owns
-        else:
-            self.optimizer = self._local_optimizer = torch.optim.AdamW(groups, **adamw)
+        # NOTE: `adamw` is torch's (the engine resolves the toolkit's AdamW kernel for stage 0 only)
+        self.optimizer = build_optimizer(recipe.optimizer, groups, adamw,
+                                         shard_group=mesh.group("dp") if self.stage == 1 else None)
+        # the optimizer over the tensors this dp rank owns (ZeRO-1: the wrapped one)
+        self._local_optimizer = self.optimizer.optim if self.stage == 1 else self.optimizer
         self._owner = self._moment_owners()
         self._steps = 0
         self._boundary = False

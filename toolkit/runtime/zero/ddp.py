@@ -23,7 +23,7 @@ from torch import nn
 from toolkit.observe.comm import expected_step_bytes
 from toolkit.ops.fused_adamw import FusedAdamW
 from toolkit.runtime.comm import Communicator
-from toolkit.runtime.optim import build_optimizer
+from toolkit.runtime.optim import build_optimizer, param_groups
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
 from toolkit.runtime.strategy import StrategyBase
@@ -98,7 +98,9 @@ class DataParallel(StrategyBase):
                 offset += p.numel()
             self.flat_grads.append(flat)
         self.params = [p for bucket in self.buckets for p in bucket]
-        self.optimizer = build_optimizer(model, recipe.optimizer, adamw)  # the engine's choice (optim.choose_adamw)
+        # the AdamW the engine chose (optim.choose_adamw), or 1-bit Adam's state over the buckets' order
+        self.optimizer = build_optimizer(recipe.optimizer, param_groups(model, recipe.optimizer.weight_decay), adamw,
+                                         flat_order=self.params, world=info.world_size)
         # Over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
         self._one_pass = OnePassStep(self.optimizer) if isinstance(self.optimizer, FusedAdamW) else None
         self._names = {id(p): n for n, p in named}

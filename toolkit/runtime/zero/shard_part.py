@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.zero.adamw import ShardedAdamW
+from toolkit.runtime.optim import FlatShard, build_optimizer
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
 from toolkit.runtime.zero.swap import SwapDir
@@ -30,7 +30,7 @@ class ShardPart:
         # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros)
         self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
                      if offloaded and swap_dir is not None else None)
-        self.optimizer = ShardedAdamW(recipe.optimizer, 0 if self.swap else numel, opt_device, offload=offloaded)
+        self.optimizer = build_optimizer(recipe.optimizer, FlatShard(0 if self.swap else numel, opt_device, offloaded))
         self.master: torch.Tensor | None = None
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
         if self.swap is not None:
