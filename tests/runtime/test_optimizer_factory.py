@@ -24,9 +24,8 @@ def spec(type_="adamw", implementation="torch") -> OptimizerSpec:
 def mesh_strategy(optimizer: OptimizerSpec, adamw: str = "torch") -> MeshStrategy:
     """A one-process mesh strategy at zero.stage 0 over a small model; `adamw` is the engine's choice."""
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    recipe = SimpleNamespace(optimizer=optimizer, zero=SimpleNamespace(stage=0))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    return MeshStrategy(model, recipe, torch.device("cpu"), ONE_PROCESS, MESH, {}, shapes, adamw)
+    return MeshStrategy(model, optimizer, 0, torch.device("cpu"), ONE_PROCESS, MESH, {}, shapes, adamw)
 
 
 @pytest.mark.parametrize("type_, cls", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam)])

@@ -29,7 +29,7 @@ from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_
 from toolkit.models.build import build_model, count_parameters
 from toolkit.runtime.optim import (Schedule, adamw_implementation, adamw_kernel_applies, adamw_param_names,
                                    choose_adamw)
-from toolkit.runtime.cpu_threads import apply_cpu_threads
+from toolkit.runtime.cpu_threads import apply_threads, choose_threads
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.specs import Recipe
 from toolkit.runtime.zero import build_strategy
@@ -94,7 +94,8 @@ class Engine:
         if model is None or recipe.training.cpu_threads != "auto":
             # training.cpu_threads, as `toolkit run` applies it; "auto" sizes by the recipe's model, so a
             # model of the user's own keeps torch's setting unless the recipe names a count.
-            apply_cpu_threads(recipe)
+            apply_threads(choose_threads(recipe.training.cpu_threads, recipe.model,
+                                         recipe.batch.micro_batch_per_rank * recipe.data.seq_len))
         torch.manual_seed(recipe.training.seed)
         model_given = model is not None
         if model is None:
@@ -130,7 +131,9 @@ class Engine:
                                 "parallel.pipeline to 1")
             from toolkit.runtime.parallel.build import build_parallel
 
-            self.strategy, self.pipeline = build_parallel(self.model, recipe, self.device, self.dist, adamw)
+            self.strategy, self.pipeline = build_parallel(self.model, recipe.parallel, recipe.model.family,
+                                                          recipe.zero.stage, recipe.optimizer, self.device,
+                                                          self.dist, adamw)
         else:
             self.strategy = self._data_parallel_strategy(recipe, zero3_units, adamw)
         self.comm.ledger.discard_open_step()  # the start-up broadcast is no step's traffic
@@ -153,7 +156,13 @@ class Engine:
         if zero3_units is not None and recipe.zero.stage != 3:
             print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
                   "parameters by unit)", file=sys.stderr, flush=True)
-        return build_strategy(self.model, recipe, self.device, self.dist, zero3_units, adamw=adamw, comm=self.comm)
+        if recipe.zero.stage == 3 and recipe.training.compile:
+            raise UserError("recipe.training.compile: not with zero.stage 3 yet (its hooks gather and release "
+                            "parameters around each block, which torch.compile would trace through); use zero.stage 2 "
+                            "or training.compile false")
+        return build_strategy(self.model, recipe.zero, recipe.optimizer, recipe.precision.dtype, self.device,
+                              self.dist, adamw=adamw, comm=self.comm, zero3_units=zero3_units,
+                              grad_accum_steps=recipe.batch.grad_accum_steps)
 
     def _pipeline_call(self, batch) -> torch.Tensor:
         """engine(batch) with parallel.pipeline > 1: the loss through the forward-only schedule (evaluation)."""

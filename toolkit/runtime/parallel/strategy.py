@@ -34,6 +34,7 @@ from toolkit.runtime.parallel.mesh import ParallelMesh
 from toolkit.runtime.parallel.tensor_parallel import ShardLayout
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.runtime.strategy import StrategyBase
+from toolkit.specs import OptimizerSpec
 
 TIED_EMBEDDING = "transformer.wte.weight"  # GPT-2's token embedding, also its LM head
 
@@ -48,8 +49,9 @@ class MeshStrategy(StrategyBase):
 
     sharded_checkpoint = True  # whole parameters in ZeRO shard files (see the module docstring)
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, mesh: ParallelMesh,
-                 layouts: dict[str, ShardLayout], full_shapes: dict[str, tuple[int, ...]], adamw: str):
+    def __init__(self, model: nn.Module, optimizer: OptimizerSpec, stage: int, device: torch.device, info: DistInfo,
+                 mesh: ParallelMesh, layouts: dict[str, ShardLayout], full_shapes: dict[str, tuple[int, ...]],
+                 adamw: str):
         self.model, self.device, self.info, self.mesh = model, device, info, mesh
         self.layouts, self.full_shapes = layouts, full_shapes
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -57,10 +59,10 @@ class MeshStrategy(StrategyBase):
         with torch.no_grad():  # the optimizer steps each rank's local tensors (aliases of the DTensors' storage)
             self._local_of = {id(p): _local(p) for p in self.params}
         groups = [{**g, "params": [self._local_of[id(p)] for p in g["params"]]}
-                  for g in param_groups(model, recipe.optimizer.weight_decay)]
-        self.stage = recipe.zero.stage  # 0 or 1 (recipe/parallel_checks.py refuses more)
+                  for g in param_groups(model, optimizer.weight_decay)]
+        self.stage = stage  # zero.stage 0 or 1 (recipe/parallel_checks.py refuses more)
         # NOTE: `adamw` is torch's (the engine resolves the toolkit's AdamW kernel for stage 0 only)
-        self.optimizer = build_optimizer(recipe.optimizer, groups, adamw,
+        self.optimizer = build_optimizer(optimizer, groups, adamw,
                                          shard_group=mesh.group("dp") if self.stage == 1 else None)
         # the optimizer over the tensors this dp rank owns (ZeRO-1: the wrapped one)
         self._local_optimizer = self.optimizer.optim if self.stage == 1 else self.optimizer

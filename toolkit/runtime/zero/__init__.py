@@ -19,6 +19,7 @@ from torch import nn
 from toolkit.distributed import DistInfo
 from toolkit.runtime.comm import Communicator
 from toolkit.runtime.precision import sixteen_bit_weights
+from toolkit.specs import OptimizerSpec, ZeroSpec
 
 
 def broadcast_parameters(model: nn.Module, comm: Communicator) -> None:
@@ -30,38 +31,33 @@ def broadcast_parameters(model: nn.Module, comm: Communicator) -> None:
             comm.broadcast(tensor.data, src=0)
 
 
-def build_strategy(model: nn.Module, recipe, device: torch.device, info: DistInfo, zero3_units=None, *,
-                   adamw: str | None, comm: Communicator):
-    """The strategy for recipe.zero (stage 0-3, offload) over the process group in `info`, issuing its
-    collectives through `comm` (counted: toolkit/runtime/comm.py); `zero3_units`
+def build_strategy(model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, dtype: str, device: torch.device,
+                   info: DistInfo, *, adamw: str | None, comm: Communicator, zero3_units=None,
+                   grad_accum_steps: int = 1):
+    """The strategy for `zero` (stage 0-3, offload) stepping `optimizer` in precision `dtype` over the process
+    group in `info`, issuing its collectives through `comm` (counted: toolkit/runtime/comm.py); `zero3_units`
     names stage 3's units (toolkit/runtime/zero/stage3.py find_units); `adamw` is stage 0's optimizer,
     as the engine chose it (toolkit.runtime.optim.choose_adamw). Stages 1-3 step their shards with
-    ShardedAdamW (adamw.py), which never uses the CUDA AdamW kernel."""
-    stage = recipe.zero.stage
-    if stage == 3 and recipe.training.compile:
-        from toolkit.errors import UserError
-
-        raise UserError("recipe.training.compile: not with zero.stage 3 yet (its hooks gather and release "
-                        "parameters around each block, which torch.compile would trace through); use zero.stage 2 "
-                        "or training.compile false")
+    ShardedAdamW (adamw.py), which never uses the CUDA AdamW kernel; `grad_accum_steps` counts their swap reads."""
+    stage = zero.stage
     broadcast_parameters(model, comm)
-    weights = sixteen_bit_weights(recipe.precision.dtype, stage)
+    weights = sixteen_bit_weights(dtype, stage)
     if weights is not None:
         model.to(weights)
-    if recipe.optimizer.type == "onebit_adam":  # zero.stage 0 (toolkit/recipe/checks.py refuses the others)
+    if optimizer.type == "onebit_adam":  # zero.stage 0 (toolkit/recipe/checks.py refuses the others)
         from toolkit.runtime.zero.onebit_adam import OnebitAdamStrategy
 
-        return OnebitAdamStrategy(model, recipe, device, info, comm)
+        return OnebitAdamStrategy(model, zero, optimizer, device, info, comm)
     if stage == 0:
         from toolkit.runtime.zero.ddp import DataParallel
 
         if adamw is None:
             raise ValueError("zero stage 0 needs the AdamW the engine chose (toolkit.runtime.optim.choose_adamw)")
-        return DataParallel(model, recipe, device, info, adamw, comm)
+        return DataParallel(model, zero, optimizer, device, info, adamw, comm)
     if stage in (1, 2):
         from toolkit.runtime.zero.partition import PartitionedStrategy
 
-        return PartitionedStrategy(model, recipe, device, info, stage, comm)
+        return PartitionedStrategy(model, zero, optimizer, device, info, stage, comm, grad_accum_steps)
     from toolkit.runtime.zero.stage3 import Stage3Strategy
 
-    return Stage3Strategy(model, recipe, device, info, zero3_units, comm)
+    return Stage3Strategy(model, zero, optimizer, device, info, zero3_units, comm, grad_accum_steps)

@@ -29,6 +29,7 @@ from toolkit.distributed import DistInfo
 from toolkit.runtime.strategy import StrategyBase
 from toolkit.runtime.zero.flat import bucket_params
 from toolkit.runtime.zero.sharded import tensor_bytes
+from toolkit.specs import OptimizerSpec, ZeroSpec
 
 
 class OnePassStep:
@@ -80,13 +81,13 @@ class DataParallel(StrategyBase):
 
     stage = 0
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, adamw: str,
-                 comm: Communicator):
-        self.model, self.recipe, self.device, self.info, self.comm = model, recipe, device, info, comm
+    def __init__(self, model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device,
+                 info: DistInfo, adamw: str, comm: Communicator):
+        self.model, self.device, self.info, self.comm = model, device, info, comm
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         self.flat_grads: list[torch.Tensor] = []  # several ranks: the all-reduce buckets the .grad views live in
-        for bucket in bucket_params(list(reversed(named)), recipe.zero.reduce_bucket_size):
+        for bucket in bucket_params(list(reversed(named)), zero.reduce_bucket_size):
             params = [p for _, p in bucket]
             self.buckets.append(params)
             if not info.active:
@@ -99,7 +100,7 @@ class DataParallel(StrategyBase):
             self.flat_grads.append(flat)
         self.params = [p for bucket in self.buckets for p in bucket]
         # the AdamW the engine chose (optim.choose_adamw), or 1-bit Adam's state over the buckets' order
-        self.optimizer = build_optimizer(recipe.optimizer, param_groups(model, recipe.optimizer.weight_decay), adamw,
+        self.optimizer = build_optimizer(optimizer, param_groups(model, optimizer.weight_decay), adamw,
                                          flat_order=self.params, world=info.world_size)
         # Over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
         self._one_pass = OnePassStep(self.optimizer) if isinstance(self.optimizer, FusedAdamW) else None

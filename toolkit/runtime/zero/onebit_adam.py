@@ -39,6 +39,7 @@ from toolkit.observe.comm import wire_bytes
 from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.ddp import DataParallel
 from toolkit.runtime.zero.sharded import tensor_bytes
+from toolkit.specs import OptimizerSpec, ZeroSpec
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
@@ -88,12 +89,13 @@ def chunk_segments(lengths: list[int], lo: int, hi: int) -> tuple[list[int], lis
 class OnebitAdamStrategy(DataParallel):
     """Stage 0 with 1-bit Adam: all-reduced gradients for freeze_step steps, then compressed momentum."""
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, comm: Communicator):
+    def __init__(self, model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device,
+                 info: DistInfo, comm: Communicator):
         if not info.active:
             raise UserError("recipe.optimizer.type: onebit_adam compresses the ranks' communication and needs "
                             "several ranks; launch with `toolkit run --nproc N` or use 'adamw'")
-        super().__init__(model, recipe, device, info, "torch", comm)  # its optimizer: OnebitAdam (the factory)
-        self.freeze_step = recipe.optimizer.freeze_step
+        super().__init__(model, zero, optimizer, device, info, "torch", comm)  # its optimizer: OnebitAdam
+        self.freeze_step = optimizer.freeze_step
         world, chunk = info.world_size, self.optimizer.padded // info.world_size
         self._server = [chunk_segments(self.optimizer.lengths, r * chunk, (r + 1) * chunk) for r in range(world)]
         self._most_pieces = max(len(lengths) for lengths, _ in self._server)
