@@ -52,9 +52,10 @@ def assigned_on_self(cls: type) -> set[str]:
     return names
 
 
-def test_the_strategies_are_the_five_known_ones():
+def test_the_strategies_are_the_six_known_ones():
     names = {c.__name__ for c in strategy_classes()}
-    assert names == {"DataParallel", "OnebitAdamStrategy", "PartitionedStrategy", "Stage3Strategy", "MeshStrategy"}
+    assert names == {"DataParallel", "OnebitAdamStrategy", "PartitionedStrategy", "Stage3Strategy", "MeshStrategy",
+                     "PipelineStrategy"}
 
 
 def test_every_strategy_class_has_every_protocol_member():

@@ -11,7 +11,7 @@ without importing the protocol.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -30,6 +30,12 @@ class Strategy(Protocol):
     optimizer: object           # has param_groups with "lr" (toolkit.runtime.optim.Schedule writes it)
 
     # -- the engine's micro step and optimizer step ---------------------------------------
+    def micro_batch_loss(self, batch, loss: Callable) -> torch.Tensor:
+        """engine(batch): the loss of one micro batch; `loss(batch)` is the engine's forward and loss."""
+
+    def train_micro_batch(self, batch, loss: Callable, factor: float) -> torch.Tensor:
+        """One micro batch of train_batch: the gradients of loss x `factor`; returns the loss, detached, fp32."""
+
     def begin_micro_step(self, boundary: bool) -> None:
         """Before backward; `boundary`: this is the accumulation's last micro step."""
 
@@ -89,6 +95,12 @@ class Strategy(Protocol):
         """Restore what extra_state() saved: `files` holds every rank's file name, in rank order."""
 
 
+def backward_scaled(loss: torch.Tensor, factor: float) -> torch.Tensor:
+    """Gradients of loss x factor (1 / accumulation steps, times the fp16 loss scale); the loss, detached, fp32."""
+    (loss * factor).backward()
+    return loss.detach().float()
+
+
 class StrategyBase:
     """The defaults of `Strategy`: no offload, a replicated checkpoint, no extra state, data slot = rank."""
 
@@ -101,6 +113,14 @@ class StrategyBase:
     def data_rank(self) -> int:
         """This rank's data-parallel index: its rank (every rank is a data-parallel replica)."""
         return self.info.rank
+
+    def micro_batch_loss(self, batch, loss: Callable) -> torch.Tensor:
+        """The engine's forward and loss, as they are."""
+        return loss(batch)
+
+    def train_micro_batch(self, batch, loss: Callable, factor: float) -> torch.Tensor:
+        """Forward, then backward of loss x factor (a pipeline runs both in its schedule instead)."""
+        return backward_scaled(loss(batch), factor)
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """None: the pieces hold everything."""

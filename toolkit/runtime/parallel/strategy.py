@@ -32,7 +32,9 @@ from toolkit.distributed import DistInfo, any_true
 from toolkit.runtime.optim import build_optimizer, param_groups
 from toolkit.runtime.parallel.mesh import ParallelMesh
 from toolkit.runtime.parallel.tensor_parallel import ShardLayout
-from toolkit.runtime.precision import has_inf_or_nan
+from toolkit.errors import UserError
+from toolkit.runtime.parallel.pipeline import PipelineRunner
+from toolkit.runtime.precision import autocast_context, has_inf_or_nan
 from toolkit.runtime.strategy import StrategyBase
 from toolkit.specs import OptimizerSpec
 
@@ -241,3 +243,25 @@ class MeshStrategy(StrategyBase):
         params = size(locals_)
         return {"mem_params_bytes": params, "mem_grads_bytes": params, "mem_optim_bytes": size(optim),
                 "mem_master_bytes": 0, "mem_offload_bytes": 0}
+
+
+class PipelineStrategy(MeshStrategy):
+    """The mesh's strategy when parallel.pipeline > 1: the pipeline schedule (pipeline.py) runs each micro
+    batch's forward and backward together, so engine(batch) is for evaluation only."""
+
+    def __init__(self, *args, pipeline: PipelineRunner, dtype: str):
+        super().__init__(*args)
+        self.pipeline, self.dtype = pipeline, dtype  # dtype: recipe.precision.dtype, for autocast
+
+    def micro_batch_loss(self, batch, loss) -> torch.Tensor:
+        """The loss through the forward-only schedule (evaluation); refused where gradients are on."""
+        if torch.is_grad_enabled():
+            raise UserError("engine(batch): with parallel.pipeline > 1 the schedule runs forward and backward "
+                            "together; call engine.train_batch(micro_batches)")
+        with autocast_context(self.dtype, self.device.type):
+            return self.pipeline.evaluate(batch.to(self.device))
+
+    def train_micro_batch(self, batch, loss, factor: float) -> torch.Tensor:
+        """Forward and backward of the micro batch's pipeline micro-batches through the schedule; its mean loss."""
+        with autocast_context(self.dtype, self.device.type):
+            return self.pipeline.train(batch.to(self.device), factor)
