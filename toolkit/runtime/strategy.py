@@ -1,7 +1,7 @@
 """What the engine, the checkpoint code, the communication ledger and the training loop may ask of a
 strategy: the typed `Strategy` protocol every strategy implements (data parallel and 1-bit Adam in
 zero/ddp.py and zero/onebit_adam.py, ZeRO 1-3 in zero/partition.py and zero/stage3.py, the tensor/pipeline
-mesh in parallel/strategy.py), and `StrategyBase`, the defaults most of them share.
+mesh and its pipeline in parallel/strategy.py), and `StrategyBase`, the defaults most of them share.
 
 A new strategy subclasses `StrategyBase` and fills in the rest; tests/architecture/test_strategy.py checks
 that every strategy class has every member here, and that no code asks a strategy with hasattr/getattr.
