@@ -91,8 +91,10 @@ class Engine:
         self.recipe = recipe
         self._join(recipe, own_model=model is None)
         self._place_model(recipe, model)
-        adamw = self._choose_kernels(recipe)
-        self._swap_modules(recipe)
+        self._choose_kernels(recipe)
+        adamw = self._choose_adamw(recipe)
+        self._swap_fused_modules(recipe)
+        self._pad_head(recipe)
         self._build_strategy(recipe, adamw, model_given=model is not None, zero3_units=zero3_units)
         self._init_step_state(recipe)
 
@@ -119,27 +121,31 @@ class Engine:
         self.model.train()
         self.num_parameters = count_parameters(self.model)
 
-    def _choose_kernels(self, recipe: Recipe) -> str | None:
-        """recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error);
-        returns the AdamW for stage 0 and the mesh (toolkit.runtime.optim.choose_adamw; None: stages 1-3 step
-        their shards)."""
-        # NOTE: the AdamW kernel only where stage 0's optimizer can step with it; with optimizer.implementation
-        # that gives the one AdamW decision.
-        implementation = adamw_implementation(recipe.optimizer, recipe.kernels)
-        use_adamw_kernel = adamw_kernel_applies(implementation, recipe.zero.stage, recipe.parallel.active)
+    def _choose_kernels(self, recipe: Recipe) -> None:
+        """recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)."""
+        # NOTE: the AdamW kernel only where stage 0's optimizer can step with it (optim.adamw_kernel_applies).
+        use_adamw_kernel = adamw_kernel_applies(adamw_implementation(recipe.optimizer, recipe.kernels),
+                                                recipe.zero.stage, recipe.parallel.active)
         self.kernels = loader.resolve(recipe.kernels, self.device.type,
                                       loader.needed_kernels(recipe.model.family, use_adamw_kernel))
+
+    def _choose_adamw(self, recipe: Recipe) -> str | None:
+        """The AdamW of stage 0 and the mesh, from optimizer.implementation and the kernels just chosen
+        (toolkit.runtime.optim.choose_adamw); None at stages 1-3, which step their shards."""
         if recipe.zero.stage == 0 or recipe.parallel.active:
+            implementation = adamw_implementation(recipe.optimizer, recipe.kernels)
             return choose_adamw(implementation, self.device.type, self.kernels.active("adamw"))
         return None
 
-    def _swap_modules(self, recipe: Recipe) -> None:
-        """Fused norm and bias-GELU modules where their kernels are active; the padded LM head on a GPU."""
+    def _swap_fused_modules(self, recipe: Recipe) -> None:
+        """Fused norm and bias-GELU modules where their kernels are active."""
         # NOTE: not under recipe.parallel: the tensor-parallel plans name transformers' own modules.
         swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
                                         if self.kernels.active(name) and not recipe.parallel.active})
-        # The loss reads logits padded to aligned GEMM shapes on the GPU (on the CPU the extra
-        # columns would only be extra work).
+
+    def _pad_head(self, recipe: Recipe) -> None:
+        """The LM head padded to aligned GEMM shapes on a GPU (the loss skips the extra columns); on the CPU
+        they would only be extra work."""
         self._padded_head = (pad_lm_head(self.model) if self.device.type == "cuda" and not recipe.parallel.active
                              else None)
 
