@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.ops import custom_ops, loader
-from toolkit.ops.fused_adamw import FusedAdamW, OnePassStep, adamw_step, global_grad_norm
+from toolkit.ops.fused_adamw import FusedAdamW, adamw_step, global_grad_norm
 from toolkit.ops.fused_modules import swap_fused_modules
 from toolkit.runtime.optim import param_groups
+from toolkit.runtime.zero.ddp import OnePassStep
 from tests.ops.tiny_models import tiny_gpt2, tiny_llama
 
 
@@ -139,25 +140,12 @@ def two_group_model():
     return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
 
 
-class StageZero:
-    """The stage-0 strategy surface OnePassStep wraps (toolkit/runtime/zero/ddp.py)."""
-    stage = 0
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    def optimizer_step(self):
-        self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=False)
-
-
 def test_fused_adamw_with_loss_scale_and_clip_matches_torch_adamw():
     torch_model, fused_model = two_group_model(), two_group_model()
     settings = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     torch_opt = torch.optim.AdamW(param_groups(torch_model, 0.1), **settings)
-    one_pass = OnePassStep(StageZero(FusedAdamW(param_groups(fused_model, 0.1), **settings)))
+    fused_opt = FusedAdamW(param_groups(fused_model, 0.1), **settings)
+    one_pass = OnePassStep(fused_opt)  # stage 0's step over FusedAdamW (toolkit/runtime/zero/ddp.py)
     scale, clip = 1024.0, 0.5
     for _ in range(6):
         x = torch.randn(8, 7)
@@ -172,8 +160,9 @@ def test_fused_adamw_with_loss_scale_and_clip_matches_torch_adamw():
         assert one_pass.grads_overflow() is False
         one_pass.scale_grads(1 / scale)
         norm = one_pass.clip_grad_norm(clip)
-        one_pass.optimizer_step()
-        one_pass.zero_grad()
+        fused_opt.step()
+        fused_opt.zero_grad(set_to_none=False)
+        one_pass.reset()
         assert norm == pytest.approx(norm_ref, rel=1e-5)
     for a, b in zip(torch_model.parameters(), fused_model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -22,7 +22,8 @@ def sched(type_, warmup_type="log", warmup=WARMUP, total=TOTAL, min_lr=1e-5, max
 
 def adamw_for(spec, device_type, fused_kernel=False):
     """build_optimizer over the AdamW choose_adamw picks (the engine's two steps)."""
-    return lambda model: build_optimizer(model, spec, choose_adamw(spec.implementation, device_type, fused_kernel))
+    return lambda model: build_optimizer(spec, param_groups(model, spec.weight_decay),
+                                         choose_adamw(spec.implementation, device_type, fused_kernel))
 
 
 def opt_spec(implementation="auto", lr=BASE_LR, weight_decay=0.1):
@@ -98,7 +99,7 @@ def test_constant_keeps_optimizer_lr_for_every_step():
 
 def test_schedule_writes_every_param_group():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    opt = build_optimizer(model, opt_spec("torch"), "torch")
+    opt = build_optimizer(opt_spec("torch"), param_groups(model, 0.1), "torch")
     schedule = Schedule(opt, sched("WarmupCosineLR", "linear"), BASE_LR)
     for _ in range(4):
         schedule.step()
@@ -258,9 +259,13 @@ def test_the_toolkit_kernel_is_chosen_only_when_the_run_loaded_it_for_stage_0():
     assert choose_adamw("auto", "cuda", fused_kernel=True) == "toolkit-fused"
     assert choose_adamw("fused", "cuda", fused_kernel=True) == "toolkit-fused"
     assert choose_adamw("torch", "cuda", fused_kernel=True) == "torch"  # implementation torch wins over the kernel
-    assert [adamw_kernel_applies(impl, 0) for impl in ("auto", "fused", "torch")] == [True, True, False]
+    assert choose_adamw("torch_fused", "cuda", fused_kernel=True) == "torch-fused"  # never the toolkit's kernel
+    assert choose_adamw("torch_fused", "cpu", fused_kernel=False) == "torch"
+    assert [adamw_kernel_applies(impl, 0) for impl in ("auto", "fused", "torch_fused", "torch")] == [True, True, False,
+                                                                                                   False]
     assert not any(adamw_kernel_applies(impl, stage) for impl in ("auto", "fused") for stage in (1, 2, 3))
-    assert type(build_optimizer(nn.Linear(2, 2), opt_spec(), "toolkit-fused")).__name__ == "FusedAdamW"
+    assert not adamw_kernel_applies("auto", 0, mesh=True)
+    assert type(build_optimizer(opt_spec(), param_groups(nn.Linear(2, 2), 0.1), "toolkit-fused")).__name__ == "FusedAdamW"
 
 
 @pytest.mark.cuda

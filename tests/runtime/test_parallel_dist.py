@@ -3,7 +3,8 @@
 One torch.multiprocessing launch of 4 (forked) ranks runs every layout in turn for a tiny GPT-2 and a
 tiny Llama (4 layers, fp32, 5 steps, the same global batch of 16): (tp2, dp2), (pp2, dp2) under 1F1B and
 under interleaved 1F1B, (pp2, tp2) under GPipe, (pp4), and (tp2, dp2) and (pp2, dp2) with ZeRO-1 over dp;
-the ranks write their losses, gradient norms and consolidated parameters to files and the assertions run
+the ranks write their losses, gradient norms, a held-out loss (a pipeline's through its forward-only schedule)
+and consolidated parameters to files and the assertions run
 here against one process (the ordinary engine, no mesh). The (pp2, dp2, ZeRO-1) run saves a checkpoint
 (each dp rank holding half the moments) that resumes in the same launch at (dp 4, ZeRO-1) and at (tp2,
 dp2, ZeRO-1), and here on one process: all go on as the one-process run that never stopped (same
@@ -83,9 +84,21 @@ def start(world, overrides, resume_from=None):
 
 
 def steps(engine, stream, count) -> dict:
-    """Losses and grad norms of `count` optimizer steps."""
+    """Losses and grad norms of `count` optimizer steps, then the held-out loss of one fixed micro batch."""
     results = [engine.train_batch(stream.next_step()) for _ in range(count)]
-    return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results]}
+    return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
+            "eval": evaluations(engine, [engine.recipe.batch.micro_batch_per_rank])}
+
+
+def evaluations(engine, sizes) -> dict[int, float]:
+    """The held-out loss of a fixed micro batch of each size in `sizes` (rows)."""
+    return {rows: engine.evaluate([held_out(rows)]) for rows in sizes}
+
+
+def held_out(rows: int) -> torch.Tensor:
+    """The same token ids on every rank (a pipeline evaluates through its forward-only schedule)."""
+    return torch.randint(0, BASE["data"]["vocab_size"], (rows, BASE["data"]["seq_len"] + 1),
+                         generator=torch.Generator().manual_seed(7))
 
 
 def replica_parameters(engine) -> dict:
@@ -158,8 +171,10 @@ def reference():
     for family, family_overrides in FAMILIES.items():
         engine, stream = start(1, family_overrides)
         out[family] = {**steps(engine, stream, STEPS), "params": replica_parameters(engine)}
+        out[family]["eval"].update(evaluations(engine, [4, 8]))  # the layouts' micro batches: 4 to 16 rows
         if family == "gpt2":
             out[RESUMED_KEY] = {**steps(engine, stream, RESUMED), "params": replica_parameters(engine)}
+            out[RESUMED_KEY]["eval"].update(evaluations(engine, [4, 8]))
     return out
 
 
@@ -187,6 +202,8 @@ def check_against_one_process(ranks, reference, key, ref_key=None):
         torch.testing.assert_close(torch.tensor(r[key]["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(r[key]["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=RTOL,
                                    atol=0)
+        for rows, loss in r[key]["eval"].items():  # a pipeline's through its forward-only schedule
+            assert loss == pytest.approx(ref["eval"][rows], rel=RTOL), f"{key} held-out loss of {rows} rows"
 
 
 @pytest.mark.parametrize("key", [RESUMED_KEY, RESUMED_TP_KEY])

@@ -38,7 +38,7 @@ def parameters(engine):
 
 @pytest.fixture(scope="module")
 def stage0():
-    engine, losses = train(["zero.stage=0", "kernels.adamw=off"])
+    engine, losses = train(["zero.stage=0", "optimizer.implementation=torch_fused"])
     return parameters(engine), losses
 
 
@@ -84,7 +84,7 @@ def test_stages_through_nccl_world_1_match_stage0(stage0, monkeypatch):
         monkeypatch.setenv(key, value)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", torch.cuda.current_device()))
     try:
-        for overrides in (["zero.stage=0", "kernels.adamw=off"], *CASES[:3], CASES[4]):
+        for overrides in (["zero.stage=0", "optimizer.implementation=torch_fused"], *CASES[:3], CASES[4]):
             engine, losses = train(overrides)
             assert engine.dist.backend == "nccl"
             assert_matches(engine, losses, stage0)

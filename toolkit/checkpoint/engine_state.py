@@ -38,8 +38,9 @@ from toolkit.errors import UserError
 
 
 def is_sharded(engine) -> bool:
-    """True when each rank saves its own shard (ZeRO stages 1-3); stage 0 saves one replicated state."""
-    return engine.strategy.stage > 0 or getattr(engine.strategy, "sharded_checkpoint", False)  # + parallel/
+    """True when each rank saves its own shard (ZeRO stages 1-3, the mesh); stage 0 saves one replicated state.
+    The engine's strategy is a toolkit.runtime.strategy.Strategy (a layer above: used, not imported)."""
+    return engine.strategy.sharded_checkpoint
 
 
 def engine_state(engine) -> dict:
@@ -55,7 +56,7 @@ def engine_state(engine) -> dict:
         "skipped_steps": engine.skipped_steps,
     }
     if not is_sharded(engine):
-        if hasattr(engine.strategy, "error_feedback"):  # 1-bit Adam: each rank's error buffers in its own file
+        if engine.strategy.extra_state():  # 1-bit Adam: each rank's error buffers in its own file
             counters["error_feedback_files"] = [error_feedback_file_name(r, engine.dist.world_size)
                                                 for r in range(engine.dist.world_size)]
         return {"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict(), **counters}
@@ -69,7 +70,7 @@ def shard_writer(engine):
     """A function that writes this rank's ZeRO shard file into a directory (returning its name), or None at
     stage 0 (nothing per rank)."""
     if not is_sharded(engine):
-        return error_feedback_writer(engine) if hasattr(engine.strategy, "error_feedback") else None
+        return extra_state_writer(engine) if engine.strategy.extra_state() else None
 
     def write(directory) -> str:
         name = shard_file_name(engine.dist.rank, engine.dist.world_size)
@@ -83,13 +84,14 @@ def error_feedback_file_name(rank: int, world_size: int) -> str:
     return f"onebit-rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def error_feedback_writer(engine):
-    """A function that writes this rank's 1-bit Adam error buffers into a directory (returning its name)."""
+def extra_state_writer(engine):
+    """A function that writes this rank's strategy.extra_state() (1-bit Adam's error buffers) into a directory
+    (returning its name)."""
     from safetensors.torch import save_file
 
     def write(directory) -> str:
         name = error_feedback_file_name(engine.dist.rank, engine.dist.world_size)
-        save_file({k: v.detach().cpu().contiguous() for k, v in engine.strategy.error_feedback().items()},
+        save_file({k: v.detach().cpu().contiguous() for k, v in engine.strategy.extra_state().items()},
                   str(Path(directory) / name))
         return name
     return write
@@ -112,8 +114,8 @@ def load_engine_state(engine, state: dict, checkpoint_dir, param_names: list[str
         _load_model_states(engine, state, checkpoint_dir, param_names)
     else:
         _load_replicated(engine, state)
-    if hasattr(engine.strategy, "load_error_feedback") and state.get("error_feedback_files"):
-        engine.strategy.load_error_feedback(checkpoint_dir, state["error_feedback_files"])
+    if state.get("error_feedback_files"):  # a strategy without extra state ignores them
+        engine.strategy.load_extra_state(checkpoint_dir, state["error_feedback_files"])
     engine.scheduler.load_state_dict(state["scheduler"])
     if engine.loss_scaler is not None and state.get("loss_scaler") is not None:
         engine.loss_scaler.load_state_dict(state["loss_scaler"])

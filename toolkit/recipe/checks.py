@@ -55,8 +55,10 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
     nvme = [key for key in ("offload_optimizer", "offload_param") if zero[key] == "nvme"]
     if nvme and not zero["nvme_path"]:
         errors.append(f"recipe.zero.nvme_path: needed by zero.{nvme[0]} 'nvme' (a folder for the swap files)")
-    if r["optimizer"]["type"] == "onebit_adam" and (r["zero"]["stage"] != 0 or r["precision"]["dtype"] == "fp16"):
-        what = f"zero.stage {r['zero']['stage']}" if r["zero"]["stage"] != 0 else "precision.dtype 'fp16'"
+    mesh = r["parallel"]["tensor"] * r["parallel"]["pipeline"] > 1  # its DTensors reduce their own gradients
+    if r["optimizer"]["type"] == "onebit_adam" and (r["zero"]["stage"] != 0 or r["precision"]["dtype"] == "fp16" or mesh):
+        what = (f"zero.stage {r['zero']['stage']}" if r["zero"]["stage"] != 0 else "parallel.tensor/pipeline > 1"
+                if mesh else "precision.dtype 'fp16'")
         errors.append(f"recipe.optimizer.type: 'onebit_adam' runs on zero.stage 0 in fp32 or bf16, not with {what} "
                       "(as DeepSpeed's 1-bit Adam, it replaces stage 0's gradient all-reduce); use 'adamw' there")
     data, training = r["data"], r["training"]
@@ -95,6 +97,12 @@ def recipe_warnings(r: dict, given: dict, max_steps: int) -> list[str]:
             and sched["warmup_max_lr"] != lr:
         warnings.append(f"recipe.scheduler.warmup_max_lr: not given, so WarmupDecayLR warms up to "
                         f"{sched['warmup_max_lr']:g} (DeepSpeed's default), not optimizer.lr {lr:g}; set it")
+    adamw = r["kernels"]["adamw"]
+    if adamw != "auto":  # NOTE: kept for old recipes; toolkit/runtime/optim.py adamw_implementation reads it
+        meaning = ("reads as optimizer.implementation 'torch_fused'" if adamw == "off" else
+                   "still makes the toolkit's AdamW kernel required where optimizer.implementation takes it")
+        warnings.append(f"recipe.kernels.adamw: deprecated, recipe.optimizer.implementation decides the AdamW; "
+                        f"'{adamw}' {meaning}")
     return warnings
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.distributed import DistInfo, all_gather_flat, any_true, reduce_scatter_flat, sum_floats
-from toolkit.observe.comm import CommLedger, expected_step_bytes, wire_bytes
+from toolkit.observe.comm import CommLedger, wire_bytes
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -140,16 +140,5 @@ class Communicator:
 
 
 def expected_bytes_per_step(strategy, grad_accum_steps: int) -> dict[str, int]:
-    """The formula's bytes per rank per optimizer step, by kind, for this strategy's flat layout (Ψ: its
-    padded element count; toolkit/observe/comm.py expected_step_bytes). 1-bit Adam: after its freeze step."""
-    if hasattr(strategy, "compressed_bytes_per_step"):
-        return strategy.compressed_bytes_per_step()
-    world = strategy.info.world_size
-    if strategy.stage == 0:
-        numel = sum(p.numel() for p in strategy.params)
-        element = strategy.params[0].element_size() if strategy.params else 4
-        return expected_step_bytes(0, numel, world, element, grad_accum_steps)
-    numel = sum(g.padded_numel for g in strategy.groups)
-    element = torch.empty((), dtype=strategy.param_dtype).element_size()
-    root = strategy.groups[strategy.root].padded_numel if strategy.stage == 3 else 0
-    return expected_step_bytes(strategy.stage, numel, world, element, grad_accum_steps, root_numel=root)
+    """The formula's bytes per rank per optimizer step, by kind (the strategy's own formula: toolkit/runtime/strategy.py)."""
+    return strategy.expected_bytes_per_step(grad_accum_steps)

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 from toolkit.observe.estimate import parameter_count, resolve_model_shape
-from toolkit.specs import Recipe
+from toolkit.specs import ModelSpec
 
 # NOTE: below about a GFLOP per micro batch (6 x parameters x tokens) a step is tens of
 # milliseconds of small ops: on the idle 2-core VM a second thread made the whole quickstart
@@ -52,9 +52,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def choose_cpu_threads(recipe: Recipe) -> ThreadChoice:
-    """training.cpu_threads resolved: an integer as given; auto as the module says."""
-    setting = recipe.training.cpu_threads
+def choose_threads(setting: int | str, model: ModelSpec, tokens_per_micro_batch: int) -> ThreadChoice:
+    """training.cpu_threads (`setting`) resolved: an integer as given; auto as the module says, sized by the
+    model and the tokens of one micro batch."""
     if setting != "auto":
         return ThreadChoice(int(setting), "training.cpu_threads")
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
@@ -63,23 +63,34 @@ def choose_cpu_threads(recipe: Recipe) -> ThreadChoice:
     ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
     cores = usable_cores()
     per_rank = max(cores // ranks, 1)
-    shape, tied = resolve_model_shape(recipe.model)
-    tokens = recipe.batch.micro_batch_per_rank * recipe.data.seq_len
-    work = 6 * parameter_count(shape, tied_embeddings=tied) * tokens
+    shape, tied = resolve_model_shape(model)
+    work = 6 * parameter_count(shape, tied_embeddings=tied) * tokens_per_micro_batch
     share = f"{cores} usable cores" + (f" / {ranks} ranks" if ranks > 1 else "")
     if work < SMALL_WORK_FLOPS and per_rank > 1:
         return ThreadChoice(1, f"auto: {work / 1e9:.2f} GFLOP per micro batch is too little to split; {share}")
     return ThreadChoice(per_rank, f"auto: {share}")
 
 
-def apply_cpu_threads(recipe: Recipe) -> ThreadChoice:
-    """Set torch's intra-op thread count to the recipe's choice; returns it."""
+def apply_threads(choice: ThreadChoice) -> ThreadChoice:
+    """Set torch's intra-op thread count to `choice`; returns it."""
     import torch
 
-    choice = choose_cpu_threads(recipe)
     if torch.get_num_threads() != choice.count:
         torch.set_num_threads(choice.count)
     return choice
+
+
+# NOTE: the two recipe forms below serve toolkit/train/loop.py until its rewrite (issue 32 item 4) calls the
+# spec forms above; tests/architecture/test_specs_below_engine.py names them as the one exception.
+def choose_cpu_threads(recipe) -> ThreadChoice:
+    """choose_threads for a recipe's training, model, batch and data sections."""
+    return choose_threads(recipe.training.cpu_threads, recipe.model,
+                          recipe.batch.micro_batch_per_rank * recipe.data.seq_len)
+
+
+def apply_cpu_threads(recipe) -> ThreadChoice:
+    """apply_threads(choose_cpu_threads(recipe))."""
+    return apply_threads(choose_cpu_threads(recipe))
 
 
 def doctor_line() -> str:

@@ -24,14 +24,15 @@ from torch import nn
 from toolkit.ops import custom_ops, loader
 from toolkit.checkpoint.engine_state import engine_state, load_engine_state
 from toolkit.errors import UserError
-from toolkit.ops.fused_adamw import FusedAdamW, OnePassStep
 from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models.build import build_model, count_parameters
-from toolkit.runtime.optim import Schedule, adamw_kernel_applies, adamw_param_names, choose_adamw
-from toolkit.runtime.cpu_threads import apply_cpu_threads
+from toolkit.runtime.optim import (Schedule, adamw_implementation, adamw_kernel_applies, adamw_param_names,
+                                   choose_adamw)
+from toolkit.runtime.cpu_threads import apply_threads, choose_threads
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.specs import Recipe
+from toolkit.runtime.strategy import backward_scaled
 from toolkit.runtime.zero import build_strategy
 from toolkit.runtime.comm import Communicator
 from toolkit.distributed import init_distributed, select_cuda_device
@@ -88,40 +89,71 @@ class Engine:
 
     def __init__(self, recipe: Recipe, model: nn.Module | None = None, zero3_units=None):
         self.recipe = recipe
+        self._join(recipe, own_model=model is None)
+        self._place_model(recipe, model)
+        self._choose_kernels(recipe)
+        adamw = self._choose_adamw(recipe)
+        self._swap_fused_modules(recipe)
+        self._pad_head(recipe)
+        self._build_strategy(recipe, adamw, model_given=model is not None, zero3_units=zero3_units)
+        self._init_step_state(recipe)
+
+    # -- set-up, in order ------------------------------------------------------------
+
+    def _join(self, recipe: Recipe, own_model: bool) -> None:
+        """The device, the process group, torch's CPU threads and the seed."""
         select_cuda_device(recipe.training.device)  # cuda:LOCAL_RANK under torchrun
         self.device = check_device(recipe)
         self.dist = init_distributed(recipe.world_size, self.device)  # dp x tensor x pipeline processes
-        if model is None or recipe.training.cpu_threads != "auto":
+        if own_model or recipe.training.cpu_threads != "auto":
             # training.cpu_threads, as `toolkit run` applies it; "auto" sizes by the recipe's model, so a
             # model of the user's own keeps torch's setting unless the recipe names a count.
-            apply_cpu_threads(recipe)
+            apply_threads(choose_threads(recipe.training.cpu_threads, recipe.model,
+                                         recipe.batch.micro_batch_per_rank * recipe.data.seq_len))
         torch.manual_seed(recipe.training.seed)
-        model_given = model is not None
+
+    def _place_model(self, recipe: Recipe, model: nn.Module | None) -> None:
+        """The user's model, or the recipe's (seeded), on the device and in training mode."""
         if model is None:
             model = build_model(recipe.model, recipe.training.seed, self.device)
         self.model = model.to(self.device)
         self._model_name = type(model).__name__
         self.model.train()
         self.num_parameters = count_parameters(self.model)
-        # recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error).
-        # The AdamW kernel only where stage 0's optimizer can step with it; with recipe.optimizer.implementation
-        # that gives the one AdamW decision, passed to the strategy below.
-        use_adamw_kernel = adamw_kernel_applies(recipe.optimizer.implementation, recipe.zero.stage)
+
+    def _choose_kernels(self, recipe: Recipe) -> None:
+        """recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)."""
+        # NOTE: the AdamW kernel only where stage 0's optimizer can step with it (optim.adamw_kernel_applies).
+        use_adamw_kernel = adamw_kernel_applies(adamw_implementation(recipe.optimizer, recipe.kernels),
+                                                recipe.zero.stage, recipe.parallel.active)
         self.kernels = loader.resolve(recipe.kernels, self.device.type,
                                       loader.needed_kernels(recipe.model.family, use_adamw_kernel))
-        adamw = (choose_adamw(recipe.optimizer.implementation, self.device.type, self.kernels.active("adamw"))
-                 if recipe.zero.stage == 0 else None)
+
+    def _choose_adamw(self, recipe: Recipe) -> str | None:
+        """The AdamW of stage 0 and the mesh, from optimizer.implementation and the kernels just chosen
+        (toolkit.runtime.optim.choose_adamw); None at stages 1-3, which step their shards."""
+        if recipe.zero.stage == 0 or recipe.parallel.active:
+            implementation = adamw_implementation(recipe.optimizer, recipe.kernels)
+            return choose_adamw(implementation, self.device.type, self.kernels.active("adamw"))
+        return None
+
+    def _swap_fused_modules(self, recipe: Recipe) -> None:
+        """Fused norm and bias-GELU modules where their kernels are active."""
         # NOTE: not under recipe.parallel: the tensor-parallel plans name transformers' own modules.
         swap_fused_modules(self.model, {name: True for name in ("layernorm", "rmsnorm", "bias_gelu")
                                         if self.kernels.active(name) and not recipe.parallel.active})
-        # The loss below reads logits padded to aligned GEMM shapes on the GPU (on the CPU the extra
-        # columns would only be extra work).
+
+    def _pad_head(self, recipe: Recipe) -> None:
+        """The LM head padded to aligned GEMM shapes on a GPU (the loss skips the extra columns); on the CPU
+        they would only be extra work."""
         self._padded_head = (pad_lm_head(self.model) if self.device.type == "cuda" and not recipe.parallel.active
                              else None)
+
+    def _build_strategy(self, recipe: Recipe, adamw: str | None, model_given: bool, zero3_units) -> None:
+        """self.comm, then the strategy (toolkit/runtime/strategy.py) for recipe.zero or recipe.parallel."""
         # Every collective the engine issues goes through self.comm, which counts it (toolkit/runtime/comm.py).
         self.comm = Communicator(self.dist, self.device, overlap_comm=recipe.zero.overlap_comm,
                                  simulated_link_gbps=recipe.communication.simulated_link_gbps)
-        self.pipeline = None  # recipe.parallel.pipeline > 1: the schedule that runs forward and backward
         if recipe.parallel.active:  # tensor/pipeline parallelism over a device mesh: toolkit/runtime/parallel/
             if model_given:
                 raise UserError("recipe.parallel: tensor/pipeline parallelism splits the gpt2 and llama models the "
@@ -129,14 +161,28 @@ class Engine:
                                 "parallel.pipeline to 1")
             from toolkit.runtime.parallel.build import build_parallel
 
-            self.strategy, self.pipeline = build_parallel(self.model, recipe, self.device, self.dist)
+            self.strategy = build_parallel(self.model, recipe.parallel, recipe.model.family, recipe.zero.stage,
+                                           recipe.optimizer, recipe.precision.dtype, self.device, self.dist, adamw)
         else:
             self.strategy = self._data_parallel_strategy(recipe, zero3_units, adamw)
         self.comm.ledger.discard_open_step()  # the start-up broadcast is no step's traffic
         self.optimizer = self.strategy.optimizer  # torch AdamW (stage 0) or the shard's AdamW
-        # Stage 0 over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
-        self._step_strategy = (OnePassStep(self.strategy) if self.strategy.stage == 0
-                               and isinstance(self.optimizer, FusedAdamW) else self.strategy)
+
+    def _data_parallel_strategy(self, recipe: Recipe, zero3_units, adamw: str | None):
+        """ZeRO stage 0-3 over every rank (toolkit/runtime/zero/)."""
+        if zero3_units is not None and recipe.zero.stage != 3:
+            print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
+                  "parameters by unit)", file=sys.stderr, flush=True)
+        if recipe.zero.stage == 3 and recipe.training.compile:
+            raise UserError("recipe.training.compile: not with zero.stage 3 yet (its hooks gather and release "
+                            "parameters around each block, which torch.compile would trace through); use zero.stage 2 "
+                            "or training.compile false")
+        return build_strategy(self.model, recipe.zero, recipe.optimizer, recipe.precision.dtype, self.device,
+                              self.dist, adamw=adamw, comm=self.comm, zero3_units=zero3_units,
+                              grad_accum_steps=recipe.batch.grad_accum_steps)
+
+    def _init_step_state(self, recipe: Recipe) -> None:
+        """torch.compile, the schedule, the loss scaler and the step counters."""
         if recipe.training.compile:
             self.model.compile()  # in place: parameter names (checkpoints) unchanged
         self.scheduler = Schedule(self.optimizer, recipe.scheduler, recipe.optimizer.lr)
@@ -150,37 +196,15 @@ class Engine:
         # does not wait for the GPU; check_finite() reads it. fp16 runs skip such steps instead.
         self._first_nonfinite_step = torch.zeros((), dtype=torch.int64, device=self.device)
 
-    def _data_parallel_strategy(self, recipe: Recipe, zero3_units, adamw):
-        """ZeRO stage 0-3 over every rank (toolkit/runtime/zero/)."""
-        if zero3_units is not None and recipe.zero.stage != 3:
-            print(f"warning: zero3_units: ignored with zero.stage {recipe.zero.stage} (only stage 3 gathers "
-                  "parameters by unit)", file=sys.stderr, flush=True)
-        return build_strategy(self.model, recipe, self.device, self.dist, zero3_units, adamw=adamw, comm=self.comm)
-
-    def _pipeline_call(self, batch) -> torch.Tensor:
-        """engine(batch) with parallel.pipeline > 1: the loss through the forward-only schedule (evaluation)."""
-        if torch.is_grad_enabled():
-            raise UserError("engine(batch): with parallel.pipeline > 1 the schedule runs forward and backward "
-                            "together; call engine.train_batch(micro_batches)")
-        with autocast_context(self.recipe.precision.dtype, self.device.type):
-            return self.pipeline.evaluate(batch.to(self.device))
-
-    def _pipeline_micro_step(self, batch) -> None:
-        """One micro batch through the pipeline schedule (forward and backward of its micro-batches)."""
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        self.strategy.begin_micro_step(boundary=self.micro_step + 1 >= self.grad_accum_steps)
-        with autocast_context(self.recipe.precision.dtype, self.device.type):
-            self._loss_sum += self.pipeline.train(batch.to(self.device), scale / self.grad_accum_steps)
-        self.strategy.end_micro_step()
-        self.micro_step += 1
-
     # -- DeepSpeed-style API -------------------------------------------------
 
     def __call__(self, batch) -> torch.Tensor:
         """Forward one micro batch; returns the loss (fp32, 0-dim). What a batch is and what the model may
         return (a loss, an output with .loss, or logits the engine scores): toolkit/models/forward.py."""
-        if self.pipeline is not None:
-            return self._pipeline_call(batch)
+        return self.strategy.micro_batch_loss(batch, self._loss)
+
+    def _loss(self, batch) -> torch.Tensor:
+        """The model's forward on one micro batch, and its loss (the strategy's default micro step runs it)."""
         # Token ids: logits padded past the vocabulary (the loss below skips those columns). Not for a dict
         # batch: a Hugging Face model given labels computes its own loss over all the columns it gets.
         head = self._padded_head if isinstance(batch, torch.Tensor) else None
@@ -218,13 +242,22 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of loss / grad_accum_steps (times the loss scale in fp16)."""
+        self._check_differentiable(loss)
+        self._micro_step(lambda factor: backward_scaled(loss, factor))
+
+    def _check_differentiable(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss`, refused when backward could not reach the model's parameters."""
         if not loss.requires_grad:
             raise UserError(f"engine.backward: the loss does not depend on the model's parameters (no grad_fn); "
                             f"compute it from {self._model_name}'s output, outside torch.no_grad()")
-        self._loss_sum += loss.detach().float()
+        return loss
+
+    def _micro_step(self, run) -> None:
+        """One micro step: `run(loss factor)` computes the gradients of loss x factor and returns the detached
+        loss, which joins the step's mean; the strategy reduces the gradients around it."""
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.strategy.begin_micro_step(boundary=self.micro_step + 1 >= self.grad_accum_steps)
-        (loss * (scale / self.grad_accum_steps)).backward()
+        self._loss_sum += run(scale / self.grad_accum_steps)
         self.strategy.end_micro_step()  # gradients reduced (at the boundary, or every micro-step from stage 2)
         self.micro_step += 1
 
@@ -236,7 +269,7 @@ class Engine:
         """Update the weights at an accumulation boundary (else do nothing and return None)."""
         if not self.is_accumulation_boundary():
             return None
-        strategy = self._step_strategy
+        strategy = self.strategy
         lr = self.current_lr  # the rate this update uses (the schedule then moves on)
         skipped = False
         scale = 1.0
@@ -274,12 +307,13 @@ class Engine:
         """One optimizer step over this rank's micro batches (grad_accum_steps of them)."""
         if len(micro_batches) != self.grad_accum_steps:
             raise ValueError(f"expected {self.grad_accum_steps} micro batches, got {len(micro_batches)}")
-        for micro_batch in micro_batches:
-            if self.pipeline is not None:
-                self._pipeline_micro_step(micro_batch)
-                continue
-            self.backward(self(micro_batch))
+        for micro_batch in micro_batches:  # the strategy's micro step: a pipeline's schedule runs its own forward
+            self._micro_step(lambda factor, batch=micro_batch: self.strategy.train_micro_batch(
+                batch, self._differentiable_loss, factor))
         return self.step()
+
+    def _differentiable_loss(self, batch) -> torch.Tensor:
+        return self._check_differentiable(self(batch))
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:

@@ -1,11 +1,12 @@
 """AdamW and the learning-rate schedule, built from `OptimizerSpec` and `SchedulerSpec`.
 
 What lives here: the decay / no-decay parameter groups, the choice of AdamW
-implementation for stage 0 (`choose_adamw`: the toolkit's fused CUDA kernel, toolkit/ops/fused_adamw.py,
-when the engine's kernel choice loaded it; torch's fused or foreach AdamW otherwise), and
+implementation (`adamw_implementation`, `choose_adamw`: the toolkit's fused CUDA kernel, toolkit/ops/fused_adamw.py,
+when the engine's kernel choice loaded it; torch's fused or foreach AdamW otherwise), the one optimizer
+factory every strategy builds with (`build_optimizer`: a new optimizer.type is one branch there), and
 DeepSpeed's schedules (constant, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) with
 DeepSpeed's formulas, as pure functions `lr_at` (and `betas_at`, OneCycle's momentum) and a small
-stateful `Schedule`. optimizer.type adam (L2 weight decay) is torch.optim.Adam at stage 0. What does not: gradient clipping, loss
+stateful `Schedule`. What does not: gradient clipping, loss
 scaling and ZeRO partitioning of the optimizer state (precision.py, zero/).
 
 How the schedule lines up with optimizer steps (DeepSpeed's behaviour as run, from
@@ -19,12 +20,13 @@ start" value (warmup_min_lr for WarmupLR/WarmupDecayLR, 0 for WarmupCosineLR).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.specs import OptimizerSpec, SchedulerSpec
+from toolkit.specs import KernelsSpec, OptimizerSpec, SchedulerSpec
 
 
 # ---------------------------------------------------------------------------
@@ -62,43 +64,80 @@ def adamw_param_names(model: nn.Module) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# AdamW
+# The optimizer factory: every strategy builds its optimizer here (a new optimizer.type is one branch below)
 
-def adamw_kernel_applies(implementation: str, zero_stage: int) -> bool:
+def adamw_implementation(optimizer: OptimizerSpec, kernels: KernelsSpec) -> str:
+    """recipe.optimizer.implementation, the one key that decides the AdamW, with the deprecated
+    recipe.kernels.adamw folded in: 'off' reads as 'torch_fused' ('on' keeps its old meaning: the kernel is
+    required; toolkit/recipe/checks.py warns about both)."""
+    if kernels.adamw == "off" and optimizer.implementation in ("auto", "fused"):
+        return "torch_fused"
+    return optimizer.implementation
+
+
+def adamw_kernel_applies(implementation: str, zero_stage: int, mesh: bool = False) -> bool:
     """Whether the run's AdamW could step with kernels/fused_adamw.cu, so the engine should resolve it."""
     # NOTE: only stage 0 steps whole parameters with a torch-style optimizer (FusedAdamW); stages 1-3
     # step flat shards (toolkit/runtime/zero/adamw.py: torch's fused AdamW, or the CPU Adam kernel
-    # under offload), so building the CUDA AdamW for them would be a minute spent on nothing.
-    return zero_stage == 0 and implementation != "torch"
+    # under offload), and the mesh steps DTensors' local shards with torch's, so building the CUDA
+    # AdamW for them would be a minute spent on nothing.
+    return zero_stage == 0 and not mesh and implementation in ("auto", "fused")
 
 
 def choose_adamw(implementation: str, device_type: str, fused_kernel: bool) -> str:
-    """Stage 0's AdamW for recipe.optimizer.implementation on this device: 'toolkit-fused', 'torch-fused'
-    or 'torch'; `fused_kernel` says whether the run's kernels (recipe.kernels.adamw) loaded the toolkit's."""
-    if implementation == "torch":
+    """The AdamW for an implementation (`adamw_implementation`) on this device: 'toolkit-fused', 'torch-fused'
+    or 'torch'; `fused_kernel` says whether the run's kernels loaded the toolkit's."""
+    if implementation == "torch" or (implementation == "torch_fused" and device_type != "cuda"):
         return "torch"
     if device_type == "cuda":
-        return "toolkit-fused" if fused_kernel else "torch-fused"
+        return "toolkit-fused" if fused_kernel and implementation != "torch_fused" else "torch-fused"
     if implementation == "fused":
         raise UserError("recipe.optimizer.implementation: 'fused' needs a CUDA device; use 'auto' or 'torch'")
     return "torch"
 
 
-def build_optimizer(model: nn.Module, spec: OptimizerSpec, adamw: str) -> torch.optim.Optimizer:
-    """AdamW over `param_groups(model, spec.weight_decay)`, of the kind `choose_adamw` returned: the toolkit's
-    fused kernel, torch's fused AdamW, or torch's default (foreach where it can)."""
-    groups = param_groups(model, spec.weight_decay)
-    if spec.type == "adam":  # L2 decay in the gradient (torch Adam); the toolkit's kernel is AdamW only
-        fused = {"fused": True} if adamw in ("toolkit-fused", "torch-fused") else {}
-        return torch.optim.Adam(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
-                                weight_decay=spec.weight_decay, **fused)
+@dataclass(frozen=True)
+class FlatShard:
+    """What a ZeRO 1-3 rank steps: `numel` fp32 elements of master weights, on `device` (CPU under offload)."""
+    numel: int
+    device: torch.device
+    offload: bool
+
+
+def build_optimizer(spec: OptimizerSpec, params, adamw: str = "torch", *, flat_order=(), world: int = 1,
+                    shard_group=None):
+    """The optimizer for `spec` (type, lr, betas, eps, weight decay) over `params`: a ZeRO rank's `FlatShard`,
+    or torch-style parameter groups (`param_groups`) of whole tensors, stepped with the AdamW `choose_adamw`
+    returned. 1-bit Adam lays its state out in `flat_order` over `world` ranks; `shard_group` wraps torch's
+    optimizer in its ZeroRedundancyOptimizer over that process group (the mesh's ZeRO-1)."""
+    if isinstance(params, FlatShard):  # adamw and adam (L2 decay) share the shard's step (zero/adamw.py)
+        from toolkit.runtime.zero.adamw import ShardedAdamW
+
+        return ShardedAdamW(spec, params.numel, params.device, offload=params.offload)
+    if spec.type == "onebit_adam":
+        from toolkit.runtime.zero.onebit_optimizer import OnebitAdam
+
+        return OnebitAdam(params, list(flat_order), spec, world)
+    cls, settings = _whole_tensor_optimizer(spec, adamw)
+    if shard_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, cls, process_group=shard_group, **settings)
+    return cls(params, **settings)
+
+
+def _whole_tensor_optimizer(spec: OptimizerSpec, adamw: str) -> tuple[type, dict]:
+    """(optimizer class, its settings) for whole tensors: torch Adam (L2 decay in the gradient), the toolkit's
+    fused AdamW kernel, or torch's AdamW (fused, or its default: foreach where it can)."""
+    settings = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
+    fused = {"fused": True} if adamw in ("toolkit-fused", "torch-fused") else {}
+    if spec.type == "adam":  # the toolkit's kernel is AdamW only
+        return torch.optim.Adam, {**settings, **fused}
     if adamw == "toolkit-fused":
         from toolkit.ops.fused_adamw import FusedAdamW
 
-        return FusedAdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
-    fused = {"fused": True} if adamw == "torch-fused" else {}
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
-                             weight_decay=spec.weight_decay, **fused)
+        return FusedAdamW, settings
+    return torch.optim.AdamW, {**settings, **fused}
 
 
 # ---------------------------------------------------------------------------

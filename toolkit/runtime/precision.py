@@ -60,7 +60,7 @@ def has_inf_or_nan(grads: Iterable[torch.Tensor | None]) -> bool:
     """True when any gradient holds an inf or NaN; one fused reduction and one host sync per device."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for grad in grads:
-        if grad is not None:
+        if grad is not None and grad.numel():  # an empty one (stage 3's root unit of a model all blocks) has none
             by_device.setdefault(grad.device, []).append(grad)
     for tensors in by_device.values():
         # NOTE: the max-abs (inf) norm is finite for every finite tensor, so unlike the

@@ -7,9 +7,11 @@ parallelism); at the accumulation boundary they are averaged over the data-paral
 tied embedding is summed over the pipeline (the first stage's input use plus the last stage's head use).
 The norm for clipping is global: each parameter counted once (a tensor shard by every tensor rank, a
 replicated parameter by tensor rank 0, the tied embedding by stage 0), summed over the whole mesh.
-AdamW is torch's, on each rank's local tensors, so each element sees the one-process arithmetic. Under
-zero.stage 1 it is wrapped in torch's ZeroRedundancyOptimizer over the dp group: each dp rank keeps the
-moments of about 1/dp of its local tensors, steps those and broadcasts them (ZeRO-1, DeepSpeed's "3D").
+The optimizer is the recipe's (optimizer.type adamw or adam, optimizer.implementation: torch's fused or
+default step; toolkit.runtime.optim.build_optimizer), on each rank's local tensors, so each element sees
+the one-process arithmetic. Under zero.stage 1 it is wrapped in torch's ZeroRedundancyOptimizer over the
+dp group: each dp rank keeps the moments of about 1/dp of its local tensors, steps those and broadcasts
+them (ZeRO-1, DeepSpeed's "3D").
 
 Checkpoints are the ZeRO shard format (toolkit/checkpoint/zero_shards.py) with whole parameters: the
 (dp 0, tp 0) rank of each stage writes its stage's parameters gathered over the tensor group, with the
@@ -27,10 +29,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.distributed import DistInfo, any_true
-from toolkit.runtime.optim import param_groups
+from toolkit.runtime.optim import build_optimizer, param_groups
 from toolkit.runtime.parallel.mesh import ParallelMesh
 from toolkit.runtime.parallel.tensor_parallel import ShardLayout
-from toolkit.runtime.precision import has_inf_or_nan
+from toolkit.errors import UserError
+from toolkit.runtime.parallel.pipeline import PipelineRunner
+from toolkit.runtime.precision import autocast_context, has_inf_or_nan
+from toolkit.runtime.strategy import StrategyBase
+from toolkit.specs import OptimizerSpec
 
 TIED_EMBEDDING = "transformer.wte.weight"  # GPT-2's token embedding, also its LM head
 
@@ -39,15 +45,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class MeshStrategy:
+class MeshStrategy(StrategyBase):
     """Data parallelism (zero.stage 0, or 1: optimizer states sharded) over the mesh's dp dimension, for a
     tensor- and/or pipeline-parallel model."""
 
-    offload = False
     sharded_checkpoint = True  # whole parameters in ZeRO shard files (see the module docstring)
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, mesh: ParallelMesh,
-                 layouts: dict[str, ShardLayout], full_shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, model: nn.Module, optimizer: OptimizerSpec, stage: int, device: torch.device, info: DistInfo,
+                 mesh: ParallelMesh, layouts: dict[str, ShardLayout], full_shapes: dict[str, tuple[int, ...]],
+                 adamw: str):
         self.model, self.device, self.info, self.mesh = model, device, info, mesh
         self.layouts, self.full_shapes = layouts, full_shapes
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -55,18 +61,13 @@ class MeshStrategy:
         with torch.no_grad():  # the optimizer steps each rank's local tensors (aliases of the DTensors' storage)
             self._local_of = {id(p): _local(p) for p in self.params}
         groups = [{**g, "params": [self._local_of[id(p)] for p in g["params"]]}
-                  for g in param_groups(model, recipe.optimizer.weight_decay)]
-        spec = recipe.optimizer
-        adamw = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
-        self.stage = recipe.zero.stage  # 0 or 1 (recipe/parallel_checks.py refuses more)
-        if self.stage == 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            self.optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=mesh.group("dp"),
-                                                     **adamw)
-            self._local_optimizer = self.optimizer.optim  # AdamW over the tensors this dp rank owns
-        else:
-            self.optimizer = self._local_optimizer = torch.optim.AdamW(groups, **adamw)
+                  for g in param_groups(model, optimizer.weight_decay)]
+        self.stage = stage  # zero.stage 0 or 1 (recipe/parallel_checks.py refuses more)
+        # NOTE: `adamw` is torch's (the engine resolves the toolkit's AdamW kernel for stage 0 only)
+        self.optimizer = build_optimizer(optimizer, groups, adamw,
+                                         shard_group=mesh.group("dp") if self.stage == 1 else None)
+        # the optimizer over the tensors this dp rank owns (ZeRO-1: the wrapped one)
+        self._local_optimizer = self.optimizer.optim if self.stage == 1 else self.optimizer
         self._owner = self._moment_owners()
         self._steps = 0
         self._boundary = False
@@ -89,6 +90,25 @@ class MeshStrategy:
         what = ("stage 1 (optimizer states sharded, torch ZeroRedundancyOptimizer)" if self.stage == 1
                 else "stage 0 (data parallel)")
         return f"{what} over dp {self.mesh.dp}; {self.mesh.describe()}"
+
+    def describe_tiers(self) -> str:
+        """One line for the start-up table: everything on the device, this rank's bytes (its shards and stages)."""
+        from toolkit.observe.estimate import format_bytes
+
+        mem = self.memory_bytes()
+        return (f"params device ({format_bytes(mem['mem_params_bytes'])}); grads device "
+                f"({format_bytes(mem['mem_grads_bytes'])}); optimizer states device "
+                f"({format_bytes(mem['mem_optim_bytes'])})")
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index along the mesh's dp dimension: tensor and pipeline ranks of a replica share data."""
+        return self.mesh.dp_rank
+
+    def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
+        """None by formula: DTensor and torch.distributed.pipelining issue the mesh's collectives themselves,
+        outside the Communicator that counts (toolkit/runtime/comm.py)."""
+        return {}
 
     # -- gradients -----------------------------------------------------------------------
 
@@ -223,3 +243,25 @@ class MeshStrategy:
         params = size(locals_)
         return {"mem_params_bytes": params, "mem_grads_bytes": params, "mem_optim_bytes": size(optim),
                 "mem_master_bytes": 0, "mem_offload_bytes": 0}
+
+
+class PipelineStrategy(MeshStrategy):
+    """The mesh's strategy when parallel.pipeline > 1: the pipeline schedule (pipeline.py) runs each micro
+    batch's forward and backward together, so engine(batch) is for evaluation only."""
+
+    def __init__(self, *args, pipeline: PipelineRunner, dtype: str):
+        super().__init__(*args)
+        self.pipeline, self.dtype = pipeline, dtype  # dtype: recipe.precision.dtype, for autocast
+
+    def micro_batch_loss(self, batch, loss) -> torch.Tensor:
+        """The loss through the forward-only schedule (evaluation); refused where gradients are on."""
+        if torch.is_grad_enabled():
+            raise UserError("engine(batch): with parallel.pipeline > 1 the schedule runs forward and backward "
+                            "together; call engine.train_batch(micro_batches)")
+        with autocast_context(self.dtype, self.device.type):
+            return self.pipeline.evaluate(batch.to(self.device))
+
+    def train_micro_batch(self, batch, loss, factor: float) -> torch.Tensor:
+        """Forward and backward of the micro batch's pipeline micro-batches through the schedule; its mean loss."""
+        with autocast_context(self.dtype, self.device.type):
+            return self.pipeline.train(batch.to(self.device), factor)

@@ -20,27 +20,74 @@ import math
 import torch
 from torch import nn
 
+from toolkit.observe.comm import expected_step_bytes
+from toolkit.ops.fused_adamw import FusedAdamW
 from toolkit.runtime.comm import Communicator
-from toolkit.runtime.optim import build_optimizer
+from toolkit.runtime.optim import build_optimizer, param_groups
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
+from toolkit.runtime.strategy import StrategyBase
 from toolkit.runtime.zero.flat import bucket_params
 from toolkit.runtime.zero.sharded import tensor_bytes
+from toolkit.specs import OptimizerSpec, ZeroSpec
 
 
-class DataParallel:
+class OnePassStep:
+    """Stage 0's step over the toolkit's FusedAdamW, reading the gradients once.
+
+    The engine drives a strategy with grads_overflow() -> scale_grads(1/scale) -> clip_grad_norm(max)
+    -> optimizer_step(): four passes over the gradients with torch AdamW. Over a FusedAdamW the first
+    call measures the norm and the inf/NaN flag in one pass, scale_grads and clip_grad_norm only
+    compute a multiplier, and the fused step applies it. The norm and the multiplier stay on the
+    device: only grads_overflow (the fp16 loss scaler's decision) waits for the GPU.
+    """
+
+    def __init__(self, optimizer: FusedAdamW):
+        self._optimizer = optimizer
+        self._measured: tuple[torch.Tensor, torch.Tensor] | None = None  # (norm of the gradients as they are, any inf/NaN)
+        self._factor = 1.0  # scale_grads factors so far
+
+    def _measure(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._measured is None:
+            self._measured = self._optimizer.measure_grads()
+        return self._measured
+
+    def grads_overflow(self) -> bool:
+        """Any inf/NaN in the gradients (stage 0: identical on every rank after the all-reduce). Syncs."""
+        return bool(self._measure()[1])
+
+    def scale_grads(self, factor: float) -> None:
+        """Deferred: the fused step multiplies by it."""
+        self._factor *= factor
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The norm of the scaled gradients (0-dim, on the device); the clip coefficient
+        (torch.nn.utils.clip_grad_norm_'s, none for a non-finite norm) joins the step's multiplier."""
+        norm = self._measure()[0] * self._factor
+        if max_norm > 0:
+            clip = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
+            self._optimizer.set_grad_multiplier(clip * self._factor)
+        else:
+            self._optimizer.set_grad_multiplier(self._factor)
+        return norm
+
+    def reset(self) -> None:
+        """Forget this step's measurement and multiplier (after the optimizer step, or zero_grad)."""
+        self._measured, self._factor = None, 1.0
+
+
+class DataParallel(StrategyBase):
     """Stage 0 strategy: replicated model and optimizer, averaged gradients."""
 
     stage = 0
-    offload = False
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, adamw: str,
-                 comm: Communicator):
-        self.model, self.recipe, self.device, self.info, self.comm = model, recipe, device, info, comm
+    def __init__(self, model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device,
+                 info: DistInfo, adamw: str, comm: Communicator):
+        self.model, self.device, self.info, self.comm = model, device, info, comm
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         self.flat_grads: list[torch.Tensor] = []  # several ranks: the all-reduce buckets the .grad views live in
-        for bucket in bucket_params(list(reversed(named)), recipe.zero.reduce_bucket_size):
+        for bucket in bucket_params(list(reversed(named)), zero.reduce_bucket_size):
             params = [p for _, p in bucket]
             self.buckets.append(params)
             if not info.active:
@@ -52,7 +99,11 @@ class DataParallel:
                 offset += p.numel()
             self.flat_grads.append(flat)
         self.params = [p for bucket in self.buckets for p in bucket]
-        self.optimizer = build_optimizer(model, recipe.optimizer, adamw)  # the engine's choice (optim.choose_adamw)
+        # the AdamW the engine chose (optim.choose_adamw), or 1-bit Adam's state over the buckets' order
+        self.optimizer = build_optimizer(optimizer, param_groups(model, optimizer.weight_decay), adamw,
+                                         flat_order=self.params, world=info.world_size)
+        # Over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
+        self._one_pass = OnePassStep(self.optimizer) if isinstance(self.optimizer, FusedAdamW) else None
         self._names = {id(p): n for n, p in named}
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self._reducing = False
@@ -116,21 +167,30 @@ class DataParallel:
 
     def grads_overflow(self) -> bool:
         """True when the (already averaged, identical on every rank) gradients hold an inf or NaN."""
+        if self._one_pass is not None:
+            return self._one_pass.grads_overflow()
         return self.comm.any_true(has_inf_or_nan(self.grad_tensors()))
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every gradient by `factor`."""
+        if self._one_pass is not None:
+            self._one_pass.scale_grads(factor)
+            return
         grads = self.grad_tensors()
         if grads:
             torch._foreach_mul_(grads, factor)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """torch's clip_grad_norm_ over all parameters (0 or less: measure only); the norm stays on the device."""
+        if self._one_pass is not None:
+            return self._one_pass.clip_grad_norm(max_norm)
         return torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else math.inf)
 
     def optimizer_step(self) -> None:
         """torch AdamW step on the full model."""
         self.optimizer.step()
+        if self._one_pass is not None:
+            self._one_pass.reset()
 
     def zero_grad(self) -> None:
         """Zero the flat gradient buckets in place (the .grad views stay); one process: drop the gradients."""
@@ -139,6 +199,14 @@ class DataParallel:
         if not self.info.active:
             for p in self.params:
                 p.grad = None
+        if self._one_pass is not None:
+            self._one_pass.reset()
+
+    def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
+        """The formula's bytes per rank per step: the gradients all-reduced once (toolkit/observe/comm.py)."""
+        numel = sum(p.numel() for p in self.params)
+        element = self.params[0].element_size() if self.params else 4
+        return expected_step_bytes(0, numel, self.info.world_size, element, grad_accum_steps)
 
     # -- checkpoint state (toolkit/checkpoint/zero_shards.py) --------------------------------------
 

@@ -22,7 +22,8 @@ three all-gathers per step, whatever the number of tensors) with a scale per par
 on the worker side and per parameter piece on the server side, where DeepSpeed issues
 those collectives per tensor; the error buffers are saved in checkpoints (one file per
 rank) and restored at the same world size, where DeepSpeed resets them on load.
-Refused (toolkit/recipe/checks.py): zero.stage > 0, fp16; here: one process.
+Refused (toolkit/recipe/checks.py): zero.stage > 0, fp16, a tensor/pipeline mesh; here: one process. The
+optimizer state and its update are onebit_optimizer.py.
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ from toolkit.distributed import DistInfo
 from toolkit.errors import UserError
 from toolkit.observe.comm import wire_bytes
 from toolkit.runtime.comm import Communicator
-from toolkit.runtime.optim import param_groups
 from toolkit.runtime.zero.ddp import DataParallel
 from toolkit.runtime.zero.sharded import tensor_bytes
+from toolkit.specs import OptimizerSpec, ZeroSpec
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
@@ -85,88 +86,16 @@ def chunk_segments(lengths: list[int], lo: int, hi: int) -> tuple[list[int], lis
     return out, owners
 
 
-class OnebitAdam:
-    """The optimizer state of 1-bit Adam over a flat layout (stage 0's parameter order), and its update."""
-
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], spec, world: int, device: torch.device):
-        self.spec, self.params = spec, params
-        self.param_groups = param_groups(model, spec.weight_decay)  # the schedule writes "lr" here
-        for group in self.param_groups:
-            group["lr"] = spec.lr
-        self.sizes = [p.numel() for p in params]
-        self.numel = sum(self.sizes)
-        unit = 8 * world  # every rank's chunk a whole number of bytes
-        self.padded = -(-self.numel // unit) * unit
-        self.lengths = self.sizes + [self.padded - self.numel]  # the padding is its own segment (scale 0)
-        self.exp_avg = torch.zeros(self.padded, device=device)
-        self.exp_avg_sq = torch.zeros(self.numel, device=device)
-        self.worker_error = torch.zeros(self.padded, device=device)
-        self.server_error = torch.zeros(self.padded // world, device=device)
-        self.step_count = 0
-
-    def state_dict(self) -> dict:
-        """torch AdamW's format (index order: decayed group, then the other), so any stage resumes from it."""
-        index = {id(p): i for i, p in enumerate(self.params)}
-        m, v = self.exp_avg[:self.numel].split(self.sizes), self.exp_avg_sq.split(self.sizes)
-        state, groups, k = {}, [], 0
-        for group in self.param_groups:
-            ids = []
-            for p in group["params"]:
-                i = index[id(p)]
-                state[k] = {"step": torch.tensor(float(self.step_count)), "exp_avg": m[i].view_as(p),
-                            "exp_avg_sq": v[i].view_as(p)}
-                ids.append(k)
-                k += 1
-            groups.append({**{key: val for key, val in group.items() if key != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
-    def load_state_dict(self, saved: dict) -> None:
-        """Moments and step count from state_dict() (or a torch AdamW's: the same format)."""
-        index = {id(p): i for i, p in enumerate(self.params)}
-        m, v = self.exp_avg[:self.numel].split(self.sizes), self.exp_avg_sq.split(self.sizes)
-        k = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = saved["state"].get(k) or saved["state"].get(str(k))
-                if state:
-                    m[index[id(p)]].copy_(state["exp_avg"].reshape(-1))
-                    v[index[id(p)]].copy_(state["exp_avg_sq"].reshape(-1))
-                    self.step_count = int(float(state["step"]))
-                k += 1
-
-    @torch.no_grad()
-    def update(self, grads: torch.Tensor, average_momentum) -> None:
-        """One step from the flat gradient `grads`: Adam moments (the variance frozen once
-        `average_momentum` is given: it averages exp_avg over the ranks in place), then the weights."""
-        beta1, beta2 = self.spec.betas
-        m = self.exp_avg[:self.numel]
-        m.mul_(beta1).add_(grads, alpha=1 - beta1)
-        if average_momentum is None:
-            self.exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
-        else:
-            average_momentum(self.exp_avg)
-        update = m / self.exp_avg_sq.sqrt().add_(self.spec.eps)
-        pieces = dict(zip((id(p) for p in self.params), update.split(self.sizes)))
-        for group in self.param_groups:
-            ps = group["params"]
-            steps = [pieces[id(p)].view_as(p) for p in ps]
-            if group["weight_decay"] > 0:
-                torch._foreach_add_(steps, ps, alpha=group["weight_decay"])
-            torch._foreach_add_(ps, steps, alpha=-group["lr"])
-        self.step_count += 1
-
-
 class OnebitAdamStrategy(DataParallel):
     """Stage 0 with 1-bit Adam: all-reduced gradients for freeze_step steps, then compressed momentum."""
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, comm: Communicator):
+    def __init__(self, model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device,
+                 info: DistInfo, comm: Communicator):
         if not info.active:
             raise UserError("recipe.optimizer.type: onebit_adam compresses the ranks' communication and needs "
                             "several ranks; launch with `toolkit run --nproc N` or use 'adamw'")
-        super().__init__(model, recipe, device, info, "torch", comm)
-        self.optimizer = OnebitAdam(model, self.params, recipe.optimizer, info.world_size, device)
-        self.freeze_step = recipe.optimizer.freeze_step
+        super().__init__(model, zero, optimizer, device, info, "torch", comm)  # its optimizer: OnebitAdam
+        self.freeze_step = optimizer.freeze_step
         world, chunk = info.world_size, self.optimizer.padded // info.world_size
         self._server = [chunk_segments(self.optimizer.lengths, r * chunk, (r + 1) * chunk) for r in range(world)]
         self._most_pieces = max(len(lengths) for lengths, _ in self._server)
@@ -233,9 +162,9 @@ class OnebitAdamStrategy(DataParallel):
             buffer[r * chunk:(r + 1) * chunk] = signs[r] * torch.repeat_interleave(
                 piece_scales, torch.tensor(lengths_r, device=buffer.device))
 
-    def compressed_bytes_per_step(self) -> dict[str, int]:
-        """Bytes per rank of one compressed step (the warm-up's are stage 0's): the packed signs twice,
-        the scales twice (the formula behind the start-up table and the tests)."""
+    def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
+        """Bytes per rank of one compressed step, after the freeze step (the warm-up's are stage 0's): the
+        packed signs twice, the scales twice (the formula behind the start-up table and the tests)."""
         opt, world = self.optimizer, self.info.world_size
         signs = opt.padded // 8
         scales = world * 4 * (len(opt.lengths) + self._most_pieces)
@@ -244,12 +173,12 @@ class OnebitAdamStrategy(DataParallel):
 
     # -- checkpoint: the error-feedback buffers, one file per rank -------------------------------
 
-    def error_feedback(self) -> dict[str, torch.Tensor]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
         """This rank's worker and server error buffers."""
         return {"worker_error": self.optimizer.worker_error, "server_error": self.optimizer.server_error}
 
     @torch.no_grad()
-    def load_error_feedback(self, directory: Path, files: list[str]) -> None:
+    def load_extra_state(self, directory: Path, files: list[str]) -> None:
         """This rank's error buffers from a checkpoint saved at the same world size; else start them at zero
         (DeepSpeed's behaviour on every load) with a warning."""
         from safetensors.torch import load_file
@@ -260,7 +189,7 @@ class OnebitAdamStrategy(DataParallel):
                       f"this run has {self.info.world_size}; they restart at zero", file=sys.stderr, flush=True)
             return
         saved = load_file(str(Path(directory) / files[self.info.rank]))
-        for name, buffer in self.error_feedback().items():
+        for name, buffer in self.extra_state().items():
             buffer.copy_(saved[name])
 
     # -- what stage 0's versions read from a torch optimizer ------------------------------------

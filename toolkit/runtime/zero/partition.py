@@ -25,19 +25,20 @@ from toolkit.distributed import DistInfo
 from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, bucket_params, decay_param_ids
 from toolkit.runtime.zero.sharded import ShardedStrategy
+from toolkit.specs import OptimizerSpec, ZeroSpec
 
 
 class PartitionedStrategy(ShardedStrategy):
     """ZeRO stage 1 or 2 over the process group in `info`."""
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, stage: int,
-                 comm: Communicator):
+    def __init__(self, model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device,
+                 info: DistInfo, stage: int, comm: Communicator, grad_accum_steps: int = 1):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = named[0][1].dtype
         decay_ids = decay_param_ids(model)
-        buckets = bucket_params(list(reversed(named)), recipe.zero.reduce_bucket_size)
+        buckets = bucket_params(list(reversed(named)), zero.reduce_bucket_size)
         groups = [FlatGroup(b, decay_ids, info.world_size) for b in buckets]
-        super().__init__(recipe, device, info, groups, dtype, comm)
+        super().__init__(zero, optimizer, device, info, groups, dtype, comm, grad_accum_steps)
         self.stage = stage
         self.model = model
         self.flat_params = []
@@ -129,7 +130,7 @@ class PartitionedStrategy(ShardedStrategy):
     def after_step(self) -> None:
         if not self.info.active:
             return
-        per_piece = max(1, self.recipe.zero.allgather_bucket_size // self.info.world_size)
+        per_piece = max(1, self.zero.allgather_bucket_size // self.info.world_size)
         works = []
         for g, flat in zip(self.groups, self.flat_params):
             lo, hi = g.chunk_range(self.info.rank)

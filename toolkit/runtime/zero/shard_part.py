@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.zero.adamw import ShardedAdamW
+from toolkit.runtime.optim import FlatShard, build_optimizer
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
 from toolkit.runtime.zero.swap import SwapDir
+from toolkit.specs import OptimizerSpec
 
 
 class ShardPart:
     """A run of consecutive groups whose master weights and AdamW moments live on one tier: the device,
     CPU memory (offload_optimizer cpu) or a swap file (offload_optimizer nvme: `swap` is set)."""
 
-    def __init__(self, recipe, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
+    def __init__(self, spec: OptimizerSpec, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
                  device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None):
         self.groups = groups
         self.layout = ShardLayout([all_groups[g] for g in groups], rank)
@@ -30,7 +31,7 @@ class ShardPart:
         # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros)
         self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
                      if offloaded and swap_dir is not None else None)
-        self.optimizer = ShardedAdamW(recipe.optimizer, 0 if self.swap else numel, opt_device, offload=offloaded)
+        self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded))
         self.master: torch.Tensor | None = None
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
         if self.swap is not None:

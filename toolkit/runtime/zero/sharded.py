@@ -26,12 +26,15 @@ import torch
 
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
+from toolkit.observe.comm import expected_step_bytes
 from toolkit.runtime.comm import Communicator
+from toolkit.runtime.strategy import StrategyBase
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, split_groups
 from toolkit.runtime.zero.swap import SwapDir
 from toolkit.observe.disk_fit import check_nvme_path
+from toolkit.specs import OptimizerSpec, ZeroSpec
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
 
@@ -47,18 +50,19 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
-class ShardedStrategy:
+class ShardedStrategy(StrategyBase):
     """Base of stages 1-3: the shard's optimizer step and bookkeeping."""
 
     stage = 1
+    sharded_checkpoint = True  # each rank writes its shard (toolkit/checkpoint/zero_shards.py)
 
-    def __init__(self, recipe, device: torch.device, info: DistInfo, groups: list[FlatGroup],
-                 param_dtype: torch.dtype, comm: Communicator):
-        self.recipe, self.device, self.info, self.comm = recipe, device, info, comm
+    def __init__(self, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device, info: DistInfo,
+                 groups: list[FlatGroup], param_dtype: torch.dtype, comm: Communicator, grad_accum_steps: int):
+        self.zero, self.optimizer_spec, self.device, self.info, self.comm = zero, optimizer, device, info, comm
+        self.grad_accum_steps = grad_accum_steps  # the swap reads per step (describe_tiers)
         self.groups = groups
         self.layout = ShardLayout(groups, info.rank)
         self.param_dtype = param_dtype
-        zero = recipe.zero
         self.offload = zero.offload_optimizer != "none"
         self.separate_master = self.offload or param_dtype != torch.float32 or zero.offload_param != "none"
         self.param_chunks: list[torch.Tensor] = []
@@ -74,7 +78,7 @@ class ShardedStrategy:
         under nvme, plus the parameter shard under offload_param nvme."""
         import os
 
-        zero = self.recipe.zero
+        zero = self.zero
         need = 0
         if zero.offload_optimizer == "nvme":
             need += 12 * sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
@@ -85,7 +89,7 @@ class ShardedStrategy:
     def _optimizer_tiers(self) -> tuple[range, range, range]:
         """(groups whose optimizer stays on the device, in CPU memory, in swap files): offload_ratio of the
         shard leaves the device; under nvme, nvme_ratio of that goes to swap files (the last groups)."""
-        zero = self.recipe.zero
+        zero = self.zero
         kept, offloaded = split_groups(self.groups, self.offload, zero.offload_ratio)
         if zero.offload_optimizer != "nvme":
             return kept, offloaded, range(len(self.groups), len(self.groups))
@@ -143,7 +147,7 @@ class ShardedStrategy:
         optim = sum(12 * p.layout.numel for p in self.parts if p.swap is not None)
         param_bytes = self.layout.numel * elem if param_tier == "nvme" else 0
         # NOTE: parameters are read at every gather (forward and backward: twice per micro-step)
-        reads = optim + 2 * self.recipe.batch.grad_accum_steps * param_bytes
+        reads = optim + 2 * self.grad_accum_steps * param_bytes
         return (text + f"; swap {self.swap_dir.path}: per step reads {format_bytes(reads)}, "
                 f"writes {format_bytes(optim + param_bytes)}")
 
@@ -157,7 +161,7 @@ class ShardedStrategy:
         if self.weights is None:
             self.weights = DeviceWeights(self.param_chunks)
         # NOTE: the CPU-memory part steps before the swapped one, so the disk's part comes last in a step
-        self.parts = [ShardPart(self.recipe, groups, self.groups, self.info.rank, self.weights,
+        self.parts = [ShardPart(self.optimizer_spec, groups, self.groups, self.info.rank, self.weights,
                                 self.grad_chunks, self.device, offloaded=on_cpu, dtype=self.param_dtype,
                                 swap_dir=swap)
                       for groups, on_cpu, swap in ((kept, False, None), (in_memory, True, None),
@@ -226,6 +230,17 @@ class ShardedStrategy:
         """Clear the accumulated gradients for the next optimizer step."""
         for chunk in self.grad_chunks:
             chunk.zero_()
+
+    def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
+        """The formula's bytes per rank per step for this flat layout (toolkit/observe/comm.py expected_step_bytes)."""
+        numel = sum(g.padded_numel for g in self.groups)
+        element = torch.empty((), dtype=self.param_dtype).element_size()
+        return expected_step_bytes(self.stage, numel, self.info.world_size, element, grad_accum_steps,
+                                   root_numel=self._gathered_all_along())
+
+    def _gathered_all_along(self) -> int:
+        """Elements gathered once per micro step rather than per unit (stage 3's root unit; none before)."""
+        return 0
 
     # -- checkpoint state (toolkit/checkpoint/zero_shards.py) --------------------------------------
 

@@ -25,7 +25,7 @@ Activation checkpointing works: the recomputed forward runs inside backward
 NOTE: a unit is the reduce bucket here (zero.reduce_bucket_size applies to stages
 0-2): a unit's gradient is complete exactly when its backward is, and the
 reduce-scatter of a unit is one collective on its flat buffer.
-torch.compile is refused with stage 3 (toolkit/runtime/zero/__init__.py).
+torch.compile is refused with stage 3 (toolkit/runtime/engine.py).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from toolkit.runtime.comm import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, decay_param_ids
 from toolkit.runtime.zero.param_offload import make_weights
 from toolkit.runtime.zero.sharded import ShardedStrategy
+from toolkit.specs import OptimizerSpec, ZeroSpec
 
 RELEASED, IN_FLIGHT, GATHERED = "released", "in flight", "gathered"
 
@@ -114,8 +115,8 @@ class Stage3Strategy(ShardedStrategy):
     stage = 3
     group_kind = "units"
 
-    def __init__(self, model: nn.Module, recipe, device: torch.device, info: DistInfo, units=None,
-                 comm: Communicator | None = None):
+    def __init__(self, model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device,
+                 info: DistInfo, units=None, comm: Communicator | None = None, grad_accum_steps: int = 1):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = named[0][1].dtype
         decay_ids = decay_param_ids(model)
@@ -132,12 +133,13 @@ class Stage3Strategy(ShardedStrategy):
         groups = [FlatGroup(b, decay_ids, info.world_size) for b in per_block]
         self.root = len(groups)
         groups.append(FlatGroup(root, decay_ids, info.world_size))
-        super().__init__(recipe, device, info, groups, dtype, comm or Communicator(info, device))
+        super().__init__(zero, optimizer, device, info, groups, dtype, comm or Communicator(info, device),
+                         grad_accum_steps)
         self.model = model
-        self.prefetch = recipe.zero.prefetch_units
+        self.prefetch = zero.prefetch_units
         # This rank's chunk of every unit, contiguous, on the tier zero.offload_param names (param_offload.py);
         # then the full buffers on the device, released.
-        self.weights = make_weights(recipe.zero.offload_param, self.layout, dtype, device, self.swap_dir, info.rank)
+        self.weights = make_weights(zero.offload_param, self.layout, dtype, device, self.swap_dir, info.rank)
         self.full: list[torch.Tensor] = []
         for gi, g in enumerate(groups):
             full = torch.empty(g.padded_numel, dtype=dtype, device=device)
@@ -292,6 +294,9 @@ class Stage3Strategy(ShardedStrategy):
             if self.state[g] != RELEASED:
                 self._release(g)
         self._reset_round()
+
+    def _gathered_all_along(self) -> int:
+        return self.groups[self.root].padded_numel
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name (a collective: every rank must call it)."""

@@ -1,0 +1,71 @@
+"""One optimizer factory (toolkit/runtime/optim.py build_optimizer) for every strategy: the mesh honours
+optimizer.type and optimizer.implementation as stage 0 does, 1-bit Adam under the mesh is refused in one
+line, and the deprecated kernels.adamw reads as optimizer.implementation."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from toolkit.distributed import DistInfo
+from toolkit.runtime.parallel.strategy import MeshStrategy
+from toolkit.specs import OptimizerSpec
+
+ONE_PROCESS = DistInfo(rank=0, world_size=1, local_rank=0, backend=None)
+# The mesh's coordinates for a one-process strategy at zero.stage 0 (only stage 1 asks for a process group).
+MESH = SimpleNamespace(tp_rank=0, pp_rank=0, dp_rank=0, dp=1, tp=1, pp=1)
+
+
+def spec(type_="adamw", implementation="torch") -> OptimizerSpec:
+    return OptimizerSpec(type=type_, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                         implementation=implementation)
+
+
+def mesh_strategy(optimizer: OptimizerSpec, adamw: str = "torch") -> MeshStrategy:
+    """A one-process mesh strategy at zero.stage 0 over a small model; `adamw` is the engine's choice."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return MeshStrategy(model, optimizer, 0, torch.device("cpu"), ONE_PROCESS, MESH, {}, shapes, adamw)
+
+
+@pytest.mark.parametrize("type_, cls", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam)])
+def test_the_mesh_steps_with_the_optimizer_the_recipe_names(type_, cls):
+    optimizer = mesh_strategy(spec(type_)).optimizer
+    assert type(optimizer) is cls
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+
+def test_the_mesh_steps_with_the_adamw_the_engine_chose():
+    # the engine chooses it from optimizer.implementation for the mesh as for stage 0 (choose_adamw)
+    assert mesh_strategy(spec(), "torch-fused").optimizer.defaults["fused"] is True
+    assert not mesh_strategy(spec(), "torch").optimizer.defaults["fused"]
+
+
+def test_onebit_adam_under_a_mesh_is_refused_in_one_line():
+    from toolkit.recipe.load import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as caught:
+        load_recipe("quickstart", ["parallel.tensor=2", "optimizer.type=onebit_adam"], world_size=4)
+    assert caught.value.lines == [  # a UserError: the CLI prints it and exits 2
+        "recipe.optimizer.type: 'onebit_adam' runs on zero.stage 0 in fp32 or bf16, not with parallel.tensor/pipeline "
+        "> 1 (as DeepSpeed's 1-bit Adam, it replaces stage 0's gradient all-reduce); use 'adamw' there"]
+
+
+@pytest.mark.parametrize("implementation, kernel, expected", [
+    ("auto", "auto", "auto"), ("auto", "off", "torch_fused"), ("fused", "off", "torch_fused"),
+    ("torch", "off", "torch"), ("auto", "on", "auto"), ("torch_fused", "on", "torch_fused")])
+def test_the_deprecated_kernels_adamw_reads_as_optimizer_implementation(implementation, kernel, expected):
+    from toolkit.runtime.optim import adamw_implementation
+    from toolkit.specs import KernelsSpec
+
+    kernels = KernelsSpec(adamw=kernel, layernorm="auto", rmsnorm="auto", bias_gelu="auto", cross_entropy="auto")
+    assert adamw_implementation(spec(implementation=implementation), kernels) == expected
+
+
+def test_kernels_adamw_gets_a_one_line_deprecation_warning_naming_both_keys():
+    from toolkit.recipe.load import load_recipe
+
+    assert not [w for w in load_recipe("quickstart").warnings if "kernels.adamw" in w]
+    warned = [w for w in load_recipe("quickstart", ["kernels.adamw=off"]).warnings if "kernels.adamw" in w]
+    assert warned == ["recipe.kernels.adamw: deprecated, recipe.optimizer.implementation decides the AdamW; "
+                      "'off' reads as optimizer.implementation 'torch_fused'"]
