@@ -128,7 +128,7 @@ def all_gather_flat(output: torch.Tensor, chunk: torch.Tensor, *, async_op: bool
 
 def any_true(flag: bool, info: DistInfo, device: torch.device, all_reduce=dist.all_reduce) -> bool:
     """True when `flag` is true on any rank (every rank gets the same answer); `all_reduce` issues the
-    collective (the engine's counted one: toolkit/runtime/comm.py)."""
+    collective (the engine's counted one: toolkit/runtime/communicator.py)."""
     if not info.active:
         return bool(flag)
     t = torch.tensor([1.0 if flag else 0.0], device=device)

@@ -130,7 +130,7 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class CommunicationSpec:
-    simulated_link_gbps: float | None = None  # a simulated link speed (toolkit/runtime/comm.py); None: the real one
+    simulated_link_gbps: float | None = None  # a simulated link speed (toolkit/runtime/communicator.py); None: the real one
 
 
 @dataclass(frozen=True)

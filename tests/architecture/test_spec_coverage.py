@@ -23,7 +23,6 @@ ELSEWHERE = {
 }
 # Spec fields no code reads as `.field`, and why each is still there.
 NOT_READ_AS_ATTRIBUTE = {
-    "KernelsSpec.adamw": "read as getattr(modes, name) over the kernel names (toolkit/ops/loader.py resolve)",
     "Recipe.description": "says what a recipe is, for people; outside the hash (`toolkit recipes` reads the files)",
 }
 

@@ -7,9 +7,6 @@ from tests.conftest import REPO
 
 RUNTIME = REPO / "toolkit" / "runtime"
 ENGINE = RUNTIME / "engine.py"
-# NOTE: recipe forms kept for toolkit/train/loop.py's two calls until the loop's rewrite (issue 32 item 4)
-# calls choose_threads / apply_threads; then this set is empty.
-RECIPE_ADAPTERS = {("cpu_threads.py", "choose_cpu_threads"), ("cpu_threads.py", "apply_cpu_threads")}
 
 
 def recipe_uses(source: str) -> list[str]:
@@ -42,6 +39,5 @@ def test_no_module_below_the_engine_takes_a_recipe():
         if path == ENGINE:
             continue
         rel = path.relative_to(RUNTIME).as_posix()
-        found += [f"toolkit/runtime/{rel}:{use}" for use in recipe_uses(path.read_text(encoding="utf-8"))
-                  if not any(rel == file and use.endswith(f"{name}(recipe)") for file, name in RECIPE_ADAPTERS)]
+        found += [f"toolkit/runtime/{rel}:{use}" for use in recipe_uses(path.read_text(encoding="utf-8"))]
     assert not found, "a Recipe below the engine (hand it the specs instead):\n" + "\n".join(found)

@@ -98,12 +98,8 @@ def test_the_probe_scan_finds_a_probe():
 
 
 def test_nothing_in_the_package_probes_a_strategy_with_hasattr_or_getattr():
-    # NOTE: toolkit/train/loop.py's describe_tiers probe belongs to the loop's rewrite (issue 32 item 4): every
-    # strategy now has describe_tiers (above), so it becomes a plain call there.
-    allowed = {"toolkit/train/loop.py"}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
-        found += [f"{rel}:{line}" for line in probes_on_strategies(path.read_text(encoding="utf-8"))
-                  if rel not in allowed]
+        found += [f"{rel}:{line}" for line in probes_on_strategies(path.read_text(encoding="utf-8"))]
     assert not found, "hasattr/getattr on a strategy (ask it through toolkit/runtime/strategy.py): " + ", ".join(found)

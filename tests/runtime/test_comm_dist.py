@@ -1,5 +1,5 @@
 """Communication on gloo at 2 and 4 ranks: the bytes every collective sent, counted by
-toolkit/runtime/comm.py, equal the ZeRO formulas (toolkit/observe/comm.py) for stages
+toolkit/runtime/communicator.py, equal the ZeRO formulas (toolkit/observe/comm_ledger.py) for stages
 0-3; overlap_comm and the simulated link; 1-bit Adam's traffic after its freeze step
 (>= 16x less than AdamW's) and its exact resume (error-feedback buffers included).
 One torch.multiprocessing launch per world size runs every check; the asserts run here.
@@ -43,10 +43,9 @@ def _engine(world, overrides):
 
 
 def _steps(world, overrides, steps):
-    from toolkit.runtime.comm import expected_bytes_per_step
 
     _, engine, stream = _engine(world, overrides)
-    expected = expected_bytes_per_step(engine.strategy, engine.grad_accum_steps)
+    expected = engine.strategy.expected_bytes_per_step(engine.grad_accum_steps)
     results = [engine.train_batch(stream.next_step()) for _ in range(steps)]
     return {"comm": [r.comm for r in results], "losses": [r.loss for r in results], "expected": expected,
             "params": engine.num_parameters}
@@ -106,7 +105,7 @@ def worlds(tmp_path_factory):
 
 def _scalar_bytes(world, stage):
     """The few floats a step all-reduces besides the model states: the loss, and (stages 1-3) the grad norm."""
-    from toolkit.observe.comm import wire_bytes
+    from toolkit.observe.comm_ledger import wire_bytes
 
     return wire_bytes("all_reduce", 8, world) * (1 if stage == 0 else 2)
 
@@ -115,7 +114,7 @@ def _scalar_bytes(world, stage):
 
 
 def test_expected_bytes_follow_the_zero_paper_formulas():
-    from toolkit.observe.comm import expected_step_bytes
+    from toolkit.observe.comm_ledger import expected_step_bytes
 
     psi, n = 1000, 4  # fp32: 4000 bytes; each Ψ is 3/4 of it on the wire
     assert expected_step_bytes(0, psi, n, 4) == {"all_reduce": 6000}  # 2Ψ
@@ -139,7 +138,7 @@ def test_measured_bytes_per_step_equal_the_formula(worlds, world, name):
             assert {k: v for k, v in measured.items() if v} == got["expected"], f"{name} rank bytes"
             assert step["comm_bytes"] == sum(got["expected"].values()) + _scalar_bytes(world, stage)
         # the strategies' padding keeps Ψ within 1% of the model's parameter count
-        from toolkit.observe.comm import expected_step_bytes
+        from toolkit.observe.comm_ledger import expected_step_bytes
 
         unpadded = sum(expected_step_bytes(0, got["params"], world, 4).values())  # 2Ψ
         ratio = sum(got["expected"].values()) / unpadded

@@ -8,7 +8,8 @@ import pytest
 
 from tests.conftest import run_cli
 from toolkit.runtime import cpu_threads
-from toolkit.runtime.cpu_threads import choose_cpu_threads, set_openmp_wait_policy
+from toolkit.runtime.cpu_threads import set_openmp_wait_policy
+from toolkit.train.recipe_threads import choose_cpu_threads
 from toolkit.recipe.load import load_recipe
 
 

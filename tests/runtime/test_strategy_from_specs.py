@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from toolkit.distributed import DistInfo
-from toolkit.runtime.comm import Communicator
+from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.parallel.strategy import MeshStrategy
 from toolkit.runtime.strategy import Strategy
 from toolkit.runtime.zero import build_strategy

@@ -42,7 +42,7 @@ def test_dry_run_stage3_with_cpu_offload_at_8_and_512_ranks(world):
     report = _report(world, "zero.stage=3", "zero.offload_optimizer=cpu", "batch.grad_accum_steps=2", rank=world - 1)
     assert report.mismatches() == []
     assert report.measured["host"] == report.estimated_padded["host"] > 0
-    from toolkit.observe.comm import wire_bytes
+    from toolkit.observe.comm_ledger import wire_bytes
 
     # stage 3 reduce-scatters every micro-step: twice Ψ's (n-1)/n per step at grad_accum_steps 2
     assert report.comm_measured == report.comm_expected

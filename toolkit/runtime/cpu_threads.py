@@ -80,19 +80,6 @@ def apply_threads(choice: ThreadChoice) -> ThreadChoice:
     return choice
 
 
-# NOTE: the two recipe forms below serve toolkit/train/loop.py until its rewrite (issue 32 item 4) calls the
-# spec forms above; tests/architecture/test_specs_below_engine.py names them as the one exception.
-def choose_cpu_threads(recipe) -> ThreadChoice:
-    """choose_threads for a recipe's training, model, batch and data sections."""
-    return choose_threads(recipe.training.cpu_threads, recipe.model,
-                          recipe.batch.micro_batch_per_rank * recipe.data.seq_len)
-
-
-def apply_cpu_threads(recipe) -> ThreadChoice:
-    """apply_threads(choose_cpu_threads(recipe))."""
-    return apply_threads(choose_cpu_threads(recipe))
-
-
 def doctor_line() -> str:
     """What `training.cpu_threads=auto` starts from here: usable cores, OMP_NUM_THREADS, the wait policy."""
     given = os.environ.get("OMP_NUM_THREADS")

@@ -34,7 +34,7 @@ from toolkit.runtime.precision import autocast_context, check_precision_device, 
 from toolkit.specs import Recipe
 from toolkit.runtime.strategy import backward_scaled
 from toolkit.runtime.zero import build_strategy
-from toolkit.runtime.comm import Communicator
+from toolkit.runtime.communicator import Communicator
 from toolkit.distributed import init_distributed, select_cuda_device
 
 
@@ -68,7 +68,7 @@ class StepResult:
         self.loss_tensor = loss  # 0-dim fp32, on the device (no sync)
         self._grad_norm = grad_norm
         self.lr, self.loss_scale, self.skipped = lr, loss_scale, skipped
-        self.comm = comm or {}  # this step's comm_bytes, comm_exposed_s, ... (toolkit/observe/comm.py)
+        self.comm = comm or {}  # this step's comm_bytes, comm_exposed_s, ... (toolkit/observe/comm_ledger.py)
         self._check_finite = check_finite
 
     @property
@@ -151,7 +151,7 @@ class Engine:
 
     def _build_strategy(self, recipe: Recipe, adamw: str | None, model_given: bool, zero3_units) -> None:
         """self.comm, then the strategy (toolkit/runtime/strategy.py) for recipe.zero or recipe.parallel."""
-        # Every collective the engine issues goes through self.comm, which counts it (toolkit/runtime/comm.py).
+        # Every collective the engine issues goes through self.comm, which counts it (toolkit/runtime/communicator.py).
         self.comm = Communicator(self.dist, self.device, overlap_comm=recipe.zero.overlap_comm,
                                  simulated_link_gbps=recipe.communication.simulated_link_gbps)
         if recipe.parallel.active:  # tensor/pipeline parallelism over a device mesh: toolkit/runtime/parallel/

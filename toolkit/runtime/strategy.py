@@ -71,7 +71,7 @@ class Strategy(Protocol):
     def data_rank(self) -> int:
         """Which data-parallel replica this rank is: the slot of the data it trains on."""
 
-    # -- the communication ledger (toolkit/observe/comm.py) --------------------------------
+    # -- the communication ledger (toolkit/observe/comm_ledger.py) --------------------------------
     def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
         """The formula's bytes per rank per optimizer step, by collective kind ({}: the strategy has none)."""
 

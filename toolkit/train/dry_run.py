@@ -1,7 +1,7 @@
 """The dry run: one rank of an N-rank data-parallel job, built in this process on torch's fake
 process group, trains a few steps, and its measured model-state bytes and bytes on the wire are
 held against the estimate (toolkit/observe/estimate.py, tiers.py) and the ZeRO traffic formulas
-(toolkit/observe/comm.py). `toolkit estimate RECIPE --world-size N --dry-run` prints its report.
+(toolkit/observe/comm_ledger.py). `toolkit estimate RECIPE --world-size N --dry-run` prints its report.
 
 The fake process group's collectives return at once with shape-correct outputs and no data from
 other ranks: the engine runs its real code paths (buckets, shards, hooks, the counted collectives),
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.errors import UserError
-from toolkit.observe.comm import KINDS, format_wire_bytes, wire_bytes
+from toolkit.observe.comm_ledger import KINDS, format_wire_bytes, wire_bytes
 from toolkit.observe.estimate import EstimateInput, format_bytes
 from toolkit.observe.peak import predict_peak
 from toolkit.observe.tiers import input_tiers
@@ -245,7 +245,6 @@ def _layout(strategy) -> tuple[int, int]:
 def dry_run(recipe: Recipe, *, rank: int = 0, steps: int = 3) -> DryRunReport:
     """Build rank `rank` of the recipe's data-parallel world (recipe.batch.world_size) on the fake process
     group, train `steps` steps on random tokens, and measure it beside the estimate and the formulas."""
-    from toolkit.runtime.comm import expected_bytes_per_step
     from toolkit.runtime.engine import Engine
 
     check_dry_run(recipe, rank, steps)
@@ -277,7 +276,7 @@ def dry_run(recipe: Recipe, *, rank: int = 0, steps: int = 3) -> DryRunReport:
         peak = torch.cuda.max_memory_allocated() if cuda else None
         padded, groups = _layout(engine.strategy)
         share, counters = _offloaded_share(engine.strategy, recipe), _step_counter_bytes(engine.strategy)
-        expected = expected_bytes_per_step(engine.strategy, engine.grad_accum_steps)
+        expected = engine.strategy.expected_bytes_per_step(engine.grad_accum_steps)
         measured = _measured_states(engine)
         skipped = engine.skipped_steps
         num_params = engine.num_parameters

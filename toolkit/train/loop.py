@@ -23,12 +23,12 @@ from toolkit.checkpoint.checkpointer import (Checkpointer, ResumePoint, find_res
                                              restore_engine_and_stream)
 from toolkit.checkpoint.resume import truncate_metrics
 from toolkit.checkpoint.state import restore_rng_state
-from toolkit.runtime.cpu_threads import apply_cpu_threads
+from toolkit.train.recipe_threads import apply_cpu_threads
 from toolkit.data.batches import BatchStream, Dataset, eval_batches
 from toolkit.runtime.engine import Engine, check_device, pick_device
 from toolkit.errors import UserError, write_failure
 from toolkit.observe.flops import MfuBasis, mfu_basis, unknown_peak_warning
-from toolkit.observe.comm import per_step
+from toolkit.observe.comm_ledger import per_step
 from toolkit.observe.memory_monitor import MemoryMonitor
 from toolkit.train.preflight import checkpoint_dir_of, preflight
 from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
@@ -178,7 +178,7 @@ def _set_up(recipe: Recipe, run_dir: Path, info: DistInfo, num_parameters: int |
     if peak_warning and info.is_main:
         print(peak_warning, file=sys.stderr, flush=True)
     dataset = Dataset(recipe.data, run_dir=run_dir, log=None if quiet else print)
-    data_rank = engine.strategy.mesh.dp_rank if recipe.parallel.active else info.rank  # tp/pp ranks share data
+    data_rank = engine.strategy.data_rank  # tensor/pipeline ranks of one replica share its data
     stream = BatchStream(dataset.train, recipe.batch, rank=data_rank, seed=recipe.training.seed)
     held_out = eval_batches(dataset.eval, recipe.batch, rank=data_rank, count=recipe.training.eval_batches)
     if resumed is not None:

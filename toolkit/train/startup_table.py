@@ -8,10 +8,9 @@ the strategy, the kernels, the communicator, the MFU basis); what does not live 
 from __future__ import annotations
 
 from toolkit.data.batches import Dataset
-from toolkit.observe.comm import format_wire_bytes
+from toolkit.observe.comm_ledger import format_wire_bytes
 from toolkit.observe.flops import MfuBasis, mfu_basis
-from toolkit.runtime.comm import expected_bytes_per_step
-from toolkit.runtime.cpu_threads import choose_cpu_threads
+from toolkit.train.recipe_threads import choose_cpu_threads
 from toolkit.runtime.engine import Engine
 from toolkit.runtime.precision import describe_precision
 from toolkit.specs import Recipe
@@ -39,7 +38,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("precision", describe_precision(recipe.precision, recipe.zero.stage)),
         ("zero", engine.strategy.describe()),
         ("comm", comm_row(engine)),
-        *([("tiers", engine.strategy.describe_tiers())] if hasattr(engine.strategy, "describe_tiers") else []),
+        ("tiers", engine.strategy.describe_tiers()),
         ("kernels", engine.kernels.describe()),
         ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
                       f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
@@ -66,7 +65,7 @@ def comm_row(engine: Engine) -> str:
         return engine.comm.describe()
     if engine.recipe.parallel.active:
         return MESH_NOT_COUNTED
-    expected = expected_bytes_per_step(engine.strategy, engine.grad_accum_steps)
+    expected = engine.strategy.expected_bytes_per_step(engine.grad_accum_steps)
     kinds = " + ".join(f"{k.replace('_', '-')} {format_wire_bytes(v)}" for k, v in expected.items())
     return (f"expected {format_wire_bytes(sum(expected.values()))} sent per rank per step ({kinds}; "
             f"docs/communication.md); {engine.comm.describe()}")

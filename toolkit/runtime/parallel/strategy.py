@@ -1,4 +1,4 @@
-"""The engine's strategy over a (pp, dp, tp) mesh: the interface of toolkit/runtime/zero/__init__.py
+"""The engine's strategy over a (pp, dp, tp) mesh: the Strategy of toolkit/runtime/strategy.py
 (begin/end_micro_step, grads_overflow, scale_grads, clip_grad_norm, optimizer_step, zero_grad, the
 checkpoint pieces) for a model that tensor_parallel.py sharded and pipeline.py cut into stages.
 
@@ -62,7 +62,7 @@ class MeshStrategy(StrategyBase):
             self._local_of = {id(p): _local(p) for p in self.params}
         groups = [{**g, "params": [self._local_of[id(p)] for p in g["params"]]}
                   for g in param_groups(model, optimizer.weight_decay)]
-        self.stage = stage  # zero.stage 0 or 1 (recipe/parallel_checks.py refuses more)
+        self.stage = stage  # zero.stage 0 or 1 (recipe/assemble.py refuses more)
         # NOTE: `adamw` is torch's (the engine resolves the toolkit's AdamW kernel for stage 0 only)
         self.optimizer = build_optimizer(optimizer, groups, adamw,
                                          shard_group=mesh.group("dp") if self.stage == 1 else None)
@@ -107,7 +107,7 @@ class MeshStrategy(StrategyBase):
 
     def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
         """None by formula: DTensor and torch.distributed.pipelining issue the mesh's collectives themselves,
-        outside the Communicator that counts (toolkit/runtime/comm.py)."""
+        outside the Communicator that counts (toolkit/runtime/communicator.py)."""
         return {}
 
     # -- gradients -----------------------------------------------------------------------

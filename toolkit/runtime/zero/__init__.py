@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from toolkit.distributed import DistInfo
-from toolkit.runtime.comm import Communicator
+from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.precision import sixteen_bit_weights
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
@@ -35,7 +35,7 @@ def build_strategy(model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, d
                    info: DistInfo, *, adamw: str | None, comm: Communicator, zero3_units=None,
                    grad_accum_steps: int = 1):
     """The strategy for `zero` (stage 0-3, offload) stepping `optimizer` in precision `dtype` over the process
-    group in `info`, issuing its collectives through `comm` (counted: toolkit/runtime/comm.py); `zero3_units`
+    group in `info`, issuing its collectives through `comm` (counted: toolkit/runtime/communicator.py); `zero3_units`
     names stage 3's units (toolkit/runtime/zero/stage3.py find_units); `adamw` is stage 0's optimizer,
     as the engine chose it (toolkit.runtime.optim.choose_adamw). Stages 1-3 step their shards with
     ShardedAdamW (adamw.py), which never uses the CUDA AdamW kernel; `grad_accum_steps` counts their swap reads."""

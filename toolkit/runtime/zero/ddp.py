@@ -20,9 +20,9 @@ import math
 import torch
 from torch import nn
 
-from toolkit.observe.comm import expected_step_bytes
+from toolkit.observe.comm_ledger import expected_step_bytes
 from toolkit.ops.fused_adamw import FusedAdamW
-from toolkit.runtime.comm import Communicator
+from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.optim import build_optimizer, param_groups
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
@@ -203,7 +203,7 @@ class DataParallel(StrategyBase):
             self._one_pass.reset()
 
     def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
-        """The formula's bytes per rank per step: the gradients all-reduced once (toolkit/observe/comm.py)."""
+        """The formula's bytes per rank per step: the gradients all-reduced once (toolkit/observe/comm_ledger.py)."""
         numel = sum(p.numel() for p in self.params)
         element = self.params[0].element_size() if self.params else 4
         return expected_step_bytes(0, numel, self.info.world_size, element, grad_accum_steps)

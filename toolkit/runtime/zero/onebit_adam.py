@@ -35,8 +35,8 @@ from torch import nn
 
 from toolkit.distributed import DistInfo
 from toolkit.errors import UserError
-from toolkit.observe.comm import wire_bytes
-from toolkit.runtime.comm import Communicator
+from toolkit.observe.comm_ledger import wire_bytes
+from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.zero.ddp import DataParallel
 from toolkit.runtime.zero.sharded import tensor_bytes
 from toolkit.specs import OptimizerSpec, ZeroSpec

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from toolkit.distributed import DistInfo
-from toolkit.runtime.comm import Communicator
+from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, bucket_params, decay_param_ids
 from toolkit.runtime.zero.sharded import ShardedStrategy
 from toolkit.specs import OptimizerSpec, ZeroSpec

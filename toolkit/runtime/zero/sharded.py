@@ -26,8 +26,8 @@ import torch
 
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
-from toolkit.observe.comm import expected_step_bytes
-from toolkit.runtime.comm import Communicator
+from toolkit.observe.comm_ledger import expected_step_bytes
+from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.strategy import StrategyBase
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.param_offload import DeviceWeights
@@ -232,7 +232,7 @@ class ShardedStrategy(StrategyBase):
             chunk.zero_()
 
     def expected_bytes_per_step(self, grad_accum_steps: int) -> dict[str, int]:
-        """The formula's bytes per rank per step for this flat layout (toolkit/observe/comm.py expected_step_bytes)."""
+        """The formula's bytes per rank per step for this flat layout (toolkit/observe/comm_ledger.py expected_step_bytes)."""
         numel = sum(g.padded_numel for g in self.groups)
         element = torch.empty((), dtype=self.param_dtype).element_size()
         return expected_step_bytes(self.stage, numel, self.info.world_size, element, grad_accum_steps,

@@ -34,7 +34,7 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.distributed import DistInfo
-from toolkit.runtime.comm import Communicator
+from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.zero.flat import FlatGroup, decay_param_ids
 from toolkit.runtime.zero.param_offload import make_weights
 from toolkit.runtime.zero.sharded import ShardedStrategy

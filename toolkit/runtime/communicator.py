@@ -1,5 +1,5 @@
 """The one place the engine's collectives are issued: each is counted in a CommLedger
-(toolkit/observe/comm.py: bytes sent by this rank, by kind) and every wait on one is
+(toolkit/observe/comm_ledger.py: bytes sent by this rank, by kind) and every wait on one is
 timed (the exposed communication). The strategies (zero/) and the engine call
 `Communicator` methods, never torch.distributed directly.
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.distributed import DistInfo, all_gather_flat, any_true, reduce_scatter_flat, sum_floats
-from toolkit.observe.comm import CommLedger, wire_bytes
+from toolkit.observe.comm_ledger import CommLedger, wire_bytes
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -138,7 +138,3 @@ class Communicator:
         sim = f"; SIMULATED link {gbps:g} Gb/s: each collective delayed by bytes / bandwidth" if gbps else ""
         return f"{overlap}{sim}"
 
-
-def expected_bytes_per_step(strategy, grad_accum_steps: int) -> dict[str, int]:
-    """The formula's bytes per rank per optimizer step, by kind (the strategy's own formula: toolkit/runtime/strategy.py)."""
-    return strategy.expected_bytes_per_step(grad_accum_steps)

@@ -1,7 +1,7 @@
 """Communication counters: what the engine's collectives sent and how long the step waited for them.
 
 `CommLedger` is filled by the one place that issues the engine's collectives
-(toolkit/runtime/comm.py) and read by the loop once per optimizer step: bytes
+(toolkit/runtime/communicator.py) and read by the loop once per optimizer step: bytes
 sent by this rank per kind of collective, and the exposed time (seconds the
 step spent blocked in a collective's wait() or in a synchronous collective:
 communication that compute did not hide). `expected_step_bytes` is the ZeRO
