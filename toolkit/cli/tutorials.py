@@ -49,9 +49,60 @@ def _recipe(name: str, *overrides: str):
     return load_recipe(name, list(overrides))
 
 
+class ResultsSection:
+    """One `## ` section of benchmarks/RESULTS.md, so that a template quotes its figures instead of typing them."""
+
+    def __init__(self, title: str, text: str):
+        self.title = title
+        first_paragraph = text.strip().split("\n\n", 1)[0]
+        self.date = re.search(r"\d{4}-\d{2}-\d{2}", first_paragraph).group(0)  # of the run, on the provenance line
+        self.command = " ".join(re.search(r"`([^`]+)`", first_paragraph).group(1).split())
+        self.peers = [" ".join(p.split())[len("Peer: "):] for p in text.split("\n\n") if p.startswith("Peer: ")]
+        self.tables = markdown_tables(text)
+
+    def row(self, table: int, first_cell: str) -> dict[str, str]:
+        """The row of `tables[table]` whose first cell is `first_cell`, else the one row whose first cell starts
+        with it."""
+        rows = self.tables[table]
+        key = next(iter(rows[0]))
+        exact = [row for row in rows if row[key] == first_cell]
+        prefixed = [row for row in rows if row[key].startswith(first_cell)]
+        if exact or len(prefixed) == 1:
+            return (exact or prefixed)[0]
+        raise UserError(f"benchmarks/RESULTS.md, {self.title!r}, table {table}: no single row {first_cell!r}")
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table in `text`, each a list of {column: cell} rows."""
+    tables, lines = [], text.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("|") and lines[i + 1].startswith(("|---", "| ---")) and (i == 0 or not lines[i - 1].startswith("|")):
+            header = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(header, (c.strip() for c in row.strip().strip("|").split("|")))))
+            tables.append(rows)
+    return tables
+
+
+def _results(title: str) -> ResultsSection:
+    """Template helper: `{% set z = results("ZeRO on one H200") %}` then `{{ z.row(1, "stage2")["tokens/s"] }}`,
+    `{{ z.date }}`, `{{ z.command }}`: the section of benchmarks/RESULTS.md whose heading starts with `title`."""
+    from toolkit.resources import results_path
+
+    sections = results_path().read_text(encoding="utf-8").split("\n## ")[1:]
+    found = [s for s in sections if s.startswith(title)]
+    if len(found) != 1:
+        raise UserError(f"{results_path()}: {len(found)} sections titled {title!r}..., expected one")
+    heading, body = found[0].split("\n", 1)
+    return ResultsSection(heading, body)
+
+
 # NOTE: the whole context every template sees; keep it small so a template
 # reads like the notebook it becomes.
-TEMPLATE_GLOBALS = {"recipe": _recipe, "ln": math.log}
+TEMPLATE_GLOBALS = {"recipe": _recipe, "results": _results, "ln": math.log}
 
 
 def notebook_name(template_path: Path) -> str:
