@@ -128,6 +128,9 @@ def test_a_failing_notebook_is_saved_with_its_error_and_fails_the_command(tmp_pa
     assert "02_next.ipynb: executed in" in out  # the next notebook still ran
     nb = json.loads((tmp_path / "01_demo.ipynb").read_text())
     assert nb["cells"][1]["outputs"][0]["ename"] == "ValueError"
+    times = json.loads((tmp_path / "run_times.json").read_text())  # the wall time of the run that succeeded only
+    assert set(times["cpu"]) == {"02_next"} and times["gpu"] == {}
+    assert 0 < times["cpu"]["02_next"]["seconds"] < 120 and times["cpu"]["02_next"]["cpus"] >= 1
 
 
 def test_execute_arguments_are_checked_before_anything_is_written(tmp_path, monkeypatch, capsys):

@@ -158,7 +158,7 @@ def _cmd_recipes(args) -> int:
 def _cmd_tutorials(args) -> int:
     from toolkit.optional_packages import check_command_packages
     from toolkit.cli.tutorials import (BUILD_COMMAND, GPU_SUBDIR, TUTORIALS_DIR, build_all, execute_notebooks,
-                                       notebook_name, template_paths)
+                                       notebook_name, record_run_time, template_paths)
 
     check_command_packages(BUILD_COMMAND)
     if (args.gpu or args.names) and not args.execute:
@@ -189,6 +189,8 @@ def _cmd_tutorials(args) -> int:
             where = path.relative_to(TUTORIALS_DIR.parent)
             print(f"{where}: executed in {seconds:.1f} s" + (f"; FAILED: {error}" if error else ""), flush=True)
             failed += error is not None
+            if error is None:
+                record_run_time(path, seconds)
         return 1 if failed else 0
     return 0
 

@@ -214,6 +214,34 @@ def build_all(check: bool = False) -> list[Path]:
     return stale if check else built
 
 
+def run_times_path() -> Path:
+    """tutorials/run_times.json: each notebook's last successful `build --execute` wall time, CPU and GPU variants."""
+    return TUTORIALS_DIR / "run_times.json"
+
+
+def read_run_times() -> dict:
+    """{"cpu": {name: {"seconds", "date", "cpus"}}, "gpu": {...}}; empty variants when nothing was recorded."""
+    import json
+
+    path = run_times_path()
+    times = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return {"cpu": times.get("cpu", {}), "gpu": times.get("gpu", {})}
+
+
+def record_run_time(notebook: Path, seconds: float) -> None:
+    """Write one executed notebook's wall time into run_times.json (measured by `execute_notebooks`, never typed)."""
+    import datetime
+    import json
+    import os
+
+    times = read_run_times()
+    variant = "gpu" if notebook.parent.name == GPU_SUBDIR else "cpu"
+    times[variant][notebook.stem] = {"seconds": round(seconds, 1), "date": datetime.date.today().isoformat(),
+                                     "cpus": os.cpu_count()}
+    times = {v: dict(sorted(times[v].items())) for v in ("cpu", "gpu")}
+    run_times_path().write_bytes((json.dumps(times, indent=1) + "\n").encode("utf-8"))
+
+
 def execute_notebooks(paths: list[Path], timeout_s: int = 900):
     """Run each notebook top to bottom in a fresh python3 kernel (its folder as the working directory, this
     checkout first on PYTHONPATH) and write it back with its outputs, a failing one too (its error shows where);
