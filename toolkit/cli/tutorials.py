@@ -22,6 +22,11 @@ The rendering is deterministic: cell ids are `<name>-<index>`
 Committed notebooks carry the outputs of their last execution (`build
 --execute`); a notebook is stale when its cells' sources differ from the
 rendering, whatever its outputs. No torch here.
+
+The index, tutorials/README.md, is rendered too: from each template's
+`{% set about = {...} %}` block (question, learn, needs, path, and gpu where
+the GPU variant does not run at GPU sizes; it renders to no cell) and the
+wall times `build --execute` measured (tutorials/run_times.json).
 """
 from __future__ import annotations
 
@@ -138,7 +143,9 @@ def split_cells(text: str, source: str = "<template>") -> list[tuple[str, str]]:
     return [(kind, "\n".join(lines).strip("\n")) for kind, lines in cells]
 
 
-def _render_template_text(template_path: Path, gpu: bool = False) -> str:
+def _render_template_text(template_path: Path, gpu: bool = False, module: bool = False):
+    """The rendered text; `module=True`: the rendered template as a module, whose attributes are its top-level
+    `{% set %}` names (`about`)."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_path.parent)),
@@ -146,7 +153,8 @@ def _render_template_text(template_path: Path, gpu: bool = False) -> str:
                              trim_blocks=True, lstrip_blocks=True)
     env.globals.update(TEMPLATE_GLOBALS)
     try:
-        return env.get_template(template_path.name).render(notebook=notebook_name(template_path), gpu=gpu)
+        template, context = env.get_template(template_path.name), {"notebook": notebook_name(template_path), "gpu": gpu}
+        return template.make_module(context) if module else template.render(context)
     except jinja2.TemplateSyntaxError as exc:
         raise UserError(f"{exc.filename or template_path}:{exc.lineno}: template syntax error: {exc.message}") from None
     except jinja2.UndefinedError as exc:
@@ -192,6 +200,117 @@ def _same_cells(path: Path, text: str) -> bool:
         return False
 
 
+PATHS = {  # learning path -> what it covers; each template's `about.path` names one
+    "basics": "train, check, save and generate; real text",
+    "memory": "where the bytes of a step go, and the keys that move them",
+    "scale": "speed and several ranks: kernels, tuning, communication, parallelism",
+}
+ABOUT_KEYS = {"question": str, "learn": str, "needs": list, "path": str, "gpu": str}  # gpu: optional
+INDEX_NAME = "README.md"
+
+
+def read_about(template_path: Path) -> dict:
+    """A template's `about` block, checked: the question it answers, what you learn, the notebooks it needs, its
+    learning path, and (optional) what its GPU variant runs where that is not the GPU."""
+    about = getattr(_render_template_text(template_path, module=True), "about", None)
+    where = f"{template_path}: `{{% set about = {{...}} %}}`"
+    if not isinstance(about, dict):
+        raise UserError(f"{template_path}: no `{{% set about = {{...}} %}}` block (the tutorials index is built from it)")
+    missing = sorted(set(ABOUT_KEYS) - {"gpu"} - set(about))
+    unknown = sorted(set(about) - set(ABOUT_KEYS))
+    wrong = sorted(k for k, v in about.items() if k in ABOUT_KEYS and not isinstance(v, ABOUT_KEYS[k]))
+    if missing or unknown or wrong:
+        raise UserError(f"{where}: missing {missing}, unknown {unknown}, wrong type {wrong}")
+    if about["path"] not in PATHS:
+        raise UserError(f"{where}: path {about['path']!r} is not one of {sorted(PATHS)}")
+    return about
+
+
+def _title(template_path: Path) -> str:
+    """The notebook's `# ` heading (its CPU variant's)."""
+    text = _render_template_text(template_path)
+    return next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), notebook_name(template_path))
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+def _gpu_run_time(name: str, times: dict) -> str:
+    if name in times:
+        t = times[name]
+        return f"{_duration(t['seconds'])} ({t['date']})"
+    import json
+
+    notebook = TUTORIALS_DIR / GPU_SUBDIR / f"{name}.ipynb"
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"] if notebook.is_file() else []
+    return "not measured" if any(cell.get("execution_count") for cell in cells) else "not yet executed"
+
+
+def render_index() -> str:
+    """tutorials/README.md: the learning paths, then per notebook its question, what you learn, what you need,
+    the measured run times and both variants' links."""
+    templates = template_paths()
+    names = [notebook_name(t) for t in templates]
+    abouts = {notebook_name(t): read_about(t) for t in templates}
+    titles = {notebook_name(t): _title(t) for t in templates}
+    for name, about in abouts.items():
+        unknown = [n for n in about["needs"] if n not in names]
+        if unknown:
+            raise UserError(f"{TEMPLATES_DIR / (name + TEMPLATE_SUFFIX)}: about.needs names no notebook: {unknown}")
+    times = read_run_times()
+
+    def link(name: str) -> str:
+        return f"[{name[:2]} {titles[name].split(':')[0]}]({name}.ipynb)"
+
+    lines = ["# Tutorials", "",
+             f"<!-- Generated by `{BUILD_COMMAND}` from the `about` block at the top of each",
+             "     tutorials/templates/*.md.j2 and from run_times.json; edit those, not this file. -->", "",
+             "Each notebook answers one question with runs it measures itself and asserts what it concludes.",
+             "`NN_name.ipynb` is the CPU variant: sized for 2 CPU cores, committed with its outputs and executed by",
+             "the tests (nbval). `gpu/NN_name.ipynb` is the GPU variant, committed with the outputs of its last",
+             "run on one NVIDIA H200; where it runs CPU ranks or a CPU-sized model, its entry says so.", "",
+             "Open the first one from a fresh clone (the `tutorials` extra brings Jupyter):", "",
+             "```bash",
+             'pip install torch==2.13.0 && pip install ".[tutorials]" && jupyter lab tutorials/01_quickstart.ipynb',
+             "```", "",
+             "## Learning paths", ""]
+    for path, covers in PATHS.items():
+        members = [n for n in names if abouts[n]["path"] == path]
+        lines.append(f"- **{path}** ({covers}): " + " → ".join(link(n) for n in members))
+    lines += ["", "Run times: wall time of the last `toolkit tutorials build --execute` of each variant "
+              "(tutorials/run_times.json); the CPU ones on a 2-core VM shared with other work.", "",
+              "## The notebooks", ""]
+    for name in names:
+        about, cpu = abouts[name], times["cpu"].get(name)
+        cpu_time = f"{_duration(cpu['seconds'])} on {cpu['cpus']} CPU cores ({cpu['date']})" if cpu else "not measured"
+        needs = ", ".join(link(n) for n in about["needs"]) or "nothing: start here"
+        lines += [f"### {name[:2]}. {titles[name]}", "",
+                  f"[CPU variant]({name}.ipynb) · [GPU variant]({GPU_SUBDIR}/{name}.ipynb)", "",
+                  f"- **Question:** {about['question']}",
+                  f"- **You will learn to** {about['learn']}.",
+                  f"- **You need:** {needs}.",
+                  f"- **Run time:** CPU {cpu_time}; GPU {_gpu_run_time(name, times['gpu'])}."]
+        if "gpu" in about:
+            lines.append(f"- **The GPU variant runs** {about['gpu']}.")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def index_path() -> Path:
+    """tutorials/README.md, the generated index."""
+    return TUTORIALS_DIR / INDEX_NAME
+
+
+def build_index(check: bool = False) -> bool:
+    """Render the index; write it unless `check`. True when the committed index differed from the rendering."""
+    text, path = render_index(), index_path()
+    stale = not path.is_file() or path.read_text(encoding="utf-8") != text
+    if stale and not check:
+        path.write_bytes(text.encode("utf-8"))
+    return stale
+
+
 def _variants():
     for template in template_paths():
         for gpu in (False, True):
@@ -199,9 +318,9 @@ def _variants():
 
 
 def build_all(check: bool = False) -> list[Path]:
-    """Render every template, CPU and GPU variant. Build: write the notebooks whose cells changed (their outputs
-    are then gone until the next `--execute`) and return every notebook. Check (`check=True`): write nothing,
-    return the notebooks whose cells differ from their rendering."""
+    """Render every template, CPU and GPU variant, and the index. Build: write the notebooks whose cells changed
+    (their outputs are then gone until the next `--execute`) and the index if it changed, and return them all.
+    Check (`check=True`): write nothing, return those that differ from their rendering."""
     built, stale = [], []
     for template, gpu, path in _variants():
         text = render_notebook(template, gpu)
@@ -211,6 +330,9 @@ def build_all(check: bool = False) -> list[Path]:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(text.encode("utf-8"))  # bytes: the same "\n" line ends on every OS
         built.append(path)
+    if build_index(check):
+        stale.append(index_path())
+    built.append(index_path())
     return stale if check else built
 
 
