@@ -276,3 +276,20 @@ def test_the_readme_learn_line_opens_the_first_notebook_with_an_extra_that_bring
     assert notebook == "tutorials/01_quickstart.ipynb" and (root / notebook).is_file()
     extras = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
     assert any(requirement.startswith("jupyter") for requirement in extras[extra]), extras[extra]
+
+
+def test_results_quotes_a_section_of_results_md_and_names_what_it_cannot_find():
+    from toolkit.cli.tutorials import TEMPLATE_GLOBALS
+    from toolkit.resources import results_path
+
+    results = TEMPLATE_GLOBALS["results"]
+    zero = results("ZeRO on one H200")
+    text = results_path().read_text(encoding="utf-8")
+    stage2 = zero.row(1, "stage2")  # exact first cell, though "stage2-offload" starts with it too
+    assert stage2["config"] == "stage2" and f"| stage2 | {stage2['params']} | {stage2['tokens/s']} |" in text
+    assert zero.row(0, "stage2-off")["config"] == "stage2-offload"  # a unique prefix
+    assert zero.date in text.split("## ZeRO on one H200", 1)[1].split("\n\n", 2)[1]  # from the provenance line
+    with pytest.raises(UserError, match="no single row 'stage'"):
+        zero.row(1, "stage")
+    with pytest.raises(UserError, match="0 sections titled 'No such benchmark'"):
+        results("No such benchmark")
