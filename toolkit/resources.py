@@ -1,7 +1,9 @@
-"""Where the files the toolkit ships (schema, recipes, kernel sources) live.
+"""Where the files the toolkit ships (schema, recipes, kernel sources, the
+benchmark figures) live.
 
 In a source checkout they are the top-level folders beside `toolkit/`; in an
 installed package they are copied under `toolkit/_shipped/` (see pyproject.toml).
+Of benchmarks/ only RESULTS.md ships: the tutorials quote its figures.
 """
 from pathlib import Path
 
@@ -9,7 +11,7 @@ _PACKAGE = Path(__file__).resolve().parent
 
 
 def shipped_dir(name: str) -> Path:
-    """The folder `name` (schemas, recipes, kernels) from the checkout or the installed package."""
+    """The folder `name` (schemas, recipes, kernels, benchmarks) from the checkout or the installed package."""
     checkout = _PACKAGE.parent / name
     if (_PACKAGE.parent / "pyproject.toml").is_file() and checkout.is_dir():
         return checkout
@@ -24,3 +26,8 @@ def checkout_dir(name: str) -> Path:
 def schema_path() -> Path:
     """The recipe JSON Schema."""
     return shipped_dir("schemas") / "recipe.schema.json"
+
+
+def results_path() -> Path:
+    """benchmarks/RESULTS.md: the committed benchmark figures (the only file of benchmarks/ that ships)."""
+    return shipped_dir("benchmarks") / "RESULTS.md"

@@ -67,6 +67,10 @@ def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (workdir / "run" / "metrics.jsonl").read_text().count('"loss"') == 3
+    results = subprocess.run([str(py), "-c", "import toolkit.resources as r; print(r.results_path())"],
+                             cwd=workdir, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert results == str(Path(module_file).parent / "_shipped" / "benchmarks" / "RESULTS.md"), results
+    assert Path(results).read_bytes() == (REPO / "benchmarks" / "RESULTS.md").read_bytes()  # the notebooks quote it
     kernels = subprocess.run([str(py), "-c", "import toolkit.resources as r; print(r.shipped_dir('kernels'))"],
                              cwd=workdir, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert kernels.startswith(str(venv))
@@ -77,3 +81,21 @@ def test_non_editable_install_runs_quickstart_from_another_directory(tmp_path):
                            "print(install_command('parquet'))"], cwd=workdir, env=env, capture_output=True, text=True,
                           check=True).stdout.strip()
     assert hint == f'pip install "{source}[parquet]"', hint  # the folder pip recorded (PEP 610), not the index
+
+
+def test_results_md_ships_where_resources_looks_for_it(tmp_path, monkeypatch):
+    """The tutorials read benchmarks/RESULTS.md through toolkit.resources; pyproject.toml copies that file to the
+    path `results_path()` takes in an installed package (the slow test above installs one)."""
+    import tomllib
+
+    from toolkit import resources
+
+    assert resources.results_path() == REPO / "benchmarks" / "RESULTS.md"  # in a checkout: the file itself
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    installed_at = {}  # source file -> its path in site-packages
+    for package, patterns in setuptools["package-data"].items():
+        for pattern in patterns:
+            source = (REPO / setuptools["package-dir"][package] / pattern).resolve()
+            installed_at[source] = Path(os.path.normpath(Path(*package.split(".")) / pattern))
+    monkeypatch.setattr(resources, "_PACKAGE", tmp_path / "site-packages" / "toolkit")  # an installed package
+    assert resources.results_path() == tmp_path / "site-packages" / installed_at[(REPO / "benchmarks" / "RESULTS.md")]

@@ -3,17 +3,37 @@ clean, stably-identified notebook. (nbval executes them: `pytest --nbval-lax tut
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.cli.tutorials import (GPU_SUBDIR, KERNELSPEC, TEMPLATES_DIR, TUTORIALS_DIR, build_all, notebook_name, render_notebook,
-                               split_cells, template_paths)
+from toolkit.cli.tutorials import (GPU_SUBDIR, KERNELSPEC, PATHS, TEMPLATES_DIR, TUTORIALS_DIR, build_all, notebook_name,
+                                   read_about, read_run_times, render_notebook, split_cells, template_paths)
 
 NOTEBOOKS = sorted(TUTORIALS_DIR.glob("*.ipynb"))
 GPU_NOTEBOOKS = sorted((TUTORIALS_DIR / GPU_SUBDIR).glob("*.ipynb"))
+# The front matter every template carries (the index is built from it); the throwaway templates below use this one.
+ABOUT = '{% set about = {"question": "Q?", "learn": "do it", "needs": [], "path": "basics"} %}\n'
+
+# Code cells that may have no outputs, with why; a notebook's path (relative to tutorials/) stands for all its cells.
+# A cell id stands for that cell in both variants.
+NO_OUTPUT = {
+    "01-quickstart-08": "removes the notebook's temporary run directory; prints nothing",
+    "02-zero-memory-08": "removes the notebook's temporary run directory; prints nothing",
+    "03-workflow-01": "the parameters cell: assignments only",
+    "03-workflow-22": "removes the notebook's temporary directory; prints nothing",
+    "04-precision-13": "removes the notebook's temporary run directory; prints nothing",
+    "06-activation-checkpointing-03": "defines the measuring functions; prints nothing",
+    "07-zero-offload-18": "removes the notebook's temporary run directory; prints nothing",
+    "09-real-data-19": "removes the notebook's temporary cache directory; prints nothing",
+    "11-zero-infinity-07": "removes the notebook's temporary swap directory; prints nothing",
+    "14-parallelism-09": "removes the ranks' temporary output directory; prints nothing",
+    "gpu/10_estimate.ipynb": "not yet executed on a GPU (issue 34 item 7)",
+    "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
+}
 
 
 def test_committed_notebooks_match_their_templates():
@@ -82,7 +102,7 @@ def test_cli_check_exits_2_naming_the_stale_notebook(tmp_path, monkeypatch):
     from toolkit.cli.main import main
 
     (tmp_path / "templates").mkdir()
-    (tmp_path / "templates" / "01_demo.md.j2").write_text("%% markdown\n# {{ notebook }}\n%% code\nprint(1)\n")
+    (tmp_path / "templates" / "01_demo.md.j2").write_text(ABOUT + "%% markdown\n# {{ notebook }}\n%% code\nprint(1)\n")
     monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
     monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
     assert main(["tutorials", "build", "--check"]) == 2
@@ -102,7 +122,7 @@ def test_an_executed_notebook_keeps_its_outputs_and_is_not_stale(tmp_path, monke
     import toolkit.cli.tutorials as tutorials
 
     (tmp_path / "templates").mkdir()
-    (tmp_path / "templates" / "01_demo.md.j2").write_text("%% code\nprint(6 * 7)\n")
+    (tmp_path / "templates" / "01_demo.md.j2").write_text(ABOUT + "%% code\nprint(6 * 7)\n")
     monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
     monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
     build_all()
@@ -118,8 +138,8 @@ def test_a_failing_notebook_is_saved_with_its_error_and_fails_the_command(tmp_pa
     from toolkit.cli.main import main
 
     (tmp_path / "templates").mkdir()
-    (tmp_path / "templates" / "01_demo.md.j2").write_text("%% code\nprint('before')\n%% code\nraise ValueError('boom')\n")
-    (tmp_path / "templates" / "02_next.md.j2").write_text("%% code\nprint('after')\n")
+    (tmp_path / "templates" / "01_demo.md.j2").write_text(ABOUT + "%% code\nprint('before')\n%% code\nraise ValueError('boom')\n")
+    (tmp_path / "templates" / "02_next.md.j2").write_text(ABOUT + "%% code\nprint('after')\n")
     monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
     monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
     assert main(["tutorials", "build", "--execute"]) == 1
@@ -128,6 +148,9 @@ def test_a_failing_notebook_is_saved_with_its_error_and_fails_the_command(tmp_pa
     assert "02_next.ipynb: executed in" in out  # the next notebook still ran
     nb = json.loads((tmp_path / "01_demo.ipynb").read_text())
     assert nb["cells"][1]["outputs"][0]["ename"] == "ValueError"
+    times = json.loads((tmp_path / "run_times.json").read_text())  # the wall time of the run that succeeded only
+    assert set(times["cpu"]) == {"02_next"} and times["gpu"] == {}
+    assert 0 < times["cpu"]["02_next"]["seconds"] < 120 and times["cpu"]["02_next"]["cpus"] >= 1
 
 
 def test_execute_arguments_are_checked_before_anything_is_written(tmp_path, monkeypatch, capsys):
@@ -135,7 +158,7 @@ def test_execute_arguments_are_checked_before_anything_is_written(tmp_path, monk
     from toolkit.cli.main import main
 
     (tmp_path / "templates").mkdir()
-    (tmp_path / "templates" / "01_demo.md.j2").write_text("%% code\nprint(1)\n")
+    (tmp_path / "templates" / "01_demo.md.j2").write_text(ABOUT + "%% code\nprint(1)\n")
     monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
     monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
     assert main(["tutorials", "build", "--execute", "01_dmeo"]) == 2
@@ -150,3 +173,125 @@ def test_cli_check_stays_free_of_torch():
             "assert 'torch' not in sys.modules; sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code], cwd=TEMPLATES_DIR.parent.parent, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _relative(path) -> str:
+    return path.relative_to(TUTORIALS_DIR).as_posix()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + GPU_NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_code_cell_has_outputs_or_a_listed_reason_and_no_output_is_an_error(path):
+    """Issue 34 item 2: every committed notebook, CPU and GPU, shows its last run."""
+    code = [cell for cell in json.loads(path.read_text(encoding="utf-8"))["cells"] if cell["cell_type"] == "code"]
+    errors = [(cell["id"], out.get("ename")) for cell in code for out in cell["outputs"] if out["output_type"] == "error"]
+    assert not errors, f"{_relative(path)}: error outputs {errors}"
+    if _relative(path) in NO_OUTPUT:
+        return
+    silent = [cell["id"] for cell in code if not cell["outputs"] and cell["id"] not in NO_OUTPUT]
+    assert not silent, (f"{_relative(path)}: code cells without outputs {silent}: execute it "
+                        f"(`toolkit tutorials build --execute`) or list them in NO_OUTPUT with the reason")
+
+
+def test_the_no_output_list_has_no_stale_entry():
+    notebooks = {_relative(p): json.loads(p.read_text(encoding="utf-8")) for p in NOTEBOOKS + GPU_NOTEBOOKS}
+    code = {name: [c for c in nb["cells"] if c["cell_type"] == "code"] for name, nb in notebooks.items()}
+    silent_cells = {c["id"] for cells in code.values() for c in cells if not c["outputs"]}
+    silent_notebooks = {name for name, cells in code.items() if not any(c["outputs"] for c in cells)}
+    stale = sorted(set(NO_OUTPUT) - silent_cells - silent_notebooks)
+    assert not stale, f"NO_OUTPUT lists {stale}, which now have outputs (or no longer exist): remove them"
+    assert all(len(reason.split()) >= 3 for reason in NO_OUTPUT.values())
+
+
+INDEX = TUTORIALS_DIR / "README.md"
+
+
+def _index_entry(name: str) -> str:
+    return INDEX.read_text(encoding="utf-8").split(f"\n### {name[:2]}. ", 1)[1].split("\n### ", 1)[0]
+
+
+def test_the_index_links_resolve():
+    links = re.findall(r"\]\(([^)]+)\)", INDEX.read_text(encoding="utf-8"))
+    assert len(links) >= 2 * len(NOTEBOOKS)
+    assert not [link for link in links if not (TUTORIALS_DIR / link).is_file()]
+
+
+def test_the_index_gives_each_notebook_both_variants_and_its_measured_cpu_time():
+    times = read_run_times()
+    for path in NOTEBOOKS:
+        entry = _index_entry(path.stem)
+        assert f"[CPU variant]({path.name}) · [GPU variant](gpu/{path.name})" in entry
+        assert ("CPU not measured" in entry) == (path.stem not in times["cpu"]), entry
+        if path.stem in times["cpu"]:
+            assert f"on {times['cpu'][path.stem]['cpus']} CPU cores ({times['cpu'][path.stem]['date']})" in entry
+        executed = any(c.get("execution_count") for c in json.loads(
+            (TUTORIALS_DIR / GPU_SUBDIR / path.name).read_text(encoding="utf-8"))["cells"])
+        assert ("GPU not yet executed" in entry) == (not executed and path.stem not in times["gpu"]), entry
+
+
+def test_the_index_says_which_gpu_variants_run_on_cpu_ranks_or_cpu_sized_models():
+    """Issue 34: 02 runs one rank, 13 and 14 gloo ranks on CPU cores, 09 a CPU-sized recipe."""
+    says = {notebook_name(t) for t in template_paths() if "gpu" in read_about(t)}
+    assert says == {"02_zero_memory", "09_real_data", "13_communication", "14_parallelism"}
+    for name in says:
+        assert "- **The GPU variant runs** " in _index_entry(name)
+
+
+def test_every_notebook_is_on_a_learning_path_and_needs_only_earlier_notebooks():
+    for template in template_paths():
+        about, name = read_about(template), notebook_name(template)
+        assert about["path"] in PATHS
+        assert all(need < name for need in about["needs"]), (name, about["needs"])
+        assert f"({name}.ipynb)" in INDEX.read_text(encoding="utf-8").split("## Learning paths", 1)[1].split("\n## ")[0]
+
+
+def test_a_template_without_about_or_with_an_unknown_path_fails_the_build(tmp_path, monkeypatch, capsys):
+    import toolkit.cli.tutorials as tutorials
+    from toolkit.cli.main import main
+
+    (tmp_path / "templates").mkdir()
+    template = tmp_path / "templates" / "01_demo.md.j2"
+    monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
+    monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
+    template.write_text("%% code\nprint(1)\n")
+    assert main(["tutorials", "build"]) == 2
+    assert "01_demo.md.j2: no `{% set about = {...} %}` block" in capsys.readouterr().err
+    template.write_text(ABOUT.replace('"basics"', '"advanced"') + "%% code\nprint(1)\n")
+    assert main(["tutorials", "build"]) == 2
+    assert "path 'advanced' is not one of ['basics', 'memory', 'scale']" in capsys.readouterr().err
+    template.write_text(ABOUT + "%% code\nprint(1)\n")
+    assert main(["tutorials", "build"]) == 0
+    index = (tmp_path / "README.md").read_text()
+    assert "### 01. 01_demo" in index and "CPU not measured; GPU not yet executed." in index
+    assert main(["tutorials", "build", "--check"]) == 0
+
+
+def test_the_readme_learn_line_opens_the_first_notebook_after_the_test_command_which_installs_jupyter():
+    import tomllib
+
+    root = TUTORIALS_DIR.parent
+    setup = (root / "README.md").read_text(encoding="utf-8").split("## Set up", 1)[1].split("\n## ", 1)[0]
+    assert setup.count("```bash") == 2  # the README keeps exactly two set-up commands
+    test_extra = re.search(r'pip install -e "\.\[(\w+)\]" && python -m pytest', setup).group(1)
+    notebook = re.search(r"Learn: .*?`jupyter lab (\S+)`", setup, re.S).group(1)
+    assert notebook == "tutorials/01_quickstart.ipynb" and (root / notebook).is_file()
+    extras = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    brought = {extra for requirement in extras[test_extra] if requirement.startswith("toolkit[")
+               for extra in requirement[len("toolkit["):-1].split(",")}
+    assert any(r.startswith("jupyter") for extra in brought | {test_extra} for r in extras[extra]), brought
+
+
+def test_results_quotes_a_section_of_results_md_and_names_what_it_cannot_find():
+    from toolkit.cli.tutorials import TEMPLATE_GLOBALS
+    from toolkit.resources import results_path
+
+    results = TEMPLATE_GLOBALS["results"]
+    zero = results("ZeRO on one H200")
+    text = results_path().read_text(encoding="utf-8")
+    stage2 = zero.row(1, "stage2")  # exact first cell, though "stage2-offload" starts with it too
+    assert stage2["config"] == "stage2" and f"| stage2 | {stage2['params']} | {stage2['tokens/s']} |" in text
+    assert zero.row(0, "stage2-off")["config"] == "stage2-offload"  # a unique prefix
+    assert zero.date in text.split("## ZeRO on one H200", 1)[1].split("\n\n", 2)[1]  # from the provenance line
+    with pytest.raises(UserError, match="no single row 'stage'"):
+        zero.row(1, "stage")
+    with pytest.raises(UserError, match="0 sections titled 'No such benchmark'"):
+        results("No such benchmark")

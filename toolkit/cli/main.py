@@ -158,7 +158,7 @@ def _cmd_recipes(args) -> int:
 def _cmd_tutorials(args) -> int:
     from toolkit.optional_packages import check_command_packages
     from toolkit.cli.tutorials import (BUILD_COMMAND, GPU_SUBDIR, TUTORIALS_DIR, build_all, execute_notebooks,
-                                       notebook_name, template_paths)
+                                       build_index, notebook_name, record_run_time, template_paths)
 
     check_command_packages(BUILD_COMMAND)
     if (args.gpu or args.names) and not args.execute:
@@ -181,7 +181,8 @@ def _cmd_tutorials(args) -> int:
     for path in built:
         print(f"{path.relative_to(TUTORIALS_DIR.parent)}: {'updated' if path in stale else 'unchanged'}")
     if args.execute:
-        chosen = [p for p in built if (p.parent.name == GPU_SUBDIR) == args.gpu and (not args.names or p.stem in args.names)]
+        chosen = [p for p in built if p.suffix == ".ipynb" and (p.parent.name == GPU_SUBDIR) == args.gpu
+                  and (not args.names or p.stem in args.names)]
         if args.names:  # in the order given: a device call that may be cut short runs the sure ones first
             chosen.sort(key=lambda p: args.names.index(p.stem))
         failed = 0
@@ -189,6 +190,9 @@ def _cmd_tutorials(args) -> int:
             where = path.relative_to(TUTORIALS_DIR.parent)
             print(f"{where}: executed in {seconds:.1f} s" + (f"; FAILED: {error}" if error else ""), flush=True)
             failed += error is not None
+            if error is None:
+                record_run_time(path, seconds)
+                build_index()  # its run times
         return 1 if failed else 0
     return 0
 
