@@ -380,7 +380,7 @@ class Engine:
     def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
         """Restore what state_dict() saved, from any stage and world size (sharded checkpoints read their
         shard files in `checkpoint_dir`); settings (betas, eps, weight decay, implementation) stay the recipe's."""
-        load_engine_state(self, state, checkpoint_dir, adamw_param_names(self.model))
+        load_engine_state(self, state, checkpoint_dir, adamw_param_names(self.model, self.recipe.optimizer))
 
 
 def initialize(recipe, model: nn.Module | None = None, zero3_units=None) -> Engine:

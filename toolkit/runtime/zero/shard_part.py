@@ -21,7 +21,8 @@ class ShardPart:
     CPU memory (offload_optimizer cpu) or a swap file (offload_optimizer nvme: `swap` is set)."""
 
     def __init__(self, spec: OptimizerSpec, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
-                 device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None):
+                 device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None,
+                 comm=None):
         self.groups = groups
         self.layout = ShardLayout([all_groups[g] for g in groups], rank)
         self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
@@ -31,7 +32,8 @@ class ShardPart:
         # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros)
         self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
                      if offloaded and swap_dir is not None else None)
-        self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded))
+        self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded,
+                                                         self.layout, comm))
         self.master: torch.Tensor | None = None
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
         if self.swap is not None:
@@ -63,6 +65,10 @@ class ShardPart:
         """AdamW on this part (the device's runs asynchronously; the CPU's returns when done)."""
         if self.offloaded_step is not None:
             self.offloaded_step.step()
+            return
+        if self.optimizer.whole_matrices:  # Muon: per slot, gathering each matrix (zero/muon.py)
+            self.optimizer.step_chunks(self.master_chunks, self.grad_chunks, self.moment_chunks)
+            self.publish()
             return
         views = {decay: (self.layout.segment_views(self.master_chunks, decay),
                          self.layout.segment_views(self.grad_chunks, decay),
