@@ -237,10 +237,13 @@ class ShardedStrategy(StrategyBase):
         element = torch.empty((), dtype=self.param_dtype).element_size()
         kinds = expected_step_bytes(self.stage, numel, self.info.world_size, element, grad_accum_steps,
                                     root_numel=self._gathered_all_along())
-        # Muon (zero/muon.py): each group holding a matrix all-gathers its bf16 updates once per step
+        # Muon (zero/muon.py): each group holding a matrix all-gathers its updates once per step, in the
+        # Newton-Schulz dtype (muon_ns_dtype: bf16, 2 bytes; fp32, 4)
         muon = sum(g.padded_numel for g in self.groups if any(s.muon for s in g.slots))
         if muon and self.info.world_size > 1:
-            kinds["all_gather"] = kinds.get("all_gather", 0) + wire_bytes("all_gather", 2 * muon, self.info.world_size)
+            ns_bytes = 4 if self.optimizer_spec.muon_ns_dtype == "fp32" else 2
+            kinds["all_gather"] = kinds.get("all_gather", 0) + wire_bytes("all_gather", ns_bytes * muon,
+                                                                          self.info.world_size)
         return kinds
 
     def _gathered_all_along(self) -> int:
