@@ -11,8 +11,9 @@ Per step, for every flat group (a stage 1-2 bucket, a stage 3 unit) holding a Mu
      orthogonalized by both: simpler than assigning matrices and gathering results, same bits) and applies
      torch's step to its slice: p *= 1 - lr * wd; p -= adjusted_lr * O.
 The other parameters (embeddings, head, norms, biases) step with ShardedAdamW on their slices. The momentum
-lives in ShardedAdamW's exp_avg at the matrices' positions; its exp_avg_sq there stays zero (the shard keeps
-one buffer layout for both: docs/zero-and-offload.md), and checkpoints name the momentum exp_avg.
+lives in ShardedAdamW's exp_avg at the matrices' positions (checkpoints name it exp_avg); exp_avg_sq is
+compact, AdamW's elements only, so a matrix element holds 4 bytes of state instead of 8 (checkpoints read
+it as zero there: `second_moment_chunk`).
 
 What does not live here: the maths per matrix (toolkit/runtime/muon.py), the shard's tiers (shard_part.py).
 Offload is refused (toolkit/recipe/checks.py).
@@ -45,6 +46,14 @@ class ShardedMuon:
             lo, hi = group.chunk_range(layout.rank)
             self.pieces.append([(s, max(lo, s.offset) - lo, min(hi, s.offset + s.numel) - lo) for s in group.slots
                                 if max(lo, s.offset) < min(hi, s.offset + s.numel)])
+        # per group: (start, stop, offset in the compact exp_avg_sq) of each AdamW piece
+        self.second_at, offset = [], 0
+        for pieces in self.pieces:
+            self.second_at.append([])
+            for slot, a, b in (piece for piece in pieces if not piece[0].muon):
+                self.second_at[-1].append((a, b, offset))
+                offset += b - a
+        self.adamw.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
 
     # -- what ShardPart and the strategy read, as from ShardedAdamW ------------------------
 
@@ -55,8 +64,20 @@ class ShardedMuon:
 
     @property
     def exp_avg_sq(self) -> torch.Tensor:
-        """AdamW's second moment (zero at the matrices' positions)."""
+        """AdamW's second moment, AdamW's elements only (compact)."""
         return self.adamw.exp_avg_sq
+
+    def second_moment_chunk(self, g: int) -> torch.Tensor:
+        """Group g's chunk of exp_avg_sq in the shard's layout (a copy; zero at the matrices' elements)."""
+        chunk = torch.zeros(self.layout.groups[g].chunk, dtype=torch.float32, device=self.device)
+        for a, b, offset in self.second_at[g]:
+            chunk[a:b] = self.adamw.exp_avg_sq[offset:offset + b - a]
+        return chunk
+
+    def store_second_moment_chunk(self, g: int, chunk: torch.Tensor) -> None:
+        """Write back what `second_moment_chunk` returned, after filling it (a checkpoint load)."""
+        for a, b, offset in self.second_at[g]:
+            self.adamw.exp_avg_sq[offset:offset + b - a] = chunk[a:b]
 
     @property
     def step_count(self) -> int:
@@ -84,14 +105,15 @@ class ShardedMuon:
     @torch.no_grad()
     def step_chunks(self, masters: list[torch.Tensor], grads: list[torch.Tensor],
                     moments: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One step over the shard: per group g, `masters[g]` (fp32), `grads[g]` and `moments[g]` (exp_avg,
-        exp_avg_sq) are this rank's chunk of it."""
+        """One step over the shard: per group g, `masters[g]` (fp32), `grads[g]` and `moments[g][0]` (exp_avg)
+        are this rank's chunk of it."""
         views = {decay: ([], [], [], []) for decay in (True, False)}
         for g, pieces in enumerate(self.pieces):
-            for slot, a, b in pieces:
-                if not slot.muon:
-                    for into, tensor in zip(views[slot.decay], (masters[g], grads[g], *moments[g])):
-                        into.append(tensor[a:b])
+            adamw = [slot for slot, _, _ in pieces if not slot.muon]
+            for slot, (a, b, offset) in zip(adamw, self.second_at[g]):
+                second = self.adamw.exp_avg_sq[offset:offset + b - a]
+                for into, tensor in zip(views[slot.decay], (masters[g][a:b], grads[g][a:b], moments[g][0][a:b], second)):
+                    into.append(tensor)
         self.adamw.step({d: v[0] for d, v in views.items()}, {d: v[1] for d, v in views.items()},
                         {d: (v[2], v[3]) for d, v in views.items()})
         for g, group in enumerate(self.layout.groups):

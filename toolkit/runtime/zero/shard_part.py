@@ -45,8 +45,10 @@ class ShardPart:
             self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
             for master, g in zip(self.master_chunks, groups):
                 master.copy_(weights.read(g))
+        # NOTE: Muon's exp_avg_sq is compact (AdamW's elements only): no chunk views of it (zero/muon.py)
         self.moment_chunks = [] if self.swap is not None else [
-            (self.layout.chunk_of(self.optimizer.exp_avg, g), self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
+            (self.layout.chunk_of(self.optimizer.exp_avg, g),
+             None if self.optimizer.whole_matrices else self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
             for g in range(len(groups))]
         if self.swap is not None:
             self.offloaded_step = SwappedStep(self.layout, self.optimizer, self.swap, self.grad_chunks, weights,
@@ -88,6 +90,8 @@ class ShardPart:
 
     def chunk_states(self, local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master, exp_avg, exp_avg_sq) of the part's group `local`: views, or (nvme) copies read from the file."""
+        if self.swap is None and self.optimizer.whole_matrices:  # Muon: a copy of the compact exp_avg_sq
+            return self.master_chunks[local], self.moment_chunks[local][0], self.optimizer.second_moment_chunk(local)
         if self.swap is None:
             return (self.master_chunks[local], *self.moment_chunks[local])
         n, numel = self.layout.groups[local].chunk, self.layout.numel
@@ -95,7 +99,9 @@ class ShardPart:
                      for kind in range(3))
 
     def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
-        """Write back what `chunk_states` returned, after filling it (nvme; views need nothing)."""
+        """Write back what `chunk_states` returned, after filling it (nvme, Muon's compact exp_avg_sq; views need nothing)."""
+        if self.optimizer.whole_matrices:
+            self.optimizer.store_second_moment_chunk(local, states[2])
         if self.swap is not None:
             for kind, tensor in enumerate(states):
                 self.swap.write(tensor.contiguous(), 4 * (kind * self.layout.numel + self.layout.offsets[local]))
