@@ -1,5 +1,5 @@
-"""Muon at ZeRO 1-3 on gloo (CPU, fp32) at world sizes 2 and 4, one torch.multiprocessing launch per world size:
-10 steps per stage against the one-process Muon, the ledger's bytes against the strategy's formula (with
+"""Muon at ZeRO 0-3 on gloo (CPU, fp32) at world sizes 2 and 4, one torch.multiprocessing launch per world size:
+10 steps per stage (stage 2 also with gradient accumulation) against the one-process Muon, the ledger's bytes against the strategy's formula (with
 Muon's all-gather of the updates), and checkpoints: resumed at the same world size bit for bit, and
 resharded from world 2 (stage 2) to world 4 (stage 3) and to one process.
 
@@ -73,7 +73,8 @@ def _max_state_diff(engine, ckpt) -> float:
 
 def _rank_main(rank, world, port, out_dir):
     become_rank(rank, world, port)
-    results = {f"stage{stage}": _steps_with_bytes(world, [*FP32, f"zero.stage={stage}"]) for stage in (1, 2, 3)}
+    results = {f"stage{stage}": _steps_with_bytes(world, [*FP32, f"zero.stage={stage}"]) for stage in (0, 1, 2, 3)}
+    results["stage2-accum2"] = _steps_with_bytes(world, [*FP32, "zero.stage=2", "batch.grad_accum_steps=2"])
     results["stage2-bf16"] = _steps_with_bytes(world, [*MUON, "zero.stage=2"])
     results["checkpoint"] = _save_and_resume(world, out_dir)
     torch.save(results, out_dir.parent / f"muon-rank{rank}-of-{world}.pt")
@@ -107,11 +108,11 @@ def one_process():
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_muon_at_zero_stage_matches_one_process_muon_after_ten_steps(world, stage, world2, world4, one_process):
+@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage2-accum2"])
+def test_muon_at_zero_stage_matches_one_process_muon_after_ten_steps(world, name, world2, world4, one_process):
     ranks = {2: world2, 4: world4}[world]
     for rank in ranks:  # every rank ends with the same whole parameters, those of one process
-        assert_params_close(rank[f"stage{stage}"]["params"], one_process["fp32"])
+        assert_params_close(rank[name]["params"], one_process["fp32"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -122,7 +123,7 @@ def test_torch_bf16_newton_schulz_at_zero_2_stays_within_its_stated_drift(world,
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["stage1", "stage2", "stage3", "stage2-bf16"])
+@pytest.mark.parametrize("name", ["stage1", "stage2", "stage3", "stage2-accum2", "stage2-bf16"])
 def test_measured_bytes_per_step_equal_the_formula_with_muons_gather(world, name, world2, world4):
     from toolkit.observe.comm_ledger import wire_bytes
 
