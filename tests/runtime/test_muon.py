@@ -138,6 +138,7 @@ def test_the_schedule_scales_muon_lr_by_the_same_factor_as_lr(stage):
         engine.train_batch(stream.next_step())
         muon, *adamw = engine.optimizer.param_groups
         assert muon["muon"] and muon["lr"] == pytest.approx(adamw[0]["lr"] * 0.02 / 0.003, rel=1e-12)
+        assert engine.current_lr == adamw[0]["lr"] == engine.scheduler.current_lr  # what the log prints
         seen.append(adamw[0]["lr"])
     assert len(set(seen)) == 5 and 0 < max(seen) <= 0.003  # warming up and decaying: the factor moved
 
@@ -163,22 +164,26 @@ def test_resume_from_a_checkpoint_is_bit_exact(stage, tmp_path):
         assert torch.equal(resumed.strategy.full_parameters()[name], want), name
 
 
-def test_a_stage_0_checkpoint_resumes_at_stage_2_with_the_momentum(tmp_path):
+@pytest.mark.parametrize("saved, resumed", [(0, 2), (2, 0)])
+def test_a_checkpoint_resumes_across_stage_0_and_2_with_every_state(saved, resumed, tmp_path):
     from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
 
-    recipe, engine, stream = tiny_engine(1, [*MUON, "zero.stage=0"])
+    recipe, engine, stream = tiny_engine(1, [*MUON, f"zero.stage={saved}"])
     for _ in range(3):
         engine.train_batch(stream.next_step())
     Checkpointer(recipe, tmp_path, engine, stream).save()
-    _, sharded, sharded_stream = tiny_engine(1, [*MUON, "zero.stage=2"])
-    restore_engine_and_stream(load_checkpoint(find_checkpoint(tmp_path)), sharded, sharded_stream)
-    pieces = {name: views for name, _, _, views in sharded.strategy.owned_pieces()}
-    for p, state in ((p, engine.optimizer.state[p]) for p in engine.optimizer.param_groups[0]["params"]):
-        name = next(n for n, q in engine.model.named_parameters() if q is p)
-        assert torch.equal(pieces[name]["exp_avg"], state["momentum_buffer"].reshape(-1))
-        assert not pieces[name]["exp_avg_sq"].any()
+    _, other, other_stream = tiny_engine(1, [*MUON, f"zero.stage={resumed}"])
+    restore_engine_and_stream(load_checkpoint(find_checkpoint(tmp_path)), other, other_stream)
+    before, after = ({name: views for name, _, _, views in e.strategy.owned_pieces()} for e in (engine, other))
+    assert before.keys() == after.keys()
+    for name in before:  # weights, momentum (exp_avg at the matrices), moments: bit for bit
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(after[name][kind], before[name][kind]), (name, kind)
+    matrix = "transformer.h.0.attn.c_proj.weight"
+    assert before[matrix]["exp_avg"].any() and not after[matrix]["exp_avg_sq"].any()
+    assert other.strategy.optimizer_steps() == 3
 
 
 @pytest.mark.parametrize("overrides, what", [

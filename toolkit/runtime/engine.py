@@ -352,8 +352,10 @@ class Engine:
 
     @property
     def current_lr(self) -> float:
-        """Learning rate of the first parameter group."""
-        return float(self.optimizer.param_groups[0]["lr"])
+        """The schedule's learning rate: that of the first parameter group it does not scale (Muon's matrices run
+        at lr x muon_lr / lr)."""
+        groups = self.optimizer.param_groups
+        return float(next((g for g in groups if "lr_scale" not in g), groups[0])["lr"])
 
     # -- checkpoints, DeepSpeed's names (toolkit/checkpoint/engine_state.py) -------------
 

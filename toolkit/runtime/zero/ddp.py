@@ -266,8 +266,10 @@ class DataParallel(StrategyBase):
 
         mem = self.memory_bytes()
         # NOTE: torch's Adam(W) makes its moments at the first step: none exist yet to count
+        made = ("Muon's momentum for the matrices, AdamW's two moments for the rest" if
+                self.optimizer.param_groups[0].get("muon") else "two moments as large as the parameters")
         moments = (f"({format_bytes(mem['mem_optim_bytes'])})" if mem["mem_optim_bytes"] else
-                   "(made at the first step: two moments as large as the parameters)")
+                   f"(made at the first step: {made})")
         return (f"params device ({format_bytes(mem['mem_params_bytes'])}); grads device "
                 f"({format_bytes(mem['mem_grads_bytes'])}); optimizer states device {moments}")
 
