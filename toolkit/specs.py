@@ -126,6 +126,14 @@ class OptimizerSpec:
     weight_decay: float
     implementation: str
     freeze_step: int = 100000  # onebit_adam's uncompressed warm-up (schema)
+    # muon only (schema: the matrices' lr, momentum, Nesterov, Newton-Schulz steps, decay, per-shape lr rule)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_weight_decay: float = 0.0
+    muon_adjust_lr: str = "original"
+    muon_ns_dtype: str = "bf16"
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,14 @@ SAME = {"train_batch_size": "batch.global_batch", "train_micro_batch_size_per_gp
         "wandb.project": "logging.wandb.project", "tensorboard.enabled": "logging.tensorboard",
         **{f"fp16.{k}": f"precision.fp16.{k}" for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
                                                         "hysteresis", "consecutive_hysteresis", "min_loss_scale")},
-        **{f"optimizer.params.{k}": f"optimizer.{k}" for k in ("lr", "betas", "eps", "weight_decay", "freeze_step")}}
+        **{f"optimizer.params.{k}": f"optimizer.{k}" for k in ("lr", "betas", "eps", "weight_decay", "freeze_step")},
+        "optimizer.params.muon_lr": "optimizer.muon_lr", "optimizer.params.momentum": "optimizer.muon_momentum"}
 # Leaves whose value becomes another value: (recipe key, {DeepSpeed value: recipe value}).
 CHANGED = {"fp16.enabled": ("precision.dtype", {True: "fp16"}), "bf16.enabled": ("precision.dtype", {True: "bf16"}),
            "wandb.enabled": ("logging.wandb.mode", {True: "online", False: "disabled"}),
            "zero_optimization": ("zero.stage", {True: 1, False: 0}),
            "optimizer.params.adam_w_mode": ("optimizer.type", {True: "adamw", False: "adam"}),
-           "optimizer.type": ("optimizer.type", {"OneBitAdam": "onebit_adam"})}
+           "optimizer.type": ("optimizer.type", {"OneBitAdam": "onebit_adam", "Muon": "muon"})}
 
 
 def _leaves(node, prefix=""):
@@ -227,3 +228,19 @@ def test_a_converted_batch_run_at_another_world_size_names_the_keys_that_fix_it(
         "error: recipe.batch: global_batch 16 != micro_batch_per_rank 4 x grad_accum_steps 4 x world size 2 = 32; "
         "set batch.grad_accum_steps to 2 or batch.micro_batch_per_rank to 2 to keep the global batch, or "
         "batch.global_batch to 32"]
+
+
+def test_deepspeed_muon_maps_both_groups_lrs_decay_and_its_defaults():
+    ds = {"train_batch_size": 16, "optimizer": {"type": "Muon", "params": {
+        "lr": 0.002, "adam_lr": 0.0005, "momentum": 0.9, "weight_decay": 0.1, "ns_method": "standard"}}}
+    done = convert_deepspeed(ds, model="gpt2/tiny")
+    optimizer = done.recipe.resolved["optimizer"]
+    # lr is Muon's when adam_lr names the Adam group's; weight_decay is both groups'
+    assert (optimizer["type"], optimizer["lr"], optimizer["muon_lr"]) == ("muon", 0.0005, 0.002)
+    assert (optimizer["weight_decay"], optimizer["muon_weight_decay"], optimizer["muon_momentum"]) == (0.1, 0.1, 0.9)
+    # absent: MuonWithAuxAdam's Adam-group defaults, not the recipe's
+    assert (optimizer["betas"], optimizer["eps"]) == ([0.9, 0.95], 1e-10)
+    assert not [line for line in done.dropped if "ns_method" in line]  # 'standard' is the toolkit's iteration
+    gram = convert_deepspeed({**ds, "optimizer": {"type": "Muon", "params": {"ns_method": "gram"}}}, model="gpt2/tiny")
+    assert any(line.startswith("optimizer.params.ns_method: not carried over: unsupported") for line in gram.dropped)
+    assert gram.recipe.resolved["optimizer"]["lr"] == 3e-4 and gram.recipe.resolved["optimizer"]["muon_lr"] == 0.02

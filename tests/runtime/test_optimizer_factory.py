@@ -69,3 +69,23 @@ def test_kernels_adamw_gets_a_one_line_deprecation_warning_naming_both_keys():
     warned = [w for w in load_recipe("quickstart", ["kernels.adamw=off"]).warnings if "kernels.adamw" in w]
     assert warned == ["recipe.kernels.adamw: deprecated, recipe.optimizer.implementation decides the AdamW; "
                       "'off' reads as optimizer.implementation 'torch_fused'"]
+
+
+def test_muon_is_one_branch_whole_tensors_get_torchs_muon_beside_torchs_adamw_and_a_shard_the_gathering_step():
+    from toolkit.runtime.muon import MuonAdamW
+    from toolkit.runtime.optim import FlatShard, adamw_kernel_applies, build_optimizer, optimizer_param_groups
+    from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
+    from toolkit.runtime.zero.muon import ShardedMuon
+
+    muon = OptimizerSpec(type="muon", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, implementation="auto")
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+    groups = optimizer_param_groups(model, muon)
+    # Muon: the Linear's weight; AdamW: the embedding (decayed), the bias and the norm (not)
+    assert [[tuple(p.shape) for p in g["params"]] for g in groups] == [[(4, 4)], [(8, 4)], [(4,), (4,), (4,)]]
+    whole = build_optimizer(muon, groups, "toolkit-fused")
+    assert isinstance(whole, MuonAdamW) and isinstance(whole._muon, torch.optim.Muon)
+    assert [g.get("fused") for g in whole.param_groups[1:]] == [True, True]  # torch's fused AdamW, not the kernel
+    assert not adamw_kernel_applies("auto", 0, optimizer_type="muon")  # so the engine builds no kernel for it
+    layout = ShardLayout([FlatGroup(list(model.named_parameters()), {id(model[1].weight)}, 1)], 0)
+    shard = build_optimizer(muon, FlatShard(layout.numel, torch.device("cpu"), False, layout, None))
+    assert isinstance(shard, ShardedMuon) and shard.param_groups[0]["muon"]

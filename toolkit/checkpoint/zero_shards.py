@@ -149,7 +149,9 @@ class FullStateReader:
         """fp32 elements [start, stop) of flattened parameter `name`."""
         if kind == "param":
             source = self.model_state[name]
-        elif name in self.moments:
+        elif name in self.moments and kind == "exp_avg" and "momentum_buffer" in self.moments[name]:
+            source = self.moments[name]["momentum_buffer"]  # torch.optim.Muon's state (optimizer.type muon)
+        elif name in self.moments and kind in self.moments[name]:
             source = self.moments[name][kind]
         else:  # saved before the first optimizer step: moments are zero
             return torch.zeros(stop - start, dtype=torch.float32)

@@ -30,6 +30,7 @@ GiB = 2**30  # what GPUs and the table below are measured in
 # Mixed precision: fp32 master weights, momentum and variance, 4 + 4 + 4. fp32 training: the
 # parameters are already the master copy, so only momentum and variance, 4 + 4.
 ADAM_K = {"fp16": 12, "bf16": 12, "fp32": 8}
+MUON_SAVED = 4  # bytes per matrix element optimizer.type muon does not keep: one fp32 momentum, not two moments
 PARAM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # parameters and gradients as the model holds them
 
 # NOTE: nominal capacities (nvidia-smi shows them within 1%); a rank fits when its estimate is under
@@ -116,6 +117,7 @@ class EstimateInput:
     fused: tuple[bool, bool, bool] = (True, True, True)  # the (norm, GELU, cross-entropy) kernels not `off`
     token_buffer_bytes: int = 0  # the synthetic data's in-memory token tensors
     parallel: ParallelSpec = ParallelSpec()
+    optimizer: str = "adamw"  # optimizer.type: muon keeps one moment for the block matrices
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> EstimateInput:
@@ -130,7 +132,7 @@ class EstimateInput:
                    offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                    offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio, vocab_size=d.vocab_size,
                    fused=(norm != "off", k.bias_gelu != "off", k.cross_entropy != "off"),
-                   token_buffer_bytes=tokens, parallel=recipe.parallel)
+                   token_buffer_bytes=tokens, parallel=recipe.parallel, optimizer=recipe.optimizer.type)
 
     @cached_property
     def _resolved(self) -> tuple[ModelSpec, bool | None]:
@@ -151,18 +153,24 @@ class EstimateInput:
         """The model's parameter count, from its shape."""
         return parameter_count(self.shape, tied_embeddings=self.tied)
 
+    @property
+    def muon_params(self) -> int:
+        """Parameters Muon orthogonalizes (optimizer.type muon; 0 otherwise)."""
+        return muon_parameter_count(self.shape) if self.optimizer == "muon" else 0
+
     def model_states(self, num_params: int | None = None, offload_ratio: float | None = None) -> ModelStateBytes:
         """Per-rank model-state bytes at this stage and optimizer offload, for `num_params` (default the model's)."""
         return estimate_model_state_bytes(self.num_params if num_params is None else num_params, stage=self.stage,
                                           world_size=self.world_size, dtype=self.dtype,
                                           offload=self.offload_optimizer,
-                                          offload_ratio=self.offload_ratio if offload_ratio is None else offload_ratio)
+                                          offload_ratio=self.offload_ratio if offload_ratio is None else offload_ratio,
+                                          muon_params=self.muon_params)
 
     def memory(self, stage: int, offload: str = "none") -> MemoryEstimate:
         """Model states and activations of one rank at `stage` and `offload` (the rest as this input says)."""
         return estimate_memory(self.model, micro_batch=self.micro_batch, seq_len=self.seq_len, dtype=self.dtype,
                                world_size=self.world_size, stage=stage, offload=offload,
-                               offload_ratio=self.offload_ratio)
+                               offload_ratio=self.offload_ratio, muon_params=self.muon_params)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -171,14 +179,15 @@ def _ceil_div(a: int, b: int) -> int:
 
 def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, dtype: str = "fp16",
                                offload: str = "none", offload_ratio: float = 1.0,
-                               layout: str = "toolkit") -> ModelStateBytes:
+                               layout: str = "toolkit", muon_params: int = 0) -> ModelStateBytes:
     """Per-rank parameter, gradient and optimizer-state bytes.
 
     layout "paper": the ZeRO paper's accounting (sections 3 and 5); "toolkit": what the toolkit's
     engine holds (toolkit/runtime/zero/), which differs only in mixed precision: stage 0 keeps fp32
     weights under autocast (4P + 4P + 8P, the same 16P in total), and stages 1-3 reduce gradients
     into an fp32 shard (4P/N) rather than a 16-bit one. With offload, `offload_ratio` of the
-    optimizer shard sits in CPU memory (the toolkit rounds it to whole groups).
+    optimizer shard sits in CPU memory (the toolkit rounds it to whole groups). `muon_params` of the
+    parameters step with Muon (optimizer.type muon): one fp32 momentum, MUON_SAVED bytes fewer each.
     """
     # Mixed precision with Adam, P parameters, N ranks (K = 12), as the paper counts:
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
@@ -203,6 +212,7 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
             params, grads, optim = 4 * num_params, 4 * num_params, 8 * num_params
         else:  # the reduced fp32 shard (stage 1 also keeps its full 16-bit gradient buffer)
             grads = 4 * shard + (2 * num_params if stage == 1 else 0)
+    optim -= MUON_SAVED * (_ceil_div(muon_params, n) if stage >= 1 else muon_params)
     if offload in ("cpu", "nvme"):  # nvme: the same bytes in swap files, streamed through bounded buffers
         host = round(offload_ratio * shard)
         # NOTE: under nvme the 12 * host bytes sit in swap files, in neither column (swap.py checks the disk)
@@ -223,6 +233,16 @@ def parameter_count(model: ModelSpec, *, tied_embeddings: bool | None = None) ->
     kv = model.n_kv_head * (h // model.n_head)
     block = (2 * h * h + 2 * h * kv) + 3 * h * i + 2 * h
     return v * h + n * block + h + (0 if tied else v * h)
+
+
+def muon_parameter_count(model: ModelSpec) -> int:
+    """Parameters optimizer.type muon orthogonalizes: the blocks' matrices (toolkit/runtime/muon.py's rule:
+    2-D, not an embedding, not the head)."""
+    h, i, n = model.n_embd, model.intermediate_size, model.n_layer
+    if model.family == "gpt2":  # c_attn, attn c_proj, c_fc, mlp c_proj
+        return n * (3 * h * h + h * h + 2 * h * i)
+    kv = model.n_kv_head * (h // model.n_head)  # llama: q, k, v, o; gate, up, down
+    return n * (2 * h * h + 2 * h * kv + 3 * h * i)
 
 
 def estimate_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str,
@@ -274,12 +294,12 @@ def estimate_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: in
 
 
 def estimate_memory(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
-                    stage: int, offload: str = "none", offload_ratio: float = 1.0) -> MemoryEstimate:
+                    stage: int, offload: str = "none", offload_ratio: float = 1.0, muon_params: int = 0) -> MemoryEstimate:
     """One rank's model states and activations for a model, batch, precision and ZeRO choice."""
     model, tied = resolve_model_shape(model)
     states = estimate_model_state_bytes(parameter_count(model, tied_embeddings=tied), stage=stage,
                                         world_size=world_size, dtype=dtype, offload=offload,
-                                        offload_ratio=offload_ratio)
+                                        offload_ratio=offload_ratio, muon_params=muon_params)
     activations = estimate_activation_bytes(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
     return MemoryEstimate(stage, offload, states, activations)
 

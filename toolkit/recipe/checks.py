@@ -61,6 +61,10 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
                 if mesh else "precision.dtype 'fp16'")
         errors.append(f"recipe.optimizer.type: 'onebit_adam' runs on zero.stage 0 in fp32 or bf16, not with {what} "
                       "(as DeepSpeed's 1-bit Adam, it replaces stage 0's gradient all-reduce); use 'adamw' there")
+    if r["optimizer"]["type"] == "muon" and (zero["offload_optimizer"] != "none" or mesh):
+        errors.append(f"recipe.optimizer.type: 'muon' runs at zero.stage 0-3 without offload, not with "
+                      + ("parallel.tensor/pipeline > 1 (its local shards are not whole matrices)" if mesh else
+                         f"recipe.zero.offload_optimizer {zero['offload_optimizer']!r} (not built yet); set it to 'none'"))
     data, training = r["data"], r["training"]
     if data["kind"] != "synthetic":
         pass  # a real corpus's sizes are checked when it is read (toolkit/data/batches.py)

@@ -125,7 +125,7 @@ class Engine:
         """recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)."""
         # NOTE: the AdamW kernel only where stage 0's optimizer can step with it (optim.adamw_kernel_applies).
         use_adamw_kernel = adamw_kernel_applies(adamw_implementation(recipe.optimizer, recipe.kernels),
-                                                recipe.zero.stage, recipe.parallel.active)
+                                                recipe.zero.stage, recipe.parallel.active, recipe.optimizer.type)
         self.kernels = loader.resolve(recipe.kernels, self.device.type,
                                       loader.needed_kernels(recipe.model.family, use_adamw_kernel))
 
@@ -352,8 +352,10 @@ class Engine:
 
     @property
     def current_lr(self) -> float:
-        """Learning rate of the first parameter group."""
-        return float(self.optimizer.param_groups[0]["lr"])
+        """The schedule's learning rate: that of the first parameter group it does not scale (Muon's matrices run
+        at lr x muon_lr / lr)."""
+        groups = self.optimizer.param_groups
+        return float(next((g for g in groups if "lr_scale" not in g), groups[0])["lr"])
 
     # -- checkpoints, DeepSpeed's names (toolkit/checkpoint/engine_state.py) -------------
 
@@ -380,7 +382,7 @@ class Engine:
     def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
         """Restore what state_dict() saved, from any stage and world size (sharded checkpoints read their
         shard files in `checkpoint_dir`); settings (betas, eps, weight decay, implementation) stay the recipe's."""
-        load_engine_state(self, state, checkpoint_dir, adamw_param_names(self.model))
+        load_engine_state(self, state, checkpoint_dir, adamw_param_names(self.model, self.recipe.optimizer))
 
 
 def initialize(recipe, model: nn.Module | None = None, zero3_units=None) -> Engine:

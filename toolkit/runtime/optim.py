@@ -56,11 +56,35 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 
-def adamw_param_names(model: nn.Module) -> list[str]:
-    """Parameter names in torch AdamW's index order (param_groups: decayed, then not): how a stage 0
-    checkpoint's optimizer state is keyed."""
+def muon_param_groups(model: nn.Module, spec: OptimizerSpec) -> list[dict]:
+    """[Muon's group, AdamW's decayed group, AdamW's undecayed group] (`param_groups` less Muon's matrices).
+
+    Muon's group carries `lr_scale` = muon_lr / lr: the Schedule writes lr x lr_scale into it, so both lrs
+    follow the schedule's factor (toolkit/runtime/optim.py Schedule)."""
+    from toolkit.runtime.muon import muon_group_settings, muon_param_ids
+
+    ids = muon_param_ids(model)
+    adamw = param_groups(model, spec.weight_decay)
+    matrices = [p for group in adamw for p in group["params"] if id(p) in ids]
+    for group in adamw:
+        group["params"] = [p for p in group["params"] if id(p) not in ids]
+    return [{"params": matrices, **muon_group_settings(spec)}, *adamw]
+
+
+def optimizer_param_groups(model: nn.Module, spec: OptimizerSpec) -> list[dict]:
+    """Whole-tensor param groups for spec.type: Muon's matrices then AdamW's two (toolkit/runtime/muon.py), or
+    AdamW's two (`param_groups`)."""
+    if spec.type == "muon":
+        return muon_param_groups(model, spec)
+    return param_groups(model, spec.weight_decay)
+
+
+def adamw_param_names(model: nn.Module, spec: OptimizerSpec | None = None) -> list[str]:
+    """Parameter names in the stage 0 optimizer's index order (AdamW's param_groups: decayed, then not; Muon's
+    matrices first under `spec` type muon): how a stage 0 checkpoint's optimizer state is keyed."""
     names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for group in param_groups(model, 1.0) for p in group["params"]]
+    groups = optimizer_param_groups(model, spec) if spec is not None else param_groups(model, 1.0)
+    return [names[id(p)] for group in groups for p in group["params"]]
 
 
 # ---------------------------------------------------------------------------
@@ -75,13 +99,14 @@ def adamw_implementation(optimizer: OptimizerSpec, kernels: KernelsSpec) -> str:
     return optimizer.implementation
 
 
-def adamw_kernel_applies(implementation: str, zero_stage: int, mesh: bool = False) -> bool:
-    """Whether the run's AdamW could step with kernels/fused_adamw.cu, so the engine should resolve it."""
+def adamw_kernel_applies(implementation: str, zero_stage: int, mesh: bool = False, optimizer_type: str = "adamw") -> bool:
+    """Whether the run's AdamW could step with kernels/fused_adamw.cu, so the engine should resolve it (not under
+    Muon, whose AdamW part is torch's: build_optimizer)."""
     # NOTE: only stage 0 steps whole parameters with a torch-style optimizer (FusedAdamW); stages 1-3
     # step flat shards (toolkit/runtime/zero/adamw.py: torch's fused AdamW, or the CPU Adam kernel
     # under offload), and the mesh steps DTensors' local shards with torch's, so building the CUDA
     # AdamW for them would be a minute spent on nothing.
-    return zero_stage == 0 and not mesh and implementation in ("auto", "fused")
+    return zero_stage == 0 and not mesh and implementation in ("auto", "fused") and optimizer_type != "muon"
 
 
 def choose_adamw(implementation: str, device_type: str, fused_kernel: bool) -> str:
@@ -98,18 +123,26 @@ def choose_adamw(implementation: str, device_type: str, fused_kernel: bool) -> s
 
 @dataclass(frozen=True)
 class FlatShard:
-    """What a ZeRO 1-3 rank steps: `numel` fp32 elements of master weights, on `device` (CPU under offload)."""
+    """What a ZeRO 1-3 rank steps: `numel` fp32 elements of master weights, on `device` (CPU under offload);
+    Muon also needs the shard's `layout` (flat.ShardLayout: which slots are matrices) and the `comm` that
+    gathers them."""
     numel: int
     device: torch.device
     offload: bool
+    layout: object = None
+    comm: object = None
 
 
 def build_optimizer(spec: OptimizerSpec, params, adamw: str = "torch", *, flat_order=(), world: int = 1,
                     shard_group=None):
     """The optimizer for `spec` (type, lr, betas, eps, weight decay) over `params`: a ZeRO rank's `FlatShard`,
-    or torch-style parameter groups (`param_groups`) of whole tensors, stepped with the AdamW `choose_adamw`
-    returned. 1-bit Adam lays its state out in `flat_order` over `world` ranks; `shard_group` wraps torch's
+    or torch-style parameter groups (`optimizer_param_groups`) of whole tensors, stepped with the AdamW
+    `choose_adamw` returned (Muon: torch's Muon beside it). 1-bit Adam lays its state out in `flat_order` over `world` ranks; `shard_group` wraps torch's
     optimizer in its ZeroRedundancyOptimizer over that process group (the mesh's ZeRO-1)."""
+    if isinstance(params, FlatShard) and spec.type == "muon":  # gathers each matrix's update (zero/muon.py)
+        from toolkit.runtime.zero.muon import ShardedMuon
+
+        return ShardedMuon(spec, params.numel, params.device, params.layout, params.comm)
     if isinstance(params, FlatShard):  # adamw and adam (L2 decay) share the shard's step (zero/adamw.py)
         from toolkit.runtime.zero.adamw import ShardedAdamW
 
@@ -118,6 +151,11 @@ def build_optimizer(spec: OptimizerSpec, params, adamw: str = "torch", *, flat_o
         from toolkit.runtime.zero.onebit_optimizer import OnebitAdam
 
         return OnebitAdam(params, list(flat_order), spec, world)
+    if spec.type == "muon":  # torch's Muon and AdamW over muon_param_groups (toolkit/runtime/muon.py)
+        from toolkit.runtime.muon import MuonAdamW
+
+        # NOTE: the toolkit's fused kernel steps a FusedAdamW whole; Muon's AdamW part takes torch's fused one.
+        return MuonAdamW(params, _whole_tensor_optimizer(spec, "torch-fused" if adamw == "toolkit-fused" else adamw)[1])
     cls, settings = _whole_tensor_optimizer(spec, adamw)
     if shard_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -223,7 +261,8 @@ def betas_at(spec: SchedulerSpec, iteration: int) -> tuple[float, float] | None:
 
 
 class Schedule:
-    """DeepSpeed-style scheduler: writes `lr_at(spec, base_lr, last_batch_iteration)` into every param group.
+    """DeepSpeed-style scheduler: writes `lr_at(spec, base_lr, last_batch_iteration)` into every param group
+    (times the group's `lr_scale` where it has one: Muon's matrices, whose lr follows the same factor).
 
     Construct it after the optimizer (it starts at iteration -1 and sets the lr the first
     optimizer step uses); call `step()` after each applied optimizer step, not after one
@@ -257,10 +296,11 @@ class Schedule:
         self._write_lr()
 
     def _write_lr(self) -> None:
-        lr = self.current_lr
+        base_lr = self.current_lr
         betas = betas_at(self.spec, self.last_batch_iteration)
         for group in self.optimizer.param_groups:
-            if betas is not None:
+            lr = base_lr * group["lr_scale"] if "lr_scale" in group else base_lr
+            if betas is not None and not group.get("muon"):  # Muon's group has a momentum, no betas
                 group["betas"] = betas
             # NOTE: a tensor lr (capturable / fused setups) is updated in place, as DeepSpeed's update_lr keeps its type.
             if isinstance(group["lr"], torch.Tensor):

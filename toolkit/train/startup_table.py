@@ -40,8 +40,8 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("comm", comm_row(engine)),
         ("tiers", engine.strategy.describe_tiers()),
         ("kernels", engine.kernels.describe()),
-        ("optimizer", f"AdamW lr {recipe.optimizer.lr:g}, betas {list(recipe.optimizer.betas)}, "
-                      f"wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
+        ("optimizer", f"{_muon_part(recipe.optimizer)}AdamW lr {recipe.optimizer.lr:g}, betas "
+                      f"{list(recipe.optimizer.betas)}, wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
         ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),
         ("threads", choose_cpu_threads(recipe).describe()),
         ("flops", mfu.describe_flops()),
@@ -69,3 +69,12 @@ def comm_row(engine: Engine) -> str:
     kinds = " + ".join(f"{k.replace('_', '-')} {format_wire_bytes(v)}" for k, v in expected.items())
     return (f"expected {format_wire_bytes(sum(expected.values()))} sent per rank per step ({kinds}; "
             f"docs/communication.md); {engine.comm.describe()}")
+
+
+def _muon_part(o) -> str:
+    """optimizer.type muon: its settings, before the AdamW's that steps the rest ('' otherwise)."""
+    if o.type != "muon":
+        return ""
+    return (f"Muon lr {o.muon_lr:g} (momentum {o.muon_momentum:g}{', Nesterov' if o.muon_nesterov else ''}, "
+            f"{o.muon_ns_steps} Newton-Schulz steps in {o.muon_ns_dtype}, wd {o.muon_weight_decay:g}, "
+            f"lr rule {o.muon_adjust_lr}) on the hidden matrices; embeddings, head, norms, biases: ")

@@ -146,6 +146,7 @@ ZERO_NO_EFFECT = {
     "elastic_checkpoint": f"{NO_EFFECT}: checkpoints load at any world size and stage",
     "load_from_fp32_weights": f"{NO_EFFECT}: resume always loads the fp32 master weights",
     "ignore_unused_parameters": f"{NO_EFFECT}: a parameter without a gradient is stepped with a zero gradient",
+    "save_muon_momentum_buffer_in_memory": f"{NO_EFFECT}: Muon's momentum always stays in the rank's shard",
     "legacy_stage1": UNSUPPORTED,
 }
 
@@ -215,6 +216,9 @@ def optimizer(c: Conversion, ds: dict) -> None:
     if name == "onebitadam":
         _onebit_adam(c, opt, params)
         return
+    if name == "muon":
+        _muon(c, opt, params)
+        return
     if name not in ("adam", "adamw"):
         c.drop("optimizer.type", f"{UNSUPPORTED}: {opt.get('type')!r}; the toolkit trains with AdamW, Adam or "
                "OneBitAdam (optimizer.type), so its params are not carried over either")
@@ -254,6 +258,32 @@ def _onebit_adam(c: Conversion, opt: dict, params: dict) -> None:
                "bias_correction": f"{NO_EFFECT}: 1-bit Adam corrects no bias, as DeepSpeed's OnebitAdam"}
     _rest(c, "optimizer.params", params, {*ADAM_PARAMS, "freeze_step"}, reasons)
     _rest(c, "optimizer", opt, {"type", "params"}, {})
+
+
+def _muon(c: Conversion, opt: dict, params: dict) -> None:
+    """DeepSpeed's Muon (deepspeed/runtime/engine.py, zero/muon/original_muon.py MuonWithAuxAdam): lr is both
+    groups' unless muon_lr / adam_lr name one; weight_decay is both groups'; absent keys take its defaults."""
+    c.put("optimizer.type", "optimizer.type", "muon")
+    defaults = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-10, "weight_decay": 0.0}  # MuonWithAuxAdam's Adam group
+    for key in ADAM_PARAMS:
+        ds_key = "adam_lr" if key == "lr" and "adam_lr" in params else key
+        if ds_key in params:
+            c.put(f"optimizer.params.{ds_key}", f"optimizer.{key}", params[ds_key])
+        else:
+            c.put(f"optimizer.params.{key} (absent: DeepSpeed's {defaults[key]})", f"optimizer.{key}", defaults[key])
+    for ds_key, key in (("muon_lr", "muon_lr"), ("lr", "muon_lr"), ("momentum", "muon_momentum"),
+                        ("weight_decay", "muon_weight_decay")):
+        if ds_key in params and not (ds_key == "lr" and "muon_lr" in params):
+            c.put(f"optimizer.params.{ds_key}", f"optimizer.{key}", params[ds_key])
+    reasons = {"ns_method": f"{UNSUPPORTED}: {params.get('ns_method')!r}; the toolkit runs torch.optim.Muon's standard "
+                            "quintic Newton-Schulz iteration (DeepSpeed's ns_method 'standard')"}
+    handled = {*ADAM_PARAMS, "adam_lr", "muon_lr", "momentum"} | ({"ns_method"} if params.get("ns_method") == "standard"
+                                                                  else set())
+    _rest(c, "optimizer.params", params, handled, reasons)
+    _rest(c, "optimizer", opt, {"type", "params"}, {})
+    c.notes.append("optimizer.type muon: Muon takes the 2-D parameters except embeddings and the output head, found "
+                   "by module (DeepSpeed: by the names 'embed' and 'lm_head'; GPT-2's wte and wpe differ); Nesterov "
+                   "momentum and the lr scale sqrt(max(1, rows/cols)) are DeepSpeed's too")
 
 
 SCHEDULER_PARAMS = {

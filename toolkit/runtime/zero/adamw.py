@@ -22,6 +22,8 @@ from toolkit.specs import OptimizerSpec
 class ShardedAdamW:
     """AdamW state for one rank's shard: exp_avg and exp_avg_sq as contiguous fp32 buffers."""
 
+    whole_matrices = False  # steps decay segments (ShardedMuon, zero/muon.py, needs whole matrices)
+
     def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, *, offload: bool):
         self.spec = spec
         self.l2 = spec.type == "adam"  # torch Adam: weight decay added to the gradient, not decoupled

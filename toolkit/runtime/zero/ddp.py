@@ -23,7 +23,7 @@ from torch import nn
 from toolkit.observe.comm_ledger import expected_step_bytes
 from toolkit.ops.fused_adamw import FusedAdamW
 from toolkit.runtime.communicator import Communicator
-from toolkit.runtime.optim import build_optimizer, param_groups
+from toolkit.runtime.optim import build_optimizer, optimizer_param_groups
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
 from toolkit.runtime.strategy import StrategyBase
@@ -100,7 +100,7 @@ class DataParallel(StrategyBase):
             self.flat_grads.append(flat)
         self.params = [p for bucket in self.buckets for p in bucket]
         # the AdamW the engine chose (optim.choose_adamw), or 1-bit Adam's state over the buckets' order
-        self.optimizer = build_optimizer(optimizer, param_groups(model, optimizer.weight_decay), adamw,
+        self.optimizer = build_optimizer(optimizer, optimizer_param_groups(model, optimizer), adamw,
                                          flat_order=self.params, world=info.world_size)
         # Over the toolkit's fused AdamW: overflow check, unscale and clip in one read of the gradients.
         self._one_pass = OnePassStep(self.optimizer) if isinstance(self.optimizer, FusedAdamW) else None
@@ -218,9 +218,12 @@ class DataParallel(StrategyBase):
         for name, p in self.model.named_parameters():
             state = self.optimizer.state.get(p, {})
             zeros = torch.zeros(p.numel(), dtype=torch.float32)
+            # Muon's matrices: the momentum is saved as exp_avg, no second moment (as the ZeRO shards)
+            first = state.get("exp_avg", state.get("momentum_buffer"))
             pieces.append((name, 0, p.numel(), {"param": p.detach().reshape(-1),
-                                                "exp_avg": state["exp_avg"].reshape(-1) if state else zeros,
-                                                "exp_avg_sq": state["exp_avg_sq"].reshape(-1) if state else zeros}))
+                                                "exp_avg": first.reshape(-1) if first is not None else zeros,
+                                                "exp_avg_sq": state["exp_avg_sq"].reshape(-1) if "exp_avg_sq" in
+                                                state else zeros}))
         return pieces
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -243,6 +246,10 @@ class DataParallel(StrategyBase):
                 if reader.step == 0:
                     continue
                 step_device = p.device if fused else "cpu"
+                if group.get("muon"):  # torch.optim.Muon's one buffer, saved as exp_avg
+                    self.optimizer.state[p] = {
+                        "momentum_buffer": reader.read("exp_avg", name, 0, p.numel()).view_as(p).to(p.device, p.dtype)}
+                    continue
                 self.optimizer.state[p] = {
                     "step": torch.tensor(float(reader.step), dtype=torch.float32, device=step_device),
                     "exp_avg": reader.read("exp_avg", name, 0, p.numel()).view_as(p).to(p.device, p.dtype),
@@ -259,8 +266,10 @@ class DataParallel(StrategyBase):
 
         mem = self.memory_bytes()
         # NOTE: torch's Adam(W) makes its moments at the first step: none exist yet to count
+        made = ("Muon's momentum for the matrices, AdamW's two moments for the rest" if
+                self.optimizer.param_groups[0].get("muon") else "two moments as large as the parameters")
         moments = (f"({format_bytes(mem['mem_optim_bytes'])})" if mem["mem_optim_bytes"] else
-                   "(made at the first step: two moments as large as the parameters)")
+                   f"(made at the first step: {made})")
         return (f"params device ({format_bytes(mem['mem_params_bytes'])}); grads device "
                 f"({format_bytes(mem['mem_grads_bytes'])}); optimizer states device {moments}")
 

@@ -29,19 +29,21 @@ class Slot:
     numel: int
     shape: tuple[int, ...]
     decay: bool
+    muon: bool = False  # optimizer.type muon orthogonalizes it (toolkit/runtime/muon.py muon_param_ids)
 
 
 class FlatGroup:
     """Parameters laid end to end (decayed first), padded to a multiple of `world_size`."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], decay_ids: set[int], world_size: int):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], decay_ids: set[int], world_size: int,
+                 muon_ids: set[int] = frozenset()):
         ordered = [(n, p) for n, p in named_params if id(p) in decay_ids] + \
                   [(n, p) for n, p in named_params if id(p) not in decay_ids]
         self.params = [p for _, p in ordered]
         self.slots: list[Slot] = []
         offset = 0
         for name, p in ordered:
-            self.slots.append(Slot(name, offset, p.numel(), tuple(p.shape), id(p) in decay_ids))
+            self.slots.append(Slot(name, offset, p.numel(), tuple(p.shape), id(p) in decay_ids, id(p) in muon_ids))
             offset += p.numel()
         self.numel = offset
         self.decay_numel = sum(s.numel for s in self.slots if s.decay)
@@ -116,6 +118,15 @@ def decay_param_ids(model: nn.Module) -> set[int]:
     from toolkit.runtime.optim import param_groups
 
     return {id(p) for p in param_groups(model, 1.0)[0]["params"]}
+
+
+def muon_ids_for(model: nn.Module, optimizer_type: str) -> set[int]:
+    """ids of the matrices Muon orthogonalizes under optimizer.type muon (none otherwise)."""
+    if optimizer_type != "muon":
+        return set()
+    from toolkit.runtime.muon import muon_param_ids
+
+    return muon_param_ids(model)
 
 
 def bucket_params(named_params: list[tuple[str, nn.Parameter]], bucket_numel: int) -> list[list[tuple[str, nn.Parameter]]]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from toolkit.distributed import DistInfo
 from toolkit.runtime.communicator import Communicator
-from toolkit.runtime.zero.flat import FlatGroup, bucket_params, decay_param_ids
+from toolkit.runtime.zero.flat import FlatGroup, bucket_params, decay_param_ids, muon_ids_for
 from toolkit.runtime.zero.sharded import ShardedStrategy
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
@@ -37,7 +37,8 @@ class PartitionedStrategy(ShardedStrategy):
         dtype = named[0][1].dtype
         decay_ids = decay_param_ids(model)
         buckets = bucket_params(list(reversed(named)), zero.reduce_bucket_size)
-        groups = [FlatGroup(b, decay_ids, info.world_size) for b in buckets]
+        muon_ids = muon_ids_for(model, optimizer.type)
+        groups = [FlatGroup(b, decay_ids, info.world_size, muon_ids) for b in buckets]
         super().__init__(zero, optimizer, device, info, groups, dtype, comm, grad_accum_steps)
         self.stage = stage
         self.model = model

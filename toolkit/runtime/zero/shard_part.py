@@ -21,7 +21,8 @@ class ShardPart:
     CPU memory (offload_optimizer cpu) or a swap file (offload_optimizer nvme: `swap` is set)."""
 
     def __init__(self, spec: OptimizerSpec, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
-                 device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None):
+                 device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None,
+                 comm=None):
         self.groups = groups
         self.layout = ShardLayout([all_groups[g] for g in groups], rank)
         self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
@@ -31,7 +32,8 @@ class ShardPart:
         # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros)
         self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
                      if offloaded and swap_dir is not None else None)
-        self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded))
+        self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded,
+                                                         self.layout, comm))
         self.master: torch.Tensor | None = None
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
         if self.swap is not None:
@@ -43,8 +45,10 @@ class ShardPart:
             self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
             for master, g in zip(self.master_chunks, groups):
                 master.copy_(weights.read(g))
+        # NOTE: Muon's exp_avg_sq is compact (AdamW's elements only): no chunk views of it (zero/muon.py)
         self.moment_chunks = [] if self.swap is not None else [
-            (self.layout.chunk_of(self.optimizer.exp_avg, g), self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
+            (self.layout.chunk_of(self.optimizer.exp_avg, g),
+             None if self.optimizer.whole_matrices else self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
             for g in range(len(groups))]
         if self.swap is not None:
             self.offloaded_step = SwappedStep(self.layout, self.optimizer, self.swap, self.grad_chunks, weights,
@@ -64,6 +68,10 @@ class ShardPart:
         if self.offloaded_step is not None:
             self.offloaded_step.step()
             return
+        if self.optimizer.whole_matrices:  # Muon: per slot, gathering each matrix (zero/muon.py)
+            self.optimizer.step_chunks(self.master_chunks, self.grad_chunks, self.moment_chunks)
+            self.publish()
+            return
         views = {decay: (self.layout.segment_views(self.master_chunks, decay),
                          self.layout.segment_views(self.grad_chunks, decay),
                          self.layout.segment_views([m for m, _ in self.moment_chunks], decay),
@@ -82,6 +90,8 @@ class ShardPart:
 
     def chunk_states(self, local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master, exp_avg, exp_avg_sq) of the part's group `local`: views, or (nvme) copies read from the file."""
+        if self.swap is None and self.optimizer.whole_matrices:  # Muon: a copy of the compact exp_avg_sq
+            return self.master_chunks[local], self.moment_chunks[local][0], self.optimizer.second_moment_chunk(local)
         if self.swap is None:
             return (self.master_chunks[local], *self.moment_chunks[local])
         n, numel = self.layout.groups[local].chunk, self.layout.numel
@@ -89,7 +99,9 @@ class ShardPart:
                      for kind in range(3))
 
     def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
-        """Write back what `chunk_states` returned, after filling it (nvme; views need nothing)."""
+        """Write back what `chunk_states` returned, after filling it (nvme, Muon's compact exp_avg_sq; views need nothing)."""
+        if self.optimizer.whole_matrices:
+            self.optimizer.store_second_moment_chunk(local, states[2])
         if self.swap is not None:
             for kind, tensor in enumerate(states):
                 self.swap.write(tensor.contiguous(), 4 * (kind * self.layout.numel + self.layout.offsets[local]))

@@ -26,7 +26,7 @@ import torch
 
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
-from toolkit.observe.comm_ledger import expected_step_bytes
+from toolkit.observe.comm_ledger import expected_step_bytes, wire_bytes
 from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.strategy import StrategyBase
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
@@ -163,7 +163,7 @@ class ShardedStrategy(StrategyBase):
         # NOTE: the CPU-memory part steps before the swapped one, so the disk's part comes last in a step
         self.parts = [ShardPart(self.optimizer_spec, groups, self.groups, self.info.rank, self.weights,
                                 self.grad_chunks, self.device, offloaded=on_cpu, dtype=self.param_dtype,
-                                swap_dir=swap)
+                                swap_dir=swap, comm=self.comm)
                       for groups, on_cpu, swap in ((kept, False, None), (in_memory, True, None),
                                                    (swapped, True, self.swap_dir)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
@@ -235,8 +235,16 @@ class ShardedStrategy(StrategyBase):
         """The formula's bytes per rank per step for this flat layout (toolkit/observe/comm_ledger.py expected_step_bytes)."""
         numel = sum(g.padded_numel for g in self.groups)
         element = torch.empty((), dtype=self.param_dtype).element_size()
-        return expected_step_bytes(self.stage, numel, self.info.world_size, element, grad_accum_steps,
-                                   root_numel=self._gathered_all_along())
+        kinds = expected_step_bytes(self.stage, numel, self.info.world_size, element, grad_accum_steps,
+                                    root_numel=self._gathered_all_along())
+        # Muon (zero/muon.py): each group holding a matrix all-gathers its updates once per step, in the
+        # Newton-Schulz dtype (muon_ns_dtype: bf16, 2 bytes; fp32, 4)
+        muon = sum(g.padded_numel for g in self.groups if any(s.muon for s in g.slots))
+        if muon and self.info.world_size > 1:
+            ns_bytes = 4 if self.optimizer_spec.muon_ns_dtype == "fp32" else 2
+            kinds["all_gather"] = kinds.get("all_gather", 0) + wire_bytes("all_gather", ns_bytes * muon,
+                                                                          self.info.world_size)
+        return kinds
 
     def _gathered_all_along(self) -> int:
         """Elements gathered once per micro step rather than per unit (stage 3's root unit; none before)."""

@@ -35,7 +35,7 @@ from torch import nn
 from toolkit.errors import UserError
 from toolkit.distributed import DistInfo
 from toolkit.runtime.communicator import Communicator
-from toolkit.runtime.zero.flat import FlatGroup, decay_param_ids
+from toolkit.runtime.zero.flat import FlatGroup, decay_param_ids, muon_ids_for
 from toolkit.runtime.zero.param_offload import make_weights
 from toolkit.runtime.zero.sharded import ShardedStrategy
 from toolkit.specs import OptimizerSpec, ZeroSpec
@@ -130,9 +130,10 @@ class Stage3Strategy(ShardedStrategy):
         block_ids = [{id(p) for p in block.parameters()} & in_block for block in self.blocks]
         per_block = [[(n, p) for n, p in named if id(p) in ids] for ids in block_ids]
         root = [(n, p) for n, p in named if id(p) not in in_block]
-        groups = [FlatGroup(b, decay_ids, info.world_size) for b in per_block]
+        muon_ids = muon_ids_for(model, optimizer.type)
+        groups = [FlatGroup(b, decay_ids, info.world_size, muon_ids) for b in per_block]
         self.root = len(groups)
-        groups.append(FlatGroup(root, decay_ids, info.world_size))
+        groups.append(FlatGroup(root, decay_ids, info.world_size, muon_ids))
         super().__init__(zero, optimizer, device, info, groups, dtype, comm or Communicator(info, device),
                          grad_accum_steps)
         self.model = model

@@ -1,0 +1,198 @@
+"""Muon (optimizer.type muon) in one process: which parameters it orthogonalizes on gpt2 and llama, the
+whole-tensor optimizer against torch.optim.Muon + torch.optim.AdamW, the shard maths against torch's, ZeRO 1-3
+against stage 0, the schedule's two lrs, checkpoint resume, and the refusals.
+
+Tolerance: exact (torch.equal) wherever both sides run the same ops on the same gradients: the whole-tensor
+optimizer is torch's own Muon and AdamW, and the shard step transcribes torch's ops in torch's order. With
+gradient clipping the ZeRO global norm is summed in another order than torch's clip_grad_norm_, so gradients
+differ in the last bit; torch's bf16 Newton-Schulz turns that into ~1e-3 (docs/zero-and-offload.md), which is
+why those comparisons run with muon_ns_dtype fp32 at the shared 1e-5 (tests/runtime/zero_helpers.py).
+"""
+import copy
+
+import pytest
+import torch
+
+from tests.runtime.zero_helpers import assert_params_close, tiny_engine, train
+
+MUON = ["optimizer.type=muon", "optimizer.muon_lr=0.02", "optimizer.muon_weight_decay=0.1"]
+
+
+def _model_and_spec(family: str = "gpt2", overrides=()):
+    recipe, engine, _ = tiny_engine(1, [f"model.family={family}", *MUON, *overrides])
+    return engine.model, recipe.optimizer
+
+
+# ---------------------------------------------------------------------------
+# The routing rule
+
+
+def _muon_names(model) -> set[str]:
+    from toolkit.runtime.muon import muon_param_ids
+
+    ids = muon_param_ids(model)
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def test_gpt2_muon_takes_the_block_matrices_and_adamw_the_embeddings_head_norms_and_biases():
+    model, _ = _model_and_spec("gpt2")
+    want = {f"transformer.h.{i}.{m}.weight" for i in range(2)
+            for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert _muon_names(model) == want
+    # the tied head is the token embedding: AdamW's, as is the position embedding
+    assert model.get_output_embeddings().weight is model.transformer.wte.weight
+
+
+def test_llama_muon_takes_the_projections_not_embed_tokens_lm_head_or_norms():
+    model, _ = _model_and_spec("llama")
+    names = _muon_names(model)
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert names == {f"model.layers.{i}.{m}.weight" for i in range(2) for m in projections}
+    # the tiny llama's head is untied: its own matrix, still AdamW's
+    matrices = {n for n, p in model.named_parameters() if p.ndim == 2}
+    assert not model.config.tie_word_embeddings
+    assert matrices - names == {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+# ---------------------------------------------------------------------------
+# Against torch
+
+
+def _random_grads(params, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=generator) * 0.01 for p in params]
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+def test_whole_tensor_muon_equals_torch_muon_plus_torch_adamw_bit_for_bit(adjust):
+    from toolkit.runtime.optim import build_optimizer, optimizer_param_groups
+
+    model, spec = _model_and_spec("gpt2", [f"optimizer.muon_adjust_lr={adjust}", "optimizer.muon_nesterov=false"])
+    reference = copy.deepcopy(model)
+    ours = build_optimizer(spec, optimizer_param_groups(model, spec), "torch")
+    groups = optimizer_param_groups(reference, spec)
+    torch_muon = torch.optim.Muon(groups[0]["params"], lr=spec.muon_lr, weight_decay=spec.muon_weight_decay,
+                                  momentum=spec.muon_momentum, nesterov=False, ns_steps=spec.muon_ns_steps,
+                                  adjust_lr_fn=adjust)
+    torch_adamw = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups[1:]],
+                                    lr=spec.lr, betas=spec.betas, eps=spec.eps)
+    for step in range(5):
+        for params in (list(model.parameters()), list(reference.parameters())):
+            for p, g in zip(params, _random_grads(params, step)):
+                p.grad = g
+        ours.step()
+        torch_muon.step()
+        torch_adamw.step()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_the_shard_maths_equals_torch_muon_on_tall_and_wide_matrices(shape, nesterov):
+    from toolkit.runtime.muon import muon_step
+
+    generator = torch.Generator().manual_seed(0)
+    ours, theirs = torch.randn(shape, generator=generator), None
+    theirs = torch.nn.Parameter(ours.clone())
+    torch_muon = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
+    group = {**torch_muon.param_groups[0], "ns_dtype": "bf16"}
+    buf = torch.zeros(shape)
+    for _ in range(4):
+        grad = torch.randn(shape, generator=generator)
+        theirs.grad = grad.clone()
+        torch_muon.step()
+        # the shard passes flat slices: the maths takes any layout of the same elements
+        muon_step(ours.view(-1), grad.view(-1), buf.view(-1), group, shape)
+    assert torch.equal(ours, theirs.detach())
+
+
+def test_zero_1_to_3_in_one_process_match_stage_0_bit_for_bit():
+    overrides = [*MUON, "training.grad_clip=0"]
+    reference, _, losses, _ = train(1, [*overrides, "zero.stage=0"], steps=4)
+    for stage in (1, 2, 3):
+        engine, _, got, _ = train(1, [*overrides, f"zero.stage={stage}"], steps=4)
+        assert got == losses
+        for name, want in reference.strategy.full_parameters().items():
+            assert torch.equal(engine.strategy.full_parameters()[name], want), (stage, name)
+
+
+def test_with_clipping_and_fp32_newton_schulz_zero_2_and_3_match_stage_0_within_1e_5():
+    overrides = [*MUON, "optimizer.muon_ns_dtype=fp32"]
+    reference, _, _, _ = train(1, [*overrides, "zero.stage=0"])
+    for stage in (2, 3):
+        engine, _, _, _ = train(1, [*overrides, f"zero.stage={stage}"])
+        assert_params_close(engine.strategy.full_parameters(), reference.strategy.full_parameters())
+
+
+# ---------------------------------------------------------------------------
+# The schedule, checkpoints, refusals
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_schedule_scales_muon_lr_by_the_same_factor_as_lr(stage):
+    _, engine, stream = tiny_engine(1, [*MUON, f"zero.stage={stage}"])  # WarmupCosineLR
+    seen = []
+    for _ in range(5):
+        engine.train_batch(stream.next_step())
+        muon, *adamw = engine.optimizer.param_groups
+        assert muon["muon"] and muon["lr"] == pytest.approx(adamw[0]["lr"] * 0.02 / 0.003, rel=1e-12)
+        assert engine.current_lr == adamw[0]["lr"] == engine.scheduler.current_lr  # what the log prints
+        seen.append(adamw[0]["lr"])
+    assert len(set(seen)) == 5 and 0 < max(seen) <= 0.003  # warming up and decaying: the factor moved
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_resume_from_a_checkpoint_is_bit_exact(stage, tmp_path):
+    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
+    from toolkit.checkpoint.files import find_checkpoint
+    from toolkit.checkpoint.io import load_checkpoint
+
+    overrides = [*MUON, f"zero.stage={stage}"]
+    recipe, engine, stream = tiny_engine(1, overrides)
+    checkpointer = Checkpointer(recipe, tmp_path, engine, stream)
+    straight = []
+    for step in range(8):
+        straight.append(engine.train_batch(stream.next_step()).loss)
+        if step == 4:
+            checkpointer.save()
+    _, resumed, resumed_stream = tiny_engine(1, overrides)
+    restore_engine_and_stream(load_checkpoint(find_checkpoint(tmp_path)), resumed, resumed_stream)
+    assert [resumed.train_batch(resumed_stream.next_step()).loss for _ in range(3)] == straight[5:]
+    for name, want in engine.strategy.full_parameters().items():
+        assert torch.equal(resumed.strategy.full_parameters()[name], want), name
+
+
+@pytest.mark.parametrize("saved, resumed", [(0, 2), (2, 0)])
+def test_a_checkpoint_resumes_across_stage_0_and_2_with_every_state(saved, resumed, tmp_path):
+    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
+    from toolkit.checkpoint.files import find_checkpoint
+    from toolkit.checkpoint.io import load_checkpoint
+
+    recipe, engine, stream = tiny_engine(1, [*MUON, f"zero.stage={saved}"])
+    for _ in range(3):
+        engine.train_batch(stream.next_step())
+    Checkpointer(recipe, tmp_path, engine, stream).save()
+    _, other, other_stream = tiny_engine(1, [*MUON, f"zero.stage={resumed}"])
+    restore_engine_and_stream(load_checkpoint(find_checkpoint(tmp_path)), other, other_stream)
+    before, after = ({name: views for name, _, _, views in e.strategy.owned_pieces()} for e in (engine, other))
+    assert before.keys() == after.keys()
+    for name in before:  # weights, momentum (exp_avg at the matrices), moments: bit for bit
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(after[name][kind], before[name][kind]), (name, kind)
+    matrix = "transformer.h.0.attn.c_proj.weight"
+    assert before[matrix]["exp_avg"].any() and not after[matrix]["exp_avg_sq"].any()
+    assert other.strategy.optimizer_steps() == 3
+
+
+@pytest.mark.parametrize("overrides, what", [
+    (["zero.stage=2", "zero.offload_optimizer=cpu"], "recipe.zero.offload_optimizer 'cpu'"),
+    (["parallel.tensor=2"], "parallel.tensor/pipeline > 1")])
+def test_muon_with_offload_or_a_mesh_is_refused_in_one_line(overrides, what):
+    from toolkit.recipe.load import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as caught:
+        load_recipe("quickstart", ["optimizer.type=muon", *overrides], world_size=2)
+    assert len(caught.value.lines) == 1
+    assert caught.value.lines[0].startswith("recipe.optimizer.type: 'muon'") and what in caught.value.lines[0]

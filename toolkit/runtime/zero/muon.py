@@ -1,0 +1,144 @@
+"""Muon over one rank's ZeRO shard (optimizer.type muon at zero.stage 1-3): the matrices' momentum is sharded
+like AdamW's exp_avg, their Newton-Schulz orthogonalization runs on whole matrices gathered for it.
+
+Per step, for every flat group (a stage 1-2 bucket, a stage 3 unit) holding a Muon matrix:
+  1. momentum (elementwise, on this rank's slices): m.lerp_(g, 1 - momentum); the update is
+     g.lerp(m, momentum) (Nesterov) or m, written in bf16 (torch's Newton-Schulz casts its input to
+     bf16 first, so the cast is exact to what torch.optim.Muon computes) into a chunk-sized buffer;
+  2. all-gather of that bf16 chunk through the Communicator: every rank then holds the group's whole
+     updates (the ledger counts 2 bytes per element of the group's padded buffer);
+  3. every rank orthogonalizes the matrices it owns a slice of (a matrix cut between two ranks is
+     orthogonalized by both: simpler than assigning matrices and gathering results, same bits) and applies
+     torch's step to its slice: p *= 1 - lr * wd; p -= adjusted_lr * O.
+The other parameters (embeddings, head, norms, biases) step with ShardedAdamW on their slices. The momentum
+lives in ShardedAdamW's exp_avg at the matrices' positions (checkpoints name it exp_avg); exp_avg_sq is
+compact, AdamW's elements only, so a matrix element holds 4 bytes of state instead of 8 (checkpoints read
+it as zero there: `second_moment_chunk`).
+
+What does not live here: the maths per matrix (toolkit/runtime/muon.py), the shard's tiers (shard_part.py).
+Offload is refused (toolkit/recipe/checks.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.runtime.muon import NS_DTYPES, adjusted_lr, muon_group_settings, orthogonalize
+from toolkit.runtime.zero.adamw import ShardedAdamW
+from toolkit.specs import OptimizerSpec
+
+
+class ShardedMuon:
+    """Muon on the matrices of one rank's shard (gathering each group's updates), ShardedAdamW on the rest."""
+
+    whole_matrices = True  # ShardPart steps it with step_chunks (it needs the slots, not decay segments)
+
+    def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, layout, comm):
+        self.adamw = ShardedAdamW(spec, numel, device, offload=False)
+        self.layout, self.comm, self.device = layout, comm, device
+        self.muon_group = muon_group_settings(spec)
+        self.ns_dtype = NS_DTYPES[spec.muon_ns_dtype]  # what is gathered: the Newton-Schulz input
+        # NOTE: the same dicts as ShardedAdamW's, so the Schedule's writes reach both
+        self.param_groups = [self.muon_group, *self.adamw.param_groups]
+        self.mode = f"{self.adamw.mode}; Muon on gathered matrices"
+        # per group: (slot, start, stop) of each slot's piece in this rank's chunk, chunk coordinates
+        self.pieces = []
+        for group in layout.groups:
+            lo, hi = group.chunk_range(layout.rank)
+            self.pieces.append([(s, max(lo, s.offset) - lo, min(hi, s.offset + s.numel) - lo) for s in group.slots
+                                if max(lo, s.offset) < min(hi, s.offset + s.numel)])
+        # per group: (start, stop, offset in the compact exp_avg_sq) of each AdamW piece
+        self.second_at, offset = [], 0
+        for pieces in self.pieces:
+            self.second_at.append([])
+            for slot, a, b in (piece for piece in pieces if not piece[0].muon):
+                self.second_at[-1].append((a, b, offset))
+                offset += b - a
+        self.adamw.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
+
+    # -- what ShardPart and the strategy read, as from ShardedAdamW ------------------------
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        """AdamW's first moment, and Muon's momentum at the matrices' positions."""
+        return self.adamw.exp_avg
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        """AdamW's second moment, AdamW's elements only (compact)."""
+        return self.adamw.exp_avg_sq
+
+    def second_moment_chunk(self, g: int) -> torch.Tensor:
+        """Group g's chunk of exp_avg_sq in the shard's layout (a copy; zero at the matrices' elements)."""
+        chunk = torch.zeros(self.layout.groups[g].chunk, dtype=torch.float32, device=self.device)
+        for a, b, offset in self.second_at[g]:
+            chunk[a:b] = self.adamw.exp_avg_sq[offset:offset + b - a]
+        return chunk
+
+    def store_second_moment_chunk(self, g: int, chunk: torch.Tensor) -> None:
+        """Write back what `second_moment_chunk` returned, after filling it (a checkpoint load)."""
+        for a, b, offset in self.second_at[g]:
+            self.adamw.exp_avg_sq[offset:offset + b - a] = chunk[a:b]
+
+    @property
+    def step_count(self) -> int:
+        """Applied steps."""
+        return self.adamw.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.adamw.step_count = value
+
+    def state_dict(self) -> dict:
+        """The step count (momentum and moments travel with the shard)."""
+        return self.adamw.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the step count."""
+        self.adamw.load_state_dict(state)
+
+    def memory_bytes(self) -> int:
+        """Bytes of the moment buffers."""
+        return self.adamw.memory_bytes()
+
+    # -- the step ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step_chunks(self, masters: list[torch.Tensor], grads: list[torch.Tensor],
+                    moments: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One step over the shard: per group g, `masters[g]` (fp32), `grads[g]` and `moments[g][0]` (exp_avg)
+        are this rank's chunk of it."""
+        views = {decay: ([], [], [], []) for decay in (True, False)}
+        for g, pieces in enumerate(self.pieces):
+            adamw = [slot for slot, _, _ in pieces if not slot.muon]
+            for slot, (a, b, offset) in zip(adamw, self.second_at[g]):
+                second = self.adamw.exp_avg_sq[offset:offset + b - a]
+                for into, tensor in zip(views[slot.decay], (masters[g][a:b], grads[g][a:b], moments[g][0][a:b], second)):
+                    into.append(tensor)
+        self.adamw.step({d: v[0] for d, v in views.items()}, {d: v[1] for d, v in views.items()},
+                        {d: (v[2], v[3]) for d, v in views.items()})
+        for g, group in enumerate(self.layout.groups):
+            if any(slot.muon for slot in group.slots):  # every rank joins the gather, owning a piece or not
+                self._muon_group_step(g, masters[g], grads[g], moments[g][0])
+
+    def _muon_group_step(self, g: int, master: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor) -> None:
+        group, settings = self.layout.groups[g], self.muon_group
+        beta, lr = settings["momentum"], float(settings["lr"])
+        mine = [(slot, a, b) for slot, a, b in self.pieces[g] if slot.muon]
+        chunk = torch.zeros(group.chunk, dtype=self.ns_dtype, device=self.device)
+        for _, a, b in mine:  # torch.optim.Muon's momentum, on this rank's slices
+            m, grad_slice = momentum[a:b], grad[a:b]
+            m.lerp_(grad_slice, 1 - beta)
+            chunk[a:b].copy_(grad_slice.lerp(m, beta) if settings["nesterov"] else m)
+        if group.world_size > 1:
+            whole = torch.empty(group.padded_numel, dtype=self.ns_dtype, device=self.device)
+            self.comm.all_gather_flat(whole, chunk).wait()
+        else:
+            whole = chunk
+        lo = group.chunk_range(self.layout.rank)[0]
+        for slot, a, b in mine:
+            ortho = orthogonalize(whole[slot.offset:slot.offset + slot.numel].view(slot.shape), settings["ns_steps"],
+                                  self.ns_dtype)
+            p = master[a:b]
+            p.mul_(1 - lr * settings["weight_decay"])
+            start = lo + a - slot.offset
+            p.add_(ortho.reshape(-1)[start:start + b - a], alpha=-adjusted_lr(lr, settings["adjust_lr_fn"], slot.shape))
