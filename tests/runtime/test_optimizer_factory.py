@@ -89,3 +89,17 @@ def test_muon_is_one_branch_whole_tensors_get_torchs_muon_beside_torchs_adamw_an
     layout = ShardLayout([FlatGroup(list(model.named_parameters()), {id(model[1].weight)}, 1)], 0)
     shard = build_optimizer(muon, FlatShard(layout.numel, torch.device("cpu"), False, layout, None))
     assert isinstance(shard, ShardedMuon) and shard.param_groups[0]["muon"]
+
+
+@pytest.mark.parametrize("type_, l2", [("adamw", False), ("adam", True)])
+def test_state_dtype_bf16_builds_the_bf16_state_adamw_over_whole_tensors(type_, l2):
+    from dataclasses import replace
+
+    from toolkit.runtime.low_precision_adamw import BF16AdamW
+    from toolkit.runtime.optim import build_optimizer, param_groups
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).to(torch.bfloat16)
+    optimizer = build_optimizer(replace(spec(type_), state_dtype="bf16"), param_groups(model, 0.1), "torch-fused")
+    assert type(optimizer) is BF16AdamW and optimizer.l2 is l2
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert type(build_optimizer(spec(type_), param_groups(model.float(), 0.1))) is not BF16AdamW

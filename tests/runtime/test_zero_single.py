@@ -4,7 +4,8 @@ reason are those of tests/runtime/zero_helpers.py."""
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import RTOL, SMALL_BUCKETS, STEPS, assert_params_close, tiny_engine, train
+from tests.runtime.zero_helpers import (RTOL, SMALL_BUCKETS, STEPS, assert_params_close, save_and_resume,
+                                        tiny_engine, train)
 
 
 @pytest.fixture(scope="module")
@@ -46,31 +47,13 @@ def test_part_offloaded_optimizer_matches_stage0(overrides, stage0, monkeypatch)
 
 def test_checkpoint_moves_between_part_and_whole_offload(tmp_path):
     """Saved with half the optimizer offloaded, resumed with all of it offloaded: same states, same losses."""
-    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
-    from toolkit.checkpoint.files import find_checkpoint
-    from toolkit.checkpoint.io import load_checkpoint
-
-    def states(engine):
-        return {(name, kind): view.clone() for name, _, _, views in engine.strategy.owned_pieces()
-                for kind, view in views.items()}
-
-    recipe, engine, stream = tiny_engine(1, ["zero.stage=2", SMALL_BUCKETS, *PART_OFFLOAD])
-    checkpointer = Checkpointer(recipe, tmp_path / "run", engine, stream)
-    uninterrupted = []
-    for step in range(STEPS):
-        uninterrupted.append(engine.train_batch(stream.next_step()).loss)
-        if step == 4:
-            checkpointer.save()
-            saved = states(engine)
-    ckpt = load_checkpoint(find_checkpoint(tmp_path / "run"))
-    recipe, engine, stream = tiny_engine(1, ["zero.stage=2", SMALL_BUCKETS, "zero.offload_optimizer=cpu"])
+    saved, restored, uninterrupted, resumed, engine = save_and_resume(
+        tmp_path / "run", ["zero.stage=2", SMALL_BUCKETS, *PART_OFFLOAD],
+        ["zero.stage=2", SMALL_BUCKETS, "zero.offload_optimizer=cpu"])
     assert len(engine.strategy.parts) == 1
-    restore_engine_and_stream(ckpt, engine, stream)
-    restored = states(engine)
     assert restored.keys() == saved.keys()
     assert all(torch.equal(restored[key], saved[key]) for key in saved)
-    resumed = [engine.train_batch(stream.next_step()).loss for _ in range(STEPS - ckpt.step)]
-    assert resumed == pytest.approx(uninterrupted[ckpt.step:], rel=RTOL)
+    assert resumed == pytest.approx(uninterrupted, rel=RTOL)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -55,3 +55,33 @@ def assert_params_close(got, want):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def owned_states(engine):
+    """Every (name, kind) piece the strategy saves (param, exp_avg, exp_avg_sq), cloned."""
+    return {(name, kind): view.clone() for name, _, _, views in engine.strategy.owned_pieces()
+            for kind, view in views.items()}
+
+
+def save_and_resume(run_dir, saved_overrides, resumed_overrides, save_after=4):
+    """Train STEPS steps saving after step `save_after + 1`; restore that checkpoint into a fresh engine of
+    `resumed_overrides` and train to STEPS: (saved states, restored states, uninterrupted losses after the save,
+    resumed losses, the fresh engine)."""
+    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
+    from toolkit.checkpoint.files import find_checkpoint
+    from toolkit.checkpoint.io import load_checkpoint
+
+    recipe, engine, stream = tiny_engine(1, saved_overrides)
+    checkpointer = Checkpointer(recipe, run_dir, engine, stream)
+    uninterrupted = []
+    for step in range(STEPS):
+        uninterrupted.append(engine.train_batch(stream.next_step()).loss)
+        if step == save_after:
+            checkpointer.save()
+            saved = owned_states(engine)
+    ckpt = load_checkpoint(find_checkpoint(run_dir))
+    _, engine, stream = tiny_engine(1, resumed_overrides)
+    restore_engine_and_stream(ckpt, engine, stream)
+    restored = owned_states(engine)
+    resumed = [engine.train_batch(stream.next_step()).loss for _ in range(STEPS - ckpt.step)]
+    return saved, restored, uninterrupted[ckpt.step:], resumed, engine

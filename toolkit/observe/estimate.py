@@ -30,6 +30,7 @@ GiB = 2**30  # what GPUs and the table below are measured in
 # Mixed precision: fp32 master weights, momentum and variance, 4 + 4 + 4. fp32 training: the
 # parameters are already the master copy, so only momentum and variance, 4 + 4.
 ADAM_K = {"fp16": 12, "bf16": 12, "fp32": 8}
+BF16_STATE_K = 4  # optimizer.state_dtype bf16: two bf16 moments (the bf16 weights are the master)
 MUON_SAVED = 4  # bytes per matrix element optimizer.type muon does not keep: one fp32 momentum, not two moments
 PARAM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # parameters and gradients as the model holds them
 
@@ -118,6 +119,7 @@ class EstimateInput:
     token_buffer_bytes: int = 0  # the synthetic data's in-memory token tensors
     parallel: ParallelSpec = ParallelSpec()
     optimizer: str = "adamw"  # optimizer.type: muon keeps one moment for the block matrices
+    state_dtype: str = "fp32"  # optimizer.state_dtype: bf16 keeps the weights (the master) and moments in 2 bytes
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> EstimateInput:
@@ -132,7 +134,8 @@ class EstimateInput:
                    offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                    offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio, vocab_size=d.vocab_size,
                    fused=(norm != "off", k.bias_gelu != "off", k.cross_entropy != "off"),
-                   token_buffer_bytes=tokens, parallel=recipe.parallel, optimizer=recipe.optimizer.type)
+                   token_buffer_bytes=tokens, parallel=recipe.parallel, optimizer=recipe.optimizer.type,
+                   state_dtype=recipe.optimizer.state_dtype)
 
     @cached_property
     def _resolved(self) -> tuple[ModelSpec, bool | None]:
@@ -164,13 +167,15 @@ class EstimateInput:
                                           world_size=self.world_size, dtype=self.dtype,
                                           offload=self.offload_optimizer,
                                           offload_ratio=self.offload_ratio if offload_ratio is None else offload_ratio,
-                                          muon_params=self.muon_params)
+                                          muon_params=self.muon_params, state_dtype=self.state_dtype)
 
     def memory(self, stage: int, offload: str = "none") -> MemoryEstimate:
         """Model states and activations of one rank at `stage` and `offload` (the rest as this input says)."""
         return estimate_memory(self.model, micro_batch=self.micro_batch, seq_len=self.seq_len, dtype=self.dtype,
                                world_size=self.world_size, stage=stage, offload=offload,
-                               offload_ratio=self.offload_ratio, muon_params=self.muon_params)
+                               offload_ratio=self.offload_ratio, muon_params=self.muon_params,
+                               # NOTE: bf16 states are built for stage 0 only; the table's other rows count fp32 states
+                               state_dtype=self.state_dtype if (stage, offload) == (0, "none") else "fp32")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -179,7 +184,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, dtype: str = "fp16",
                                offload: str = "none", offload_ratio: float = 1.0,
-                               layout: str = "toolkit", muon_params: int = 0) -> ModelStateBytes:
+                               layout: str = "toolkit", muon_params: int = 0,
+                               state_dtype: str = "fp32") -> ModelStateBytes:
     """Per-rank parameter, gradient and optimizer-state bytes.
 
     layout "paper": the ZeRO paper's accounting (sections 3 and 5); "toolkit": what the toolkit's
@@ -188,6 +194,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     into an fp32 shard (4P/N) rather than a 16-bit one. With offload, `offload_ratio` of the
     optimizer shard sits in CPU memory (the toolkit rounds it to whole groups). `muon_params` of the
     parameters step with Muon (optimizer.type muon): one fp32 momentum, MUON_SAVED bytes fewer each.
+    `state_dtype` bf16 (stage 0 only, recipe checks): bf16 weights are the master, bf16 gradients, two bf16
+    moments: 2 + 2 + 4 bytes per parameter (toolkit/runtime/low_precision_adamw.py).
     """
     # Mixed precision with Adam, P parameters, N ranks (K = 12), as the paper counts:
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
@@ -201,6 +209,10 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         raise ValueError(f"offload {offload!r} with stage {stage}: offload needs stage >= 1")
     if layout not in ("paper", "toolkit"):
         raise ValueError(f"layout {layout!r} is not 'paper' or 'toolkit'")
+    if state_dtype == "bf16":
+        if stage != 0 or offload != "none":
+            raise ValueError(f"state_dtype bf16 is built for stage 0 without offload, not stage {stage} {offload!r}")
+        return ModelStateBytes(2 * num_params, 2 * num_params, BF16_STATE_K * num_params, 0)
     n = world_size
     shard = _ceil_div(num_params, n)  # NOTE: ZeRO pads each partition to an equal size, hence ceil
     per_param = PARAM_BYTES[dtype]
@@ -294,12 +306,14 @@ def estimate_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: in
 
 
 def estimate_memory(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
-                    stage: int, offload: str = "none", offload_ratio: float = 1.0, muon_params: int = 0) -> MemoryEstimate:
+                    stage: int, offload: str = "none", offload_ratio: float = 1.0, muon_params: int = 0,
+                    state_dtype: str = "fp32") -> MemoryEstimate:
     """One rank's model states and activations for a model, batch, precision and ZeRO choice."""
     model, tied = resolve_model_shape(model)
     states = estimate_model_state_bytes(parameter_count(model, tied_embeddings=tied), stage=stage,
                                         world_size=world_size, dtype=dtype, offload=offload,
-                                        offload_ratio=offload_ratio, muon_params=muon_params)
+                                        offload_ratio=offload_ratio, muon_params=muon_params,
+                                        state_dtype=state_dtype)
     activations = estimate_activation_bytes(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
     return MemoryEstimate(stage, offload, states, activations)
 

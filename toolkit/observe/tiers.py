@@ -40,14 +40,15 @@ class TierBytes:
 
 def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, offload_optimizer: str = "none",
                    offload_param: str = "none", offload_ratio: float = 1.0, nvme_ratio: float = 1.0,
-                   grad_accum_steps: int = 1, muon_params: int = 0) -> TierBytes:
+                   grad_accum_steps: int = 1, muon_params: int = 0, state_dtype: str = "fp32") -> TierBytes:
     """Bytes per tier for one rank and one offload combination (offload_param needs stage 3); `muon_params`
-    step with Muon (one moment, not two: estimate.py MUON_SAVED)."""
+    step with Muon (one moment, not two: estimate.py MUON_SAVED); `state_dtype` bf16: 2-byte master and moments
+    (stage 0: estimate.py BF16_STATE_K)."""
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param {offload_param!r} needs stage 3, not {stage}")
     states = estimate_model_state_bytes(num_params, stage=stage, world_size=world_size, dtype=dtype,
                                         offload=offload_optimizer, offload_ratio=offload_ratio,
-                                        muon_params=muon_params)
+                                        muon_params=muon_params, state_dtype=state_dtype)
     shard = -(-num_params // world_size)
     host = round(offload_ratio * shard) if offload_optimizer != "none" else 0
     params, optim = states.params, states.optim
@@ -77,7 +78,7 @@ def input_tiers(inp: EstimateInput, *, num_params: int | None = None, offload_ra
                           offload_param=inp.offload_param,
                           offload_ratio=inp.offload_ratio if offload_ratio is None else offload_ratio,
                           nvme_ratio=inp.nvme_ratio, grad_accum_steps=inp.grad_accum_steps,
-                          muon_params=inp.muon_params)
+                          muon_params=inp.muon_params, state_dtype=inp.state_dtype)
 
 
 def tier_rows(num_params: int, *, stage: int, world_size: int, dtype: str, offload_ratio: float = 1.0,

@@ -65,6 +65,7 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
         errors.append(f"recipe.optimizer.type: 'muon' runs at zero.stage 0-3 without offload, not with "
                       + ("parallel.tensor/pipeline > 1 (its local shards are not whole matrices)" if mesh else
                          f"recipe.zero.offload_optimizer {zero['offload_optimizer']!r} (not built yet); set it to 'none'"))
+    errors += state_dtype_errors(r, mesh)
     data, training = r["data"], r["training"]
     if data["kind"] != "synthetic":
         pass  # a real corpus's sizes are checked when it is read (toolkit/data/batches.py)
@@ -81,6 +82,23 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
     changed = [k for k, v in given.get("precision", {}).get("fp16", {}).items() if v != fp16_defaults.get(k)]
     if r["precision"]["dtype"] != "fp16" and changed:
         errors.append(f"recipe.precision.fp16.{changed[0]}: loss scaling applies only to precision.dtype 'fp16'")
+    return errors
+
+
+def state_dtype_errors(r: dict, mesh: bool) -> list[str]:
+    """optimizer.state_dtype bf16 is built for zero.stage 0, AdamW/Adam, bf16 precision: one line per combination refused."""
+    opt, zero = r["optimizer"], r["zero"]
+    if opt["state_dtype"] == "fp32":
+        return []
+    errors = []
+    if zero["stage"] != 0:
+        errors.append(f"recipe.optimizer.state_dtype: 'bf16' runs at zero.stage 0, not {zero['stage']} (the ZeRO shard's bf16 step and zero.offload_optimizer are not built yet); use 'fp32'")
+    if opt["type"] in ("muon", "onebit_adam"):
+        errors.append(f"recipe.optimizer.state_dtype: 'bf16' steps optimizer.type adamw or adam, not {opt['type']!r} (not built yet); use 'fp32'")
+    if mesh:
+        errors.append("recipe.optimizer.state_dtype: 'bf16' is not built for parallel.tensor/pipeline > 1; use 'fp32'")
+    if r["precision"]["dtype"] != "bf16":
+        errors.append(f"recipe.optimizer.state_dtype: 'bf16' keeps the weights in bf16, so it needs precision.dtype 'bf16' (not {r['precision']['dtype']!r})")
     return errors
 
 

@@ -43,6 +43,8 @@ def build_strategy(model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, d
     stage = zero.stage
     broadcast_parameters(model, comm)
     weights = sixteen_bit_weights(dtype, stage)
+    if stage == 0 and optimizer.state_dtype == "bf16":  # NOTE: the bf16 weights are the master (low_precision_adamw.py)
+        weights = torch.bfloat16
     if weights is not None:
         model.to(weights)
     if optimizer.type == "onebit_adam":  # zero.stage 0 (toolkit/recipe/checks.py refuses the others)

@@ -93,23 +93,9 @@ class ShardedAdamW:
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
 
     def _reference(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
-        # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay, or L2 for
-        # optimizer.type adam; no amsgrad): the same ops in the same order, so every element rounds the same way.
-        beta1, beta2 = self.betas
-        step = float(self.step_count)
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2 = 1 - beta2 ** step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2 ** 0.5
         for p, g, m, v in zip(ps, gs, ms, vs):
-            if wd != 0 and self.l2:
-                g = g.add(p, alpha=wd)
-            elif wd != 0:
-                p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            p.addcdiv_(m, denom, value=-step_size)
+            adam_reference_update_(p, g, m, v, step=self.step_count, lr=lr, wd=wd, betas=self.betas, eps=self.eps,
+                                   l2=self.l2)
 
     def state_dict(self) -> dict:
         """Step count and the settings in force (moments travel with the shard: toolkit/checkpoint/zero_shards.py)."""
@@ -122,3 +108,22 @@ class ShardedAdamW:
     def memory_bytes(self) -> int:
         """Bytes of the two moment buffers."""
         return (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
+
+
+def adam_reference_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
+                           lr: float, wd: float, betas: tuple[float, float], eps: float, l2: bool) -> None:
+    """One AdamW (or, with `l2`, Adam) step on fp32 tensors in place, as torch's single-tensor path rounds it."""
+    # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay, or L2 for
+    # optimizer.type adam; no amsgrad): the same ops in the same order, so every element rounds the same way.
+    beta1, beta2 = betas
+    bias_correction1 = 1 - beta1 ** float(step)
+    bias_correction2_sqrt = (1 - beta2 ** float(step)) ** 0.5
+    step_size = lr / bias_correction1
+    if wd != 0 and l2:
+        g = g.add(p, alpha=wd)
+    elif wd != 0:
+        p.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
