@@ -34,6 +34,7 @@ NO_OUTPUT = {
     "gpu/10_estimate.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/15_muon.ipynb": "not yet executed on a GPU (issue 35: no GPU was lent the session that built Muon)",
+    "gpu/16_optimizer_states.ipynb": "not yet executed on a GPU",
 }
 
 
