@@ -392,7 +392,10 @@ def format_estimate(inp: EstimateInput, device: str | None = None) -> str:
     device_key = find_device(device) if device is not None else None
     rows = [inp.memory(st, off) for off in ("none", "cpu") for st in range(4) if not (off == "cpu" and st == 0)]
     lines = [f"model {inp.model.label}: {format_count(inp.num_params)} parameters; "
-             f"micro batch {inp.micro_batch} x {inp.seq_len} tokens; {inp.dtype} (Adam K={ADAM_K[inp.dtype]}); "
+             f"micro batch {inp.micro_batch} x {inp.seq_len} tokens; {inp.dtype} (Adam K={ADAM_K[inp.dtype]}"
+             + (f"; bf16 optimizer states: K={BF16_STATE_K} at stage 0, bf16 weights" if inp.state_dtype == "bf16"
+                else "")
+             + "); "
              f"world size {inp.world_size}; activation checkpointing "
              f"{'on' if inp.model.activation_checkpointing else 'off'}"]
     if device_key:

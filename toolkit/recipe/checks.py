@@ -86,19 +86,23 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
 
 
 def state_dtype_errors(r: dict, mesh: bool) -> list[str]:
-    """optimizer.state_dtype bf16 is built for zero.stage 0, AdamW/Adam, bf16 precision: one line per combination refused."""
+    """optimizer.state_dtype bf16 is built for zero.stage 0, AdamW/Adam and bf16 precision: one line per combination
+    refused."""
     opt, zero = r["optimizer"], r["zero"]
     if opt["state_dtype"] == "fp32":
         return []
     errors = []
     if zero["stage"] != 0:
-        errors.append(f"recipe.optimizer.state_dtype: 'bf16' runs at zero.stage 0, not {zero['stage']} (the ZeRO shard's bf16 step and zero.offload_optimizer are not built yet); use 'fp32'")
+        errors.append(f"recipe.optimizer.state_dtype: 'bf16' runs at zero.stage 0, not {zero['stage']} (the ZeRO "
+                      "shard's bf16 step and zero.offload_optimizer are not built yet); use 'fp32'")
     if opt["type"] in ("muon", "onebit_adam"):
-        errors.append(f"recipe.optimizer.state_dtype: 'bf16' steps optimizer.type adamw or adam, not {opt['type']!r} (not built yet); use 'fp32'")
+        errors.append(f"recipe.optimizer.state_dtype: 'bf16' steps optimizer.type adamw or adam, not "
+                      f"{opt['type']!r} (not built yet); use 'fp32'")
     if mesh:
         errors.append("recipe.optimizer.state_dtype: 'bf16' is not built for parallel.tensor/pipeline > 1; use 'fp32'")
     if r["precision"]["dtype"] != "bf16":
-        errors.append(f"recipe.optimizer.state_dtype: 'bf16' keeps the weights in bf16, so it needs precision.dtype 'bf16' (not {r['precision']['dtype']!r})")
+        errors.append(f"recipe.optimizer.state_dtype: 'bf16' keeps the weights in bf16, so it needs "
+                      f"precision.dtype 'bf16' (not {r['precision']['dtype']!r})")
     return errors
 
 

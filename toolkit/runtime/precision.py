@@ -45,11 +45,12 @@ def sixteen_bit_weights(dtype: str, zero_stage: int) -> torch.dtype | None:
     return AUTOCAST_DTYPES.get(dtype) if zero_stage >= 1 else None
 
 
-def describe_precision(spec: PrecisionSpec, zero_stage: int) -> str:
+def describe_precision(spec: PrecisionSpec, zero_stage: int, state_dtype: str = "fp32") -> str:
     """One line for the start-up table: the autocast dtype, the weights' dtype and, under fp16, the loss scale."""
     if spec.dtype == "fp32":
         return "fp32"
     weights = ("16-bit weights, fp32 master in the ZeRO shard" if sixteen_bit_weights(spec.dtype, zero_stage)
+               else "bf16 weights (the master) and bf16 moments, stochastic rounding" if state_dtype == "bf16"
                else "fp32 weights")
     if spec.dtype == "bf16":
         return f"bf16 autocast, {weights}"

@@ -35,7 +35,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("batch", f"global {b.global_batch} = micro {b.micro_batch_per_rank} x accum {b.grad_accum_steps} "
                   f"x world {b.world_size}; {tokens_per_step:,} tokens per step"),
         ("steps", f"{recipe.training.max_steps} optimizer steps = {recipe.training.max_steps * tokens_per_step:,} tokens"),
-        ("precision", describe_precision(recipe.precision, recipe.zero.stage)),
+        ("precision", describe_precision(recipe.precision, recipe.zero.stage, recipe.optimizer.state_dtype)),
         ("zero", engine.strategy.describe()),
         ("comm", comm_row(engine)),
         ("tiers", engine.strategy.describe_tiers()),
