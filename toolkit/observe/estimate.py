@@ -174,8 +174,8 @@ class EstimateInput:
         return estimate_memory(self.model, micro_batch=self.micro_batch, seq_len=self.seq_len, dtype=self.dtype,
                                world_size=self.world_size, stage=stage, offload=offload,
                                offload_ratio=self.offload_ratio, muon_params=self.muon_params,
-                               # NOTE: bf16 states are built for stage 0 only; the table's other rows count fp32 states
-                               state_dtype=self.state_dtype if (stage, offload) == (0, "none") else "fp32")
+                               # NOTE: bf16 states are built without offload; the table's cpu rows count fp32 states
+                               state_dtype=self.state_dtype if offload == "none" else "fp32")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -194,8 +194,9 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     into an fp32 shard (4P/N) rather than a 16-bit one. With offload, `offload_ratio` of the
     optimizer shard sits in CPU memory (the toolkit rounds it to whole groups). `muon_params` of the
     parameters step with Muon (optimizer.type muon): one fp32 momentum, MUON_SAVED bytes fewer each.
-    `state_dtype` bf16 (stage 0 only, recipe checks): bf16 weights are the master, bf16 gradients, two bf16
-    moments: 2 + 2 + 4 bytes per parameter (toolkit/runtime/low_precision_adamw.py).
+    `state_dtype` bf16 (bf16 precision, no offload: recipe checks): the bf16 weights are the master and the two
+    moments are bf16, BF16_STATE_K bytes per element of the optimizer's share; stage 0's gradients are bf16 too
+    (2 + 2 + 4 bytes per parameter; toolkit/runtime/low_precision_adamw.py, zero/adamw.py).
     """
     # Mixed precision with Adam, P parameters, N ranks (K = 12), as the paper counts:
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
@@ -209,9 +210,9 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         raise ValueError(f"offload {offload!r} with stage {stage}: offload needs stage >= 1")
     if layout not in ("paper", "toolkit"):
         raise ValueError(f"layout {layout!r} is not 'paper' or 'toolkit'")
-    if state_dtype == "bf16":
-        if stage != 0 or offload != "none":
-            raise ValueError(f"state_dtype bf16 is built for stage 0 without offload, not stage {stage} {offload!r}")
+    if state_dtype == "bf16" and (offload != "none" or dtype != "bf16"):
+        raise ValueError(f"state_dtype bf16 is built for precision bf16 on the device, not {dtype} offload {offload!r}")
+    if state_dtype == "bf16" and stage == 0:
         return ModelStateBytes(2 * num_params, 2 * num_params, BF16_STATE_K * num_params, 0)
     n = world_size
     shard = _ceil_div(num_params, n)  # NOTE: ZeRO pads each partition to an equal size, hence ceil
@@ -225,6 +226,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         else:  # the reduced fp32 shard (stage 1 also keeps its full 16-bit gradient buffer)
             grads = 4 * shard + (2 * num_params if stage == 1 else 0)
     optim -= MUON_SAVED * (_ceil_div(muon_params, n) if stage >= 1 else muon_params)
+    if state_dtype == "bf16":  # stages 1-3: the bf16 weights' chunk is the master; two bf16 moments per element
+        optim = BF16_STATE_K * shard
     if offload in ("cpu", "nvme"):  # nvme: the same bytes in swap files, streamed through bounded buffers
         host = round(offload_ratio * shard)
         # NOTE: under nvme the 12 * host bytes sit in swap files, in neither column (swap.py checks the disk)
@@ -393,7 +396,7 @@ def format_estimate(inp: EstimateInput, device: str | None = None) -> str:
     rows = [inp.memory(st, off) for off in ("none", "cpu") for st in range(4) if not (off == "cpu" and st == 0)]
     lines = [f"model {inp.model.label}: {format_count(inp.num_params)} parameters; "
              f"micro batch {inp.micro_batch} x {inp.seq_len} tokens; {inp.dtype} (Adam K={ADAM_K[inp.dtype]}"
-             + (f"; bf16 optimizer states: K={BF16_STATE_K} at stage 0, bf16 weights" if inp.state_dtype == "bf16"
+             + (f"; bf16 optimizer states: K={BF16_STATE_K}, bf16 weights" if inp.state_dtype == "bf16"
                 else "")
              + "); "
              f"world size {inp.world_size}; activation checkpointing "

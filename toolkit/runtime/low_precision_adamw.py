@@ -1,10 +1,12 @@
 """AdamW (or Adam with L2 decay) whose weights and moments live in bf16, written back with stochastic rounding
-(optimizer.state_dtype bf16 at zero.stage 0; built by toolkit.runtime.optim.build_optimizer).
+(optimizer.state_dtype bf16; built by toolkit.runtime.optim.build_optimizer).
 
-What lives here: `stochastic_round_to_bf16` (the reference rounding, in torch ops) and `BF16AdamW`, a torch
+What lives here: `stochastic_round_to_bf16` (the reference rounding, in torch ops), `adam_reference_update_` (torch's
+single-tensor AdamW in fp32, which ZeRO's reference step runs too) and `BF16AdamW`, a torch
 optimizer over bf16 parameters. Each step reads the bf16 weight, gradient and moments as fp32, runs the same ops in
 the same order as torch/optim/adam.py `_single_tensor_adam`, and writes the three results back to bf16 with
-stochastic rounding. What does not: fp32 state (torch's AdamW, optim.py), ZeRO shards (zero/adamw.py).
+stochastic rounding (`bf16_adam_update_`, which ZeRO 1-3's ShardedAdamW calls on its bf16 shard segments too). What
+does not: fp32 state (torch's AdamW, optim.py), the flat shards themselves (zero/adamw.py, shard_part.py).
 
 NOTE: round-to-nearest would drop every update smaller than half a bf16 ulp of the weight (about 2^-9 of it):
 with lr 1e-3 most AdamW steps on a weight near 1 vanish. Stochastic rounding keeps them in expectation.
@@ -29,6 +31,43 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     return ((bits + noise) & _HIGH_MASK).view(torch.float32).to(torch.bfloat16)
 
 
+def adam_reference_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
+                           lr: float, wd: float, betas: tuple[float, float], eps: float, l2: bool) -> None:
+    """One AdamW (or, with `l2`, Adam) step on fp32 tensors in place, as torch's single-tensor path rounds it."""
+    # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay, or L2 for
+    # optimizer.type adam; no amsgrad): the same ops in the same order, so every element rounds the same way.
+    beta1, beta2 = betas
+    bias_correction1 = 1 - beta1 ** float(step)
+    bias_correction2_sqrt = (1 - beta2 ** float(step)) ** 0.5
+    step_size = lr / bias_correction1
+    if wd != 0 and l2:
+        g = g.add(p, alpha=wd)
+    elif wd != 0:
+        p.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
+
+
+def rounding_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """The generator of step `step`'s rounding bits: a function of the run's seed and the step only."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + step * 7919) % (2**63))
+    return generator
+
+
+def bf16_adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, generator: torch.Generator,
+                      **settings) -> None:
+    """One AdamW (Adam) step on bf16 `p`, `m`, `v` in place: the fp32 maths of `adam_reference_update_`
+    (`settings`: step, lr, wd, betas, eps, l2) on fp32 copies, written back with stochastic rounding."""
+    param, exp_avg, exp_avg_sq = p.float(), m.float(), v.float()
+    adam_reference_update_(param, g.float(), exp_avg, exp_avg_sq, **settings)
+    p.copy_(stochastic_round_to_bf16(param, generator))
+    m.copy_(stochastic_round_to_bf16(exp_avg, generator))
+    v.copy_(stochastic_round_to_bf16(exp_avg_sq, generator))
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """torch AdamW's maths (or Adam's with `l2`) on bf16 parameters, bf16 exp_avg/exp_avg_sq, stochastic rounding."""
 
@@ -41,11 +80,6 @@ class BF16AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
                     raise ValueError(f"BF16AdamW steps bf16 parameters, not {p.dtype} (the strategy casts the model)")
-
-    def _generator(self, device: torch.device, step: int) -> torch.Generator:
-        generator = torch.Generator(device=device)
-        generator.manual_seed((self.seed * 1_000_003 + step * 7919) % (2**63))
-        return generator
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -64,16 +98,8 @@ class BF16AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"].item())
                 if p.device not in generators:
-                    generators[p.device] = self._generator(p.device, step)
-                self._update(p, state, group, step, generators[p.device])
+                    generators[p.device] = rounding_generator(self.seed, step, p.device)
+                bf16_adam_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], generators[p.device], step=step,
+                                  lr=float(group["lr"]), wd=float(group["weight_decay"]), betas=group["betas"],
+                                  eps=group["eps"], l2=self.l2)
         return loss
-
-    def _update(self, p: torch.Tensor, state: dict, group: dict, step: int, generator: torch.Generator) -> None:
-        from toolkit.runtime.zero.adamw import adam_reference_update_
-
-        param, exp_avg, exp_avg_sq = p.float(), state["exp_avg"].float(), state["exp_avg_sq"].float()
-        adam_reference_update_(param, p.grad.float(), exp_avg, exp_avg_sq, step=step, lr=float(group["lr"]),
-                               wd=float(group["weight_decay"]), betas=group["betas"], eps=group["eps"], l2=self.l2)
-        p.copy_(stochastic_round_to_bf16(param, generator))
-        state["exp_avg"].copy_(stochastic_round_to_bf16(exp_avg, generator))
-        state["exp_avg_sq"].copy_(stochastic_round_to_bf16(exp_avg_sq, generator))

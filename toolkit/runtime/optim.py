@@ -156,7 +156,7 @@ def build_optimizer(spec: OptimizerSpec, params, adamw: str = "torch", *, flat_o
 
         # NOTE: the toolkit's fused kernel steps a FusedAdamW whole; Muon's AdamW part takes torch's fused one.
         return MuonAdamW(params, _whole_tensor_optimizer(spec, "torch-fused" if adamw == "toolkit-fused" else adamw)[1])
-    if spec.state_dtype == "bf16":  # bf16 weights and moments, stochastic rounding (zero.stage 0: recipe checks)
+    if spec.state_dtype == "bf16":  # whole tensors (stage 0): bf16 weights and moments, stochastic rounding
         from toolkit.runtime.low_precision_adamw import BF16AdamW
 
         return BF16AdamW(params, spec.lr, tuple(spec.betas), spec.eps, spec.weight_decay, l2=spec.type == "adam")

@@ -3,7 +3,8 @@ contiguous segments (see flat.py), stepped with the same maths as
 torch.optim.AdamW, decoupled weight decay per group (decayed matrices; biases,
 norms and 1-D parameters not, as toolkit.runtime.optim.param_groups decides).
 
-Three ways to run the step, one result:
+Three ways to run the step, one result (and a fourth for optimizer.state_dtype bf16: bf16 moments, the bf16
+weights' chunk as master, torch's maths in fp32 and stochastic rounding, toolkit/runtime/low_precision_adamw.py):
   reference  torch's own per-tensor ops in torch's order (CPU, no offload): bit-identical
              to torch.optim.AdamW's single-tensor path, so ZeRO stages match stage 0 exactly
   fused      torch._fused_adamw_ on CUDA (what stage 0 uses there)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.runtime.low_precision_adamw import adam_reference_update_, bf16_adam_update_, rounding_generator
 from toolkit.specs import OptimizerSpec
 
 
@@ -28,8 +30,11 @@ class ShardedAdamW:
         self.spec = spec
         self.l2 = spec.type == "adam"  # torch Adam: weight decay added to the gradient, not decoupled
         self.eps = spec.eps
-        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
+        # optimizer.state_dtype bf16: bf16 moments (and a bf16 master: shard_part.py), stochastic rounding
+        state_dtype = torch.bfloat16 if spec.state_dtype == "bf16" else torch.float32
+        self.exp_avg = torch.zeros(numel, dtype=state_dtype, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=state_dtype, device=device)
+        self.seed = torch.initial_seed()  # the run's training.seed: the rounding bits (low_precision_adamw.py)
         self.step_count = 0  # applied steps (skipped fp16 steps excluded), as torch's per-parameter `step`
         # NOTE: betas live in the groups as in torch, so a OneCycle schedule can cycle them.
         betas = tuple(spec.betas)
@@ -40,7 +45,7 @@ class ShardedAdamW:
             from toolkit.ops.cpu_adam import load_cpu_adam
 
             self.kernel = load_cpu_adam()
-        self.mode = "cpu_adam" if self.kernel is not None else (
+        self.mode = "cpu_adam" if self.kernel is not None else "bf16" if state_dtype == torch.bfloat16 else (
             "fused" if device.type == "cuda" or offload else "reference")
 
     @property
@@ -64,7 +69,9 @@ class ShardedAdamW:
             if not ps:
                 continue
             lr, wd = float(group["lr"]), float(group["weight_decay"])
-            if self.mode == "reference":
+            if self.mode == "bf16":
+                self._bf16(ps, gs, ms, vs, lr, wd)
+            elif self.mode == "reference":
                 self._reference(ps, gs, ms, vs, lr, wd)
             else:
                 self._fused(ps, gs, ms, vs, lr, wd)
@@ -92,6 +99,12 @@ class ShardedAdamW:
         fused_step(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
 
+    def _bf16(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
+        generator = rounding_generator(self.seed, self.step_count, ps[0].device)
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            bf16_adam_update_(p, g, m, v, generator, step=self.step_count, lr=lr, wd=wd, betas=self.betas,
+                              eps=self.eps, l2=self.l2)
+
     def _reference(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
         for p, g, m, v in zip(ps, gs, ms, vs):
             adam_reference_update_(p, g, m, v, step=self.step_count, lr=lr, wd=wd, betas=self.betas, eps=self.eps,
@@ -107,23 +120,5 @@ class ShardedAdamW:
 
     def memory_bytes(self) -> int:
         """Bytes of the two moment buffers."""
-        return (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
+        return (self.exp_avg.numel() + self.exp_avg_sq.numel()) * self.exp_avg.element_size()
 
-
-def adam_reference_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
-                           lr: float, wd: float, betas: tuple[float, float], eps: float, l2: bool) -> None:
-    """One AdamW (or, with `l2`, Adam) step on fp32 tensors in place, as torch's single-tensor path rounds it."""
-    # Transcribed from torch/optim/adam.py `_single_tensor_adam` (decoupled weight decay, or L2 for
-    # optimizer.type adam; no amsgrad): the same ops in the same order, so every element rounds the same way.
-    beta1, beta2 = betas
-    bias_correction1 = 1 - beta1 ** float(step)
-    bias_correction2_sqrt = (1 - beta2 ** float(step)) ** 0.5
-    step_size = lr / bias_correction1
-    if wd != 0 and l2:
-        g = g.add(p, alpha=wd)
-    elif wd != 0:
-        p.mul_(1 - lr * wd)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-step_size)

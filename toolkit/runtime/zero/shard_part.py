@@ -16,6 +16,11 @@ from toolkit.runtime.zero.swap import SwapDir
 from toolkit.specs import OptimizerSpec
 
 
+def state_dtype(spec: OptimizerSpec) -> torch.dtype:
+    """The master's and moments' dtype: bf16 weights on the device are their own master under state_dtype bf16."""
+    return torch.bfloat16 if spec.state_dtype == "bf16" else torch.float32
+
+
 class ShardPart:
     """A run of consecutive groups whose master weights and AdamW moments live on one tier: the device,
     CPU memory (offload_optimizer cpu) or a swap file (offload_optimizer nvme: `swap` is set)."""
@@ -40,7 +45,7 @@ class ShardPart:
             for local, g in enumerate(groups):
                 self.swap.write(weights.read(g).to("cpu", torch.float32).contiguous(), 4 * self.layout.offsets[local])
             self.master_chunks = []
-        elif offloaded or dtype != torch.float32 or not weights.on_device:
+        elif offloaded or dtype not in (torch.float32, state_dtype(spec)) or not weights.on_device:
             self.master = torch.empty(numel, dtype=torch.float32, device=opt_device)
             self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
             for master, g in zip(self.master_chunks, groups):

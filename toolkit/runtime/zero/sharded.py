@@ -31,7 +31,7 @@ from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.strategy import StrategyBase
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.param_offload import DeviceWeights
-from toolkit.runtime.zero.shard_part import ShardPart, split_groups
+from toolkit.runtime.zero.shard_part import ShardPart, split_groups, state_dtype
 from toolkit.runtime.zero.swap import SwapDir
 from toolkit.observe.disk_fit import check_nvme_path
 from toolkit.specs import OptimizerSpec, ZeroSpec
@@ -64,7 +64,8 @@ class ShardedStrategy(StrategyBase):
         self.layout = ShardLayout(groups, info.rank)
         self.param_dtype = param_dtype
         self.offload = zero.offload_optimizer != "none"
-        self.separate_master = self.offload or param_dtype != torch.float32 or zero.offload_param != "none"
+        self.separate_master = (self.offload or param_dtype not in (torch.float32, state_dtype(optimizer))
+                                or zero.offload_param != "none")
         self.param_chunks: list[torch.Tensor] = []
         self.weights = None  # where the parameter chunks live (param_offload.py); DeviceWeights unless stage 3 says
         self.grad_chunks: list[torch.Tensor] = []
@@ -102,7 +103,8 @@ class ShardedStrategy(StrategyBase):
         """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
         what = {1: "optimizer states", 2: "optimizer states + gradients", 3: "optimizer states + gradients + "
                 "parameters"}[self.stage]
-        master = "fp32 master separate" if self.separate_master else "fp32 weights are the master"
+        master = ("fp32 master separate" if self.separate_master else "bf16 weights are the master (bf16 states)"
+                  if self.param_dtype == torch.bfloat16 else "fp32 weights are the master")
         adams = []
         for part in self.parts:
             if part.offloaded:
