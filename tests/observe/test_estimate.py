@@ -9,8 +9,9 @@ import pytest
 
 from toolkit.cli.main import main
 from toolkit.errors import UserError
-from toolkit.observe.estimate import (GB, GiB, EstimateInput, estimate_activation_bytes, estimate_memory,
-                                      estimate_model_state_bytes, find_device, fits, format_estimate, parameter_count)
+from toolkit.observe.estimate import (GB, GiB, estimate_activation_bytes, estimate_memory, estimate_model_state_bytes,
+                                      find_device, fits, format_estimate, parameter_count)
+from toolkit.observe.estimate_input import EstimateInput
 from toolkit.specs import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ MUON = ["optimizer.type=muon"]
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_estimate_counts_the_matrices_the_engine_gives_muon(family):
-    from toolkit.observe.estimate import EstimateInput
+    from toolkit.observe.estimate_input import EstimateInput
     from toolkit.runtime.muon import muon_param_ids
 
     recipe, engine, _ = tiny_engine(1, [*MUON, f"model.family={family}"])
@@ -21,7 +21,7 @@ def test_the_estimate_counts_the_matrices_the_engine_gives_muon(family):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_tier_bytes_with_muon_equal_what_the_engine_holds(stage, dtype):
-    from toolkit.observe.estimate import EstimateInput
+    from toolkit.observe.estimate_input import EstimateInput
     from toolkit.observe.tiers import input_tiers
 
     recipe, engine, stream = tiny_engine(1, [*MUON, f"zero.stage={stage}", f"precision.dtype={dtype}"])
@@ -35,7 +35,7 @@ def test_tier_bytes_with_muon_equal_what_the_engine_holds(stage, dtype):
 
 
 def test_stage_0_muon_state_is_one_momentum_per_matrix_and_two_moments_for_the_rest():
-    from toolkit.observe.estimate import EstimateInput
+    from toolkit.observe.estimate_input import EstimateInput
 
     recipe, engine, stream = tiny_engine(1, [*MUON, "zero.stage=0"])
     engine.train_batch(stream.next_step())

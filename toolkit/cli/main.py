@@ -54,7 +54,8 @@ def _cmd_estimate(args) -> int:
         return dry_run_command(recipe, rank=args.rank or 0, steps=3 if args.steps is None else args.steps)
     if args.rank is not None or args.steps is not None:
         raise UserError("estimate: --rank and --steps go with --dry-run")
-    from toolkit.observe.estimate import EstimateInput, find_device, format_estimate
+    from toolkit.observe.estimate import find_device, format_estimate
+    from toolkit.observe.estimate_input import EstimateInput
     from toolkit.observe.memory_fit import format_peak_summary
     from toolkit.observe.tiers import format_tier_estimate
 

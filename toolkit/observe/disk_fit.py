@@ -16,7 +16,8 @@ import shutil
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.observe.estimate import EstimateInput, format_bytes
+from toolkit.observe.estimate import format_bytes
+from toolkit.observe.estimate_input import EstimateInput
 from toolkit.observe.tiers import input_tiers
 from toolkit.specs import Recipe
 

@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass
 
 from toolkit.errors import UserError
-from toolkit.observe.estimate import EstimateInput, format_bytes
+from toolkit.observe.estimate import format_bytes
+from toolkit.observe.estimate_input import EstimateInput
 from toolkit.observe.peak import CALIBRATION_TOLERANCE, CPU_RSS_BAND, CPU_RUNTIME_BYTES, predict_peak
 from toolkit.recipe.checks import gpu_driver_visible
 from toolkit.specs import Recipe

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from toolkit.observe.estimate import (EstimateInput, MemoryEstimate, estimate_activation_bytes,
-                                      estimate_model_state_bytes, format_bytes, parameter_count, resolve_model_shape)
+from toolkit.observe.estimate import (MemoryEstimate, estimate_activation_bytes, estimate_model_state_bytes,
+                                      format_bytes, parameter_count, resolve_model_shape)
+from toolkit.observe.estimate_input import EstimateInput
 from toolkit.specs import ModelSpec, ParallelSpec
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.observe.estimate import PARAM_BYTES, EstimateInput
+from toolkit.observe.estimate import PARAM_BYTES
+from toolkit.observe.estimate_input import EstimateInput
 from toolkit.observe.tiers import input_tiers
 from toolkit.specs import ModelSpec, Recipe
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.observe.estimate import PARAM_BYTES, EstimateInput, estimate_model_state_bytes, format_bytes
+from toolkit.observe.estimate import PARAM_BYTES, estimate_model_state_bytes, format_bytes
+from toolkit.observe.estimate_input import EstimateInput
 
 # NOTE: toolkit/runtime/zero/offload.py's PIECE_NUMEL (this layer may not import runtime; a test
 # checks the two agree).

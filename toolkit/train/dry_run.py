@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from toolkit.errors import UserError
 from toolkit.observe.comm_ledger import KINDS, format_wire_bytes, wire_bytes
-from toolkit.observe.estimate import EstimateInput, format_bytes
+from toolkit.observe.estimate import format_bytes
+from toolkit.observe.estimate_input import EstimateInput
 from toolkit.observe.peak import predict_peak
 from toolkit.observe.tiers import input_tiers
 from toolkit.specs import Recipe
