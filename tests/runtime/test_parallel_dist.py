@@ -24,25 +24,16 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import become_rank, free_port
+from tests.runtime.zero_helpers import BASE as ZERO_BASE
 
 pytestmark = pytest.mark.dist
 
 STEPS = 5  # NOTE: CI budget; a wrong shard or a missing reduction shows from the first step
 RESUMED = 2  # steps after a resume
 RTOL, ATOL = 1e-5, 2e-5
-BASE = {
-    "model": {"family": "gpt2", "size": "tiny", "n_layer": 4},
-    "data": {"kind": "synthetic", "seq_len": 32, "vocab_size": 256, "branching": 4, "num_samples": 512,
-             "eval_samples": 64, "seed": 0},
-    "batch": {"global_batch": 16},
-    "optimizer": {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "implementation": "torch"},
-    "scheduler": {"type": "WarmupCosineLR", "warmup_num_steps": 3},
-    # NOTE: device cpu, also on a GPU machine: the ranks are forked (CUDA cannot start in a forked child) and use gloo
-    "training": {"device": "cpu", "max_steps": STEPS, "seed": 1234, "eval_interval": 0, "log_interval": 1,
-                 "grad_clip": 0.5},
-    "logging": {"console": False, "tensorboard": False, "wandb": {"mode": "disabled"}},
-    "checkpoint": {"save_final": False},
-}
+# zero_helpers' tiny ZeRO recipe with 4 blocks (two pipeline stages of two) and this file's step count.
+BASE = {**ZERO_BASE, "model": {**ZERO_BASE["model"], "n_layer": 4},
+        "training": {**ZERO_BASE["training"], "max_steps": STEPS}}
 LAYOUTS = {
     "tp2-dp2": ["parallel.tensor=2"],
     "pp2-dp2": ["parallel.pipeline=2", "parallel.pipeline_microbatches=4"],
