@@ -192,6 +192,28 @@ def _without_outputs(text: str) -> str:
     return nbformat.writes(nb, version=4).rstrip("\n") + "\n"
 
 
+def _keep_executed_prefix(path: Path, text: str) -> str:
+    """`text` (a fresh rendering) with the outputs of `path`'s code cells kept while the code is unchanged: every
+    code cell up to the first whose source differs from the old notebook's cell at the same position (markdown may
+    change freely). Outputs after a changed code cell are dropped: they may no longer follow from the code.
+
+    NOTE: so a GPU variant, which only a GPU machine can execute, keeps its executed part when a template gains a
+    closing section or new prose, rather than losing every output until the next GPU run.
+    """
+    import nbformat
+
+    try:
+        old = [c for c in nbformat.reads(path.read_text(encoding="utf-8"), as_version=4).cells if c.cell_type == "code"]
+    except Exception:  # missing or not a notebook: nothing to keep
+        return text
+    nb = nbformat.reads(text, as_version=4)
+    for new, before in zip([c for c in nb.cells if c.cell_type == "code"], old):
+        if new.source != before.source:
+            break
+        new.outputs, new.execution_count = before.outputs, before.execution_count
+    return nbformat.writes(nb, version=4).rstrip("\n") + "\n"
+
+
 def _same_cells(path: Path, text: str) -> bool:
     """True when the notebook at `path` has exactly the cells `text` renders (outputs aside)."""
     try:
@@ -319,7 +341,8 @@ def _variants():
 
 def build_all(check: bool = False) -> list[Path]:
     """Render every template, CPU and GPU variant, and the index. Build: write the notebooks whose cells changed
-    (their outputs are then gone until the next `--execute`) and the index if it changed, and return them all.
+    (outputs kept up to the first changed code cell, `_keep_executed_prefix`; the rest are gone until the next
+    `--execute`) and the index if it changed, and return them all.
     Check (`check=True`): write nothing, return those that differ from their rendering."""
     built, stale = [], []
     for template, gpu, path in _variants():
@@ -328,7 +351,8 @@ def build_all(check: bool = False) -> list[Path]:
             stale.append(path)
             if not check:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(text.encode("utf-8"))  # bytes: the same "\n" line ends on every OS
+                kept = _keep_executed_prefix(path, text)
+                path.write_bytes(kept.encode("utf-8"))  # bytes: the same "\n" line ends on every OS
         built.append(path)
     if build_index(check):
         stale.append(index_path())
