@@ -246,7 +246,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step, "AdamW step in place on contiguous fp32 CPU tensors",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("param_bf16") = py::none(), py::arg("zero_grad") = false);
+        py::arg("param_bf16") = py::none(), py::arg("zero_grad") = false,
+        // NOTE: the GIL is released for the pass, so a delayed offload update (toolkit/runtime/zero/
+        // delayed_update.py) steps on its thread while the main thread runs the next forward and backward
+        py::call_guard<py::gil_scoped_release>());
   m.def("simd_width", &simd_width, "the vector width this build uses");
   m.def("omp_threads", &omp_threads, "OpenMP threads a step uses");
 }

@@ -49,6 +49,7 @@ def engine_state(engine) -> dict:
     Stage 0: the model and torch optimizer state dicts. Stages 1-3: where the shards are
     (`shard_writer` writes this rank's), the model's buffers and tied-weight aliases.
     """
+    engine.strategy.complete_pending_update()  # NOTE: a delayed offload update lands first (every rank saves)
     counters = {
         "scheduler": engine.scheduler.state_dict(),
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
@@ -134,6 +135,7 @@ def _load_model_states(engine, state: dict, checkpoint_dir, param_names: list[st
         reader = FullStateReader(state["model"], state.get("optimizer"), param_names)
         params = {n for n, _ in engine.model.named_parameters(remove_duplicate=False)}
         buffers = {k: v for k, v in state["model"].items() if k not in params}
+    engine.strategy.complete_pending_update()  # a delayed update in flight must not land over the loaded states
     try:
         engine.strategy.load_pieces(reader)
     finally:

@@ -35,6 +35,7 @@ class EstimateInput:
     parallel: ParallelSpec = ParallelSpec()
     optimizer: str = "adamw"  # optimizer.type: muon keeps one moment for the block matrices
     state_dtype: str = "fp32"  # optimizer.state_dtype: bf16 keeps the weights (the master) and moments in 2 bytes
+    offload_update: str = "exact"  # zero.offload_update: delayed adds host copies of gradients and weights
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> EstimateInput:
@@ -50,7 +51,7 @@ class EstimateInput:
                    offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio, vocab_size=d.vocab_size,
                    fused=(norm != "off", k.bias_gelu != "off", k.cross_entropy != "off"),
                    token_buffer_bytes=tokens, parallel=recipe.parallel, optimizer=recipe.optimizer.type,
-                   state_dtype=recipe.optimizer.state_dtype)
+                   state_dtype=recipe.optimizer.state_dtype, offload_update=z.offload_update)
 
     @cached_property
     def _resolved(self) -> tuple[ModelSpec, bool | None]:

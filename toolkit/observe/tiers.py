@@ -41,10 +41,12 @@ class TierBytes:
 
 def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, offload_optimizer: str = "none",
                    offload_param: str = "none", offload_ratio: float = 1.0, nvme_ratio: float = 1.0,
-                   grad_accum_steps: int = 1, muon_params: int = 0, state_dtype: str = "fp32") -> TierBytes:
+                   grad_accum_steps: int = 1, muon_params: int = 0, state_dtype: str = "fp32",
+                   offload_update: str = "exact") -> TierBytes:
     """Bytes per tier for one rank and one offload combination (offload_param needs stage 3); `muon_params`
     step with Muon (one moment, not two: estimate.py MUON_SAVED); `state_dtype` bf16: the bf16 weights are the master,
-    2-byte moments (estimate.py BF16_STATE_K)."""
+    2-byte moments (estimate.py BF16_STATE_K); `offload_update` delayed: a gradient (4 bytes) and a weight copy
+    per offloaded element in CPU memory (zero/delayed_update.py)."""
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param {offload_param!r} needs stage 3, not {stage}")
     states = estimate_model_state_bytes(num_params, stage=stage, world_size=world_size, dtype=dtype,
@@ -59,6 +61,8 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
             optim = 12 * (shard - host)
     param_shard = PARAM_BYTES[dtype] * shard
     cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
+    if offload_update == "delayed" and offload_optimizer != "none":
+        cpu += (4 + PARAM_BYTES[dtype]) * host
     nvme = read = written = 0
     if offload_optimizer == "nvme":
         swapped = round(nvme_ratio * host)
@@ -79,7 +83,8 @@ def input_tiers(inp: EstimateInput, *, num_params: int | None = None, offload_ra
                           offload_param=inp.offload_param,
                           offload_ratio=inp.offload_ratio if offload_ratio is None else offload_ratio,
                           nvme_ratio=inp.nvme_ratio, grad_accum_steps=inp.grad_accum_steps,
-                          muon_params=inp.muon_params, state_dtype=inp.state_dtype)
+                          muon_params=inp.muon_params, state_dtype=inp.state_dtype,
+                          offload_update=inp.offload_update)
 
 
 def tier_rows(num_params: int, *, stage: int, world_size: int, dtype: str, offload_ratio: float = 1.0,
@@ -125,4 +130,6 @@ def format_tier_estimate(inp: EstimateInput) -> str:
                      offload_ratio=inp.offload_ratio, nvme_ratio=inp.nvme_ratio,
                      grad_accum_steps=inp.grad_accum_steps)
     mark = (inp.offload_optimizer, inp.offload_param) if inp.stage == tier_stage else None
+    if mark is not None and inp.offload_update == "delayed":  # the recipe's row holds its delayed-update buffers
+        rows = [input_tiers(inp) if (r.offload_optimizer, r.offload_param) == mark else r for r in rows]
     return "\n".join(format_tiers(rows, stage=tier_stage, activations=activations, mark=mark))

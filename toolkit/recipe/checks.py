@@ -49,6 +49,9 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
     if zero["nvme_ratio"] != 1 and zero["offload_optimizer"] != "nvme":
         errors.append(f"recipe.zero.nvme_ratio: {zero['nvme_ratio']} needs zero.offload_optimizer 'nvme' (it is the "
                       "part of the offloaded optimizer kept in swap files; the rest stays in CPU memory)")
+    if zero["offload_update"] == "delayed" and zero["offload_optimizer"] == "none":
+        errors.append("recipe.zero.offload_update: 'delayed' overlaps the CPU optimizer step with the next step, so "
+                      "it needs zero.offload_optimizer 'cpu' or 'nvme' (it is 'none')")
     if zero["offload_param"] != "none" and zero["stage"] != 3:
         errors.append(f"recipe.zero.offload_param: {zero['offload_param']!r} needs zero.stage 3 (stage is "
                       f"{zero['stage']}; only stage 3 partitions the parameters)")

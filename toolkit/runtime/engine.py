@@ -318,6 +318,7 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batches) -> float:
         """Mean loss over held-out micro batches (dropout off)."""
+        self.strategy.complete_pending_update()  # the loss of the weights after the last step, delayed or not
         self.model.eval()
         self.comm.ledger.paused = True  # evaluation's collectives are no optimizer step's
         try:

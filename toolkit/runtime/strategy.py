@@ -57,6 +57,10 @@ class Strategy(Protocol):
     def zero_grad(self) -> None:
         """Clear the accumulated gradients."""
 
+    def complete_pending_update(self) -> None:
+        """Land an optimizer update still running in the background (zero.offload_update delayed); the engine
+        calls it, on every rank, before anything reads the weights or the optimizer states."""
+
     # -- the start-up table, the memory line, the loop's data slots ------------------------
     def describe(self) -> str:
         """One line for the start-up table: what is split over which ranks."""
@@ -121,6 +125,9 @@ class StrategyBase:
     def train_micro_batch(self, batch, loss: Callable, factor: float) -> torch.Tensor:
         """Forward, then backward of loss x factor (a pipeline runs both in its schedule instead)."""
         return backward_scaled(loss(batch), factor)
+
+    def complete_pending_update(self) -> None:
+        """Nothing runs in the background: every update is done when optimizer_step returns."""
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """None: the pieces hold everything."""

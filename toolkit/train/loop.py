@@ -276,6 +276,7 @@ def _loop(run: Run, stop: StopSignals, start: float) -> int:
         if training.eval_interval and step % training.eval_interval == 0 and step != training.max_steps:
             run.evaluate(step)
         run.checkpointer.after_step()
+    engine.strategy.complete_pending_update()  # zero.offload_update delayed: the model ends with the last update
     if stopped_by:
         run.checkpointer.save_for_resume()
         return stopped_by

@@ -54,8 +54,12 @@ class ShardedAdamW:
         return tuple(self.param_groups[0]["betas"])
 
     def begin_step(self) -> None:
-        """Count one applied step (the bias corrections use it); then `update` each piece of the shard."""
+        """Count one applied step (the bias corrections use it) and fix its settings; then `update` each piece."""
         self.step_count += 1
+        # NOTE: frozen here, so a delayed update (zero/delayed_update.py) that runs its pieces on a thread after
+        # the schedule has moved on still uses this step's lr and betas
+        self.step_settings = [(float(g["lr"]), float(g["weight_decay"])) for g in self.param_groups]
+        self.step_betas = self.betas
 
     def step(self, params: dict[bool, list[torch.Tensor]], grads: dict[bool, list[torch.Tensor]],
              moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
@@ -79,24 +83,25 @@ class ShardedAdamW:
     def update(self, decay: bool, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor) -> None:
         """This step's AdamW on one contiguous piece (after `begin_step`); `out` gets the new weights in its dtype."""
-        group = self.param_groups[0 if decay else 1]
-        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        lr, wd = self.step_settings[0 if decay else 1]
+        beta1, beta2 = self.step_betas
         bf16_out = out.dtype == torch.bfloat16
         if self.l2 and wd != 0:  # the staged gradient is this step's own copy: L2 decay into it, then plain Adam
             g.add_(p, alpha=wd)
             wd = 0.0
         if self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
-            self.kernel.adamw_step(p, g, m, v, self.step_count, lr, self.betas[0], self.betas[1], self.eps, wd,
+            self.kernel.adamw_step(p, g, m, v, self.step_count, lr, beta1, beta2, self.eps, wd,
                                    out if bf16_out else None, False)
         else:
-            self._fused([p], [g], [m], [v], lr, wd)
+            self._fused([p], [g], [m], [v], lr, wd, (beta1, beta2))
         if not (bf16_out and self.mode == "cpu_adam"):
             out.copy_(p)
 
-    def _fused(self, ps, gs, ms, vs, lr: float, wd: float) -> None:
+    def _fused(self, ps, gs, ms, vs, lr: float, wd: float, betas: tuple[float, float] | None = None) -> None:
         steps = [torch.tensor(float(self.step_count), device=p.device) for p in ps]
         fused_step = torch._fused_adam_ if self.l2 else torch._fused_adamw_
-        fused_step(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+        beta1, beta2 = betas or self.betas
+        fused_step(ps, gs, ms, vs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
 
     def _bf16(self, ps, gs, ms, vs, lr: float, wd: float) -> None:

@@ -90,7 +90,6 @@ class OffloadedStep:
             self.sent[k % 2].record()
 
     def _begin(self) -> bool:
-        self.optimizer.begin_step()
         if not self.pieces:
             return False
         if self.cuda:  # the gradients are final (unscaled, clipped) once the compute stream gets here
@@ -114,6 +113,12 @@ class OffloadedStep:
     @torch.no_grad()
     def step(self) -> None:
         """One AdamW step over every piece; on return the device's weights are the new ones (stream-ordered)."""
+        self.optimizer.begin_step()
+        self.run_pieces()
+
+    @torch.no_grad()
+    def run_pieces(self) -> None:
+        """The step's pieces, after the optimizer's `begin_step` (a delayed update runs them on its thread)."""
         if not self._begin():
             return
         for k, piece in enumerate(self.pieces):
@@ -156,8 +161,8 @@ class SwappedStep(OffloadedStep):
             self.slots[slot][kind, :piece.numel], kind * self.region + 4 * piece.shard_offset)]
 
     @torch.no_grad()
-    def step(self) -> None:
-        """One AdamW step over every piece, states read from and written back to the swap file."""
+    def run_pieces(self) -> None:
+        """The step's pieces, states read from and written back to the swap file."""
         if not self._begin():
             return
         reading = self._read(0)

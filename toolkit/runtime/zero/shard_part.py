@@ -11,6 +11,7 @@ import torch
 
 from toolkit.runtime.optim import FlatShard, build_optimizer
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
+from toolkit.runtime.zero.delayed_update import DelayedUpdate
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
 from toolkit.runtime.zero.swap import SwapDir
 from toolkit.specs import OptimizerSpec
@@ -27,7 +28,7 @@ class ShardPart:
 
     def __init__(self, spec: OptimizerSpec, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
                  device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None,
-                 comm=None):
+                 comm=None, delay_after: int | None = None):
         self.groups = groups
         self.layout = ShardLayout([all_groups[g] for g in groups], rank)
         self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
@@ -61,6 +62,10 @@ class ShardPart:
         else:
             self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
                                                  weights, groups, device) if offloaded else None)
+        # zero.offload_update delayed: after `delay_after` applied steps, the CPU step runs behind the next step
+        self.delay_after = delay_after
+        self.delayed = (DelayedUpdate(self.layout, self.optimizer, self.master, self.swap, self.grad_chunks, weights,
+                                      groups, device, dtype) if offloaded and delay_after is not None else None)
 
     @property
     def tier(self) -> str:
@@ -69,7 +74,12 @@ class ShardPart:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on this part (the device's runs asynchronously; the CPU's returns when done)."""
+        """AdamW on this part (the device's runs asynchronously; the CPU's returns when done, or, delayed, lands
+        the last step's update and launches this one's)."""
+        if self.delayed is not None and self.optimizer.step_count >= self.delay_after:
+            self.delayed.land()
+            self.delayed.launch()
+            return
         if self.offloaded_step is not None:
             self.offloaded_step.step()
             return
@@ -85,6 +95,10 @@ class ShardPart:
         self.optimizer.step({d: views[d][0] for d in views}, {d: views[d][1] for d in views},
                             {d: views[d][2:] for d in views})
         self.publish()
+
+    def land(self) -> bool:
+        """Finish a delayed update in flight and copy its weights in; False when none was in flight."""
+        return self.delayed is not None and self.delayed.land()
 
     def publish(self) -> None:
         """Copy a separate master into the parameter chunks (after a device step, or a load)."""
@@ -112,8 +126,11 @@ class ShardPart:
                 self.swap.write(tensor.contiguous(), 4 * (kind * self.layout.numel + self.layout.offsets[local]))
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Moments and the separate master, if any, in memory (a swapped part holds none)."""
-        return [self.optimizer.exp_avg, self.optimizer.exp_avg_sq] + ([self.master] if self.master is not None else [])
+        """Moments, the separate master and a delayed update's buffers, those in memory (a swapped part holds no
+        master or moments)."""
+        delayed = self.delayed.host_tensors() if self.delayed is not None else []
+        return ([self.optimizer.exp_avg, self.optimizer.exp_avg_sq] + ([self.master] if self.master is not None else [])
+                + delayed)
 
 
 def split_groups(groups: list[FlatGroup], offload: bool, ratio: float) -> tuple[range, range]:

@@ -121,7 +121,9 @@ class ShardedStrategy(StrategyBase):
         return (f"stage {self.stage}: {what} sharded over {self.info.world_size} rank(s) "
                 f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
                 f"AdamW {' + '.join(adams)}"
-                + (f"; offload: master, moments and step of {' + '.join(where)}" if self.offload else ""))
+                + (f"; offload: master, moments and step of {' + '.join(where)}" if self.offload else "")
+                + (f"; update delayed one step after {self._delay_after()} exact steps (zero.offload_update)"
+                   if self._delay_after() is not None else ""))
 
     def describe_tiers(self) -> str:
         """One line for the start-up table: where parameters, gradients, master + moments live (bytes per
@@ -143,6 +145,9 @@ class ShardedStrategy(StrategyBase):
             share = f" {numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
             nbytes = 12 * numel if tier != "none" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
             states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
+        delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
+        if delayed:
+            states.append(f"delayed-update gradient + weight copies CPU memory ({format_bytes(tensor_bytes(delayed))})")
         text = "; ".join(states)
         if self.swap_dir is None:
             return text
@@ -165,12 +170,23 @@ class ShardedStrategy(StrategyBase):
         # NOTE: the CPU-memory part steps before the swapped one, so the disk's part comes last in a step
         self.parts = [ShardPart(self.optimizer_spec, groups, self.groups, self.info.rank, self.weights,
                                 self.grad_chunks, self.device, offloaded=on_cpu, dtype=self.param_dtype,
-                                swap_dir=swap, comm=self.comm)
+                                swap_dir=swap, comm=self.comm, delay_after=self._delay_after())
                       for groups, on_cpu, swap in ((kept, False, None), (in_memory, True, None),
                                                    (swapped, True, self.swap_dir)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
         for part in self.parts[1:]:  # NOTE: one set of param_groups, so the schedule's lr reaches every part
             part.optimizer.param_groups = self.optimizer.param_groups
+
+    def _delay_after(self) -> int | None:
+        """zero.offload_update delayed: the applied steps taken exactly first; None: every step exact."""
+        return self.zero.offload_update_warmup if self.zero.offload_update == "delayed" else None
+
+    def complete_pending_update(self) -> None:
+        """Land a delayed update in flight (zero/delayed_update.py) and give every rank the new weights; every
+        rank calls it at the same point (evaluation, checkpoints, the end of training)."""
+        landed = [part.land() for part in self.parts]  # NOTE: a list, not any(): every part lands
+        if any(landed):
+            self.after_step()
 
     # -- reduced gradients: accepted in launch order, as soon as each completes ---------
 
@@ -266,6 +282,8 @@ class ShardedStrategy(StrategyBase):
     def owned_pieces(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
         """(name, start, stop, {param, exp_avg, exp_avg_sq: view}) for each parameter piece this rank owns
         (views of copies under offload_optimizer nvme)."""
+        if any(part.delayed is not None and part.delayed.in_flight for part in self.parts):
+            raise RuntimeError("owned_pieces: a delayed update is in flight; call complete_pending_update() first")
         pieces = []
         for part in self.parts:
             for local, g in enumerate(part.groups):

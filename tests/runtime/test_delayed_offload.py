@@ -1,0 +1,201 @@
+"""zero.offload_update delayed (toolkit/runtime/zero/delayed_update.py): ZeRO-Offload's one-step delayed update.
+
+The reference is the delayed rule written out by hand around a stage-0 engine (torch's AdamW on whole tensors,
+no offload): the forward uses weights W, the optimizer steps a separate master M, and after the warm-up
+
+    g_t = grad(W);  W = M_{t-1};  M_t = AdamW(M_{t-1}, g_t)
+
+(in the warm-up, W = M_t after each step). Every offloaded configuration, in one process and on 2 gloo ranks,
+ends within the ZeRO tests' tolerance of it (tests/runtime/zero_helpers.py: rtol and atol 1e-5, and why).
+"""
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import become_rank, free_port, leave_rank
+from tests.runtime.zero_helpers import (RTOL, SMALL_BUCKETS, STEPS, assert_params_close, owned_states,
+                                        save_and_resume, tiny_engine, train)
+
+WARMUP = 3
+DELAYED = ["zero.offload_optimizer=cpu", "zero.offload_update=delayed", f"zero.offload_update_warmup={WARMUP}"]
+
+
+def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None):
+    """(losses, final master weights by name) of the hand-written delayed rule on a stage-0 engine; only the
+    parameters in `delayed_names` are delayed (None: all)."""
+    _, engine, stream = tiny_engine(1, ["zero.stage=0"])
+    params = dict(engine.model.named_parameters())
+    master = {n: p.detach().clone() for n, p in params.items()}
+    losses = []
+    for t in range(1, steps + 1):
+        for batch in stream.next_step():  # gradients at the weights the model holds: W
+            engine.backward(engine(batch))
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(master[n])  # the optimizer steps the master
+        losses.append(engine.step().loss)
+        stepped = {n: p.detach().clone() for n, p in params.items()}
+        if t > warmup:  # delayed: the next forward sees the master before this update
+            with torch.no_grad():
+                for n, p in params.items():
+                    if delayed_names is None or n in delayed_names:
+                        p.copy_(master[n])
+        master = stepped
+    return losses, master
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return delayed_reference(WARMUP)
+
+
+def finished(engine) -> dict:
+    """The full parameters once the update in flight has landed (as the training loop ends)."""
+    engine.strategy.complete_pending_update()
+    return engine.strategy.full_parameters()
+
+
+@pytest.mark.parametrize("overrides", [["zero.stage=1"], ["zero.stage=2", SMALL_BUCKETS, "batch.grad_accum_steps=2"],
+                                       ["zero.stage=3"]], ids=" ".join)
+def test_one_process_follows_the_hand_written_delayed_rule(overrides, reference):
+    engine, _, losses, _ = train(1, overrides + DELAYED)
+    part = engine.strategy.parts[-1]
+    assert part.delayed is not None and part.delayed.in_flight  # the last step's update is still running
+    ref_losses, ref_master = reference
+    assert losses == pytest.approx(ref_losses, rel=RTOL)
+    assert_params_close(finished(engine), ref_master)
+
+
+def test_with_part_of_the_optimizer_on_the_device_only_the_offloaded_parameters_step_late():
+    engine, _, losses, _ = train(1, ["zero.stage=2", SMALL_BUCKETS, "zero.offload_ratio=0.5", *DELAYED])
+    kept, offloaded = engine.strategy.parts
+    assert kept.delayed is None and offloaded.delayed is not None
+    late = {slot.name for g in offloaded.groups for slot in engine.strategy.groups[g].slots}
+    assert late and late != set(engine.strategy.full_parameters())
+    ref_losses, ref_master = delayed_reference(WARMUP, delayed_names=late)
+    assert losses == pytest.approx(ref_losses, rel=RTOL)
+    assert_params_close(finished(engine), ref_master)
+
+
+def test_the_rule_is_not_the_exact_one():
+    """The reference would pass for exact offload too if the delay changed nothing: it changes the losses by far
+    more than the tolerance from the first delayed step's successor on."""
+    exact, _ = delayed_reference(warmup=STEPS)
+    delayed, _ = delayed_reference(WARMUP)
+    assert exact[:WARMUP + 1] == delayed[:WARMUP + 1]
+    assert all(abs(a - b) > 100 * RTOL * abs(a) for a, b in zip(exact[WARMUP + 1:], delayed[WARMUP + 1:]))
+
+
+def test_a_warm_up_as_long_as_the_run_is_exact_offload_bit_for_bit():
+    exact, _, exact_losses, _ = train(1, ["zero.stage=2", "zero.offload_optimizer=cpu"])
+    delayed, _, delayed_losses, _ = train(1, ["zero.stage=2", *DELAYED[:2], f"zero.offload_update_warmup={STEPS}"])
+    assert delayed_losses == exact_losses
+    assert all(torch.equal(a, b) for a, b in zip(finished(delayed).values(), exact.strategy.full_parameters().values()))
+
+
+def test_swap_files_follow_the_rule_too(tmp_path, reference):
+    engine, _, losses, _ = train(1, ["zero.stage=3", f"zero.nvme_path={tmp_path}", *DELAYED[1:],
+                                     "zero.offload_optimizer=nvme"])
+    assert engine.strategy.parts[-1].tier == "nvme"
+    assert losses == pytest.approx(reference[0], rel=RTOL)
+    assert_params_close(finished(engine), reference[1])
+
+
+def test_a_checkpoint_lands_the_update_and_resumes_bit_exactly(tmp_path):
+    overrides = ["zero.stage=2", SMALL_BUCKETS, *DELAYED]
+    saved, restored, uninterrupted, resumed, engine = save_and_resume(tmp_path, overrides, overrides, save_after=5)
+    assert all(torch.equal(saved[k], restored[k]) for k in saved)
+    assert resumed == uninterrupted  # bitwise: the save landed the update, the resume starts from that point
+
+
+def test_evaluation_sees_the_last_update():
+    _, engine, stream = tiny_engine(1, ["zero.stage=1", *DELAYED])
+    for _ in range(WARMUP + 2):
+        engine.train_batch(stream.next_step())
+    part = engine.strategy.parts[-1]
+    assert part.delayed.in_flight
+    batches = stream.next_step()
+    evaluated = engine.evaluate(batches)
+    assert not part.delayed.in_flight
+    assert engine.evaluate(batches) == evaluated  # nothing else lands: the weights are the last update's
+
+
+def test_an_error_in_the_background_step_is_raised_where_the_update_lands(monkeypatch):
+    _, engine, stream = tiny_engine(1, ["zero.stage=1", *DELAYED[:2], "zero.offload_update_warmup=0"])
+    part = engine.strategy.parts[-1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the CPU step failed")
+    monkeypatch.setattr(part.optimizer, "update", broken)
+    engine.train_batch(stream.next_step())  # launched: the thread fails, the main thread goes on
+    with pytest.raises(RuntimeError, match="the CPU step failed"):
+        engine.train_batch(stream.next_step())
+
+
+def test_owned_pieces_refuse_an_update_in_flight():
+    engine, _, _, _ = train(1, ["zero.stage=1", *DELAYED], steps=WARMUP + 1)
+    with pytest.raises(RuntimeError, match="complete_pending_update"):
+        engine.strategy.owned_pieces()
+    engine.strategy.complete_pending_update()
+    assert owned_states(engine)
+
+
+def test_the_start_up_lines_name_the_mode_and_its_buffers():
+    _, engine, _ = tiny_engine(1, ["zero.stage=1", *DELAYED])
+    numel = engine.strategy.layout.numel
+    assert f"update delayed one step after {WARMUP} exact steps" in engine.strategy.describe()
+    assert "delayed-update gradient + weight copies CPU memory" in engine.strategy.describe_tiers()
+    # master + moments (12 bytes) and the delayed buffers: an fp32 gradient and an fp32 weight copy
+    assert engine.strategy.memory_bytes()["mem_offload_bytes"] == (12 + 4 + 4) * numel
+
+
+def test_delayed_without_offload_is_one_line_naming_the_field():
+    from toolkit.errors import UserError
+    from toolkit.recipe.load import recipe_from_dict
+    from tests.runtime.zero_helpers import BASE
+
+    with pytest.raises(UserError, match=r"recipe.zero.offload_update: 'delayed' .* needs zero.offload_optimizer"):
+        recipe_from_dict(BASE, ["zero.stage=2", "zero.offload_update=delayed"])
+
+
+# ---------------------------------------------------------------------------
+# 2 gloo ranks
+
+DIST = {"stage2": ["zero.stage=2", SMALL_BUCKETS], "stage3": ["zero.stage=3"]}
+
+
+def _rank_main(rank, world, port, out_dir):
+    become_rank(rank, world, port)
+    results = {}
+    for name, overrides in DIST.items():
+        engine, _, losses, _ = train(world, overrides + DELAYED)
+        results[name] = {"losses": losses, "params": finished(engine)}
+    torch.save(results, out_dir / f"rank{rank}.pt")
+    leave_rank()
+
+
+@pytest.mark.dist
+def test_two_gloo_ranks_follow_the_hand_written_delayed_rule(tmp_path, reference):
+    mp.spawn(_rank_main, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for name in DIST:
+            assert results[name]["losses"] == pytest.approx(reference[0], rel=RTOL), (rank, name)
+            assert_params_close(results[name]["params"], reference[1])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_estimate_counts_the_host_bytes_the_engine_holds(dtype):
+    from toolkit.observe.estimate_input import EstimateInput
+    from toolkit.observe.tiers import format_tier_estimate, input_tiers
+
+    recipe, engine, _ = tiny_engine(1, ["zero.stage=2", f"precision.dtype={dtype}", *DELAYED])
+    inp = EstimateInput.from_recipe(recipe)
+    exact = input_tiers(EstimateInput.from_recipe(tiny_engine(1, ["zero.stage=2", f"precision.dtype={dtype}",
+                                                                   "zero.offload_optimizer=cpu"])[0]))
+    numel = engine.strategy.layout.numel
+    extra = input_tiers(inp).cpu - exact.cpu
+    assert extra == (4 + {"fp32": 4, "bf16": 2}[dtype]) * numel  # as the engine's buffers, below
+    held = sum(t.untyped_storage().nbytes() for t in engine.strategy.parts[-1].delayed.host_tensors())
+    assert extra == held
+    assert "<- recipe" in format_tier_estimate(inp)
