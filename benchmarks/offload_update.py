@@ -1,0 +1,57 @@
+"""zero.offload_update exact against delayed on a recipe (default: python-stdlib, real text, on the CPU): held-out
+loss along the run and at the end, and the mean step time, with the optimizer offloaded to CPU memory.
+
+    python -m benchmarks.offload_update [--steps N] [--stage S] [--warmup W] [recipe]
+
+On a CPU-only machine the "device" is the CPU too, so the delayed update's thread competes with the forward and
+backward for the same cores: the time column says what that costs or saves here; the GPU's figure is
+benchmarks/RESULTS.md's (a GPU run of this script with training.device=cuda).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+
+def run_variant(recipe: str, overrides: list[str], run_dir: Path) -> dict:
+    """Train one variant in this process: its eval losses by step and its mean step time (logged windows)."""
+    from toolkit.cli.main import main
+
+    code = main(["run", recipe, "logging.console=false", *overrides, "--run-dir", str(run_dir)])
+    assert code == 0, f"{recipe} {overrides}: exit {code}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    steps = [r for r in rows if "tokens_per_s" in r]
+    timed = steps[1:] or steps  # the first window holds the start-up
+    return {"eval": evals, "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run exact and delayed offload; print one line each: final held-out loss, its ratio to exact, tokens/s."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", nargs="?", default="python-stdlib")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--stage", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=10, help="zero.offload_update_warmup")
+    args = parser.parse_args(argv)
+    common = [f"training.max_steps={args.steps}", f"training.eval_interval={max(args.steps // 10, 1)}",
+              f"zero.stage={args.stage}", "zero.offload_optimizer=cpu", "checkpoint.save_final=false"]
+    variants = {"exact": ["zero.offload_update=exact"],
+                "delayed": ["zero.offload_update=delayed", f"zero.offload_update_warmup={args.warmup}"]}
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, overrides in variants.items():
+            results[name] = run_variant(args.recipe, [*common, *overrides], Path(folder) / name)
+    base = results["exact"]
+    for name, r in results.items():
+        final = r["eval"][args.steps]
+        print(f"{name:8s} eval loss {final:.4f} ({final / base['eval'][args.steps] - 1:+.2%} vs exact); "
+              f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x exact)")
+    print("eval losses by step:", json.dumps({n: r["eval"] for n, r in results.items()}))
+    return results
+
+
+if __name__ == "__main__":
+    main()
