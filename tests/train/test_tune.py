@@ -191,3 +191,18 @@ def test_cli_tune_with_no_ab_pairs_is_one_line_and_exit_2(capsys):
 
     assert main(["tune", "quickstart", "--ab-pairs", "0"]) == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_candidates_run_the_delayed_update_only_when_the_recipe_allows_it(tmp_path):
+    """zero.offload_update: a recipe that allows the delayed update keeps it in offloading candidates and is exact
+    in the others (delayed needs offload); a recipe that does not never gets it."""
+    from toolkit.recipe.load import recipe_from_dict
+    from toolkit.train.tune import Trial, trial_overrides
+
+    allowed = {**TINY, "zero": {"stage": 1, "offload_optimizer": "cpu", "offload_update": "delayed"}}
+    for base, want in ((allowed, "delayed"), (TINY, "exact")):
+        for offload in ("none", "cpu", "cpu@0.5"):
+            trial = Trial(changes={STAGE: 2, MICRO: 1, OFFLOAD: offload})
+            recipe = recipe_from_dict(base, trial_overrides(trial))  # valid: no "delayed needs offload" error
+            expected = "exact" if offload == "none" else want
+            assert recipe.zero.offload_update == expected, (base is allowed, offload)

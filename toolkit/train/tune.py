@@ -89,9 +89,10 @@ class Trial:
 
 
 def _offload_keys(offload: str) -> dict:
-    """`none`, `cpu` (ratio 1) or `cpu@0.5` as recipe keys."""
-    if offload == "none":
-        return {"zero.offload_optimizer": "none"}
+    """`none`, `cpu` (ratio 1) or `cpu@0.5` as recipe keys. An offloading candidate keeps the recipe's
+    zero.offload_update: the tuner runs the delayed update only where the recipe allows its staleness."""
+    if offload == "none":  # NOTE: delayed needs offload, so a recipe that allows it is exact without offload
+        return {"zero.offload_optimizer": "none", "zero.offload_update": "exact"}
     device, _, ratio = offload.partition("@")
     return {"zero.offload_optimizer": device, "zero.offload_ratio": float(ratio or 1)}
 

@@ -20,6 +20,8 @@ shard_part.py and sharded.py) and the CPU AdamW itself (offload.py, adamw.py).
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 
 import torch
 
@@ -65,6 +67,9 @@ class DelayedUpdate:
         self.error: BaseException | None = None
         self.copied = torch.cuda.Event() if self.cuda else None   # the gradients reached grad_host
         self.landed = torch.cuda.Event() if self.cuda else None   # the new weights left new_weights
+        # perf_counter (start, end) of the last updates, for timelines (tutorials/18): the thread's step, landing's wait
+        self.cpu_spans: deque[tuple[float, float]] = deque(maxlen=256)
+        self.wait_spans: deque[tuple[float, float]] = deque(maxlen=256)
 
     @property
     def in_flight(self) -> bool:
@@ -88,7 +93,9 @@ class DelayedUpdate:
             if self.cuda:
                 self.copied.synchronize()
                 self.landed.synchronize()  # the last landing's copies out of new_weights are done
+            start = time.perf_counter()
             self.cpu_step.run_pieces()
+            self.cpu_spans.append((start, time.perf_counter()))
         except BaseException as exc:  # NOTE: raised on the main thread by `land`, where the run can stop cleanly
             self.error = exc
 
@@ -97,7 +104,9 @@ class DelayedUpdate:
         """Wait for the update in flight and copy its weights into the model's; False when none was in flight."""
         if self.thread is None:
             return False
+        start = time.perf_counter()
         self.thread.join()
+        self.wait_spans.append((start, time.perf_counter()))
         self.thread = None
         if self.error is not None:
             raise self.error
