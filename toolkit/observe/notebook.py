@@ -46,13 +46,16 @@ def saved_activation_bytes(engine, batch) -> int:
     """Bytes autograd keeps for backward during one forward `engine(batch)` (parameters excluded, each storage once)."""
     import torch
 
-    params = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
+    def key(tensor):  # NOTE: with the device: a CPU and a CUDA storage may share an address
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), str(storage.device)
+
+    params = {key(p) for p in engine.model.parameters()}
     saved = {}
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
+        if key(tensor) not in params:
+            saved[key(tensor)] = tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
