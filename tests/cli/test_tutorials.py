@@ -33,6 +33,7 @@ NO_OUTPUT = {
     "09-real-data-21": "removes the notebook's temporary cache directory; prints nothing",
     "11-zero-infinity-05": "defines the step loop and the per-tier byte count; prints nothing",
     "11-zero-infinity-14": "removes the notebook's temporary swap directory; prints nothing",
+    "14-parallelism-05": "defines each rank's clocked step loop; prints nothing",
     "14-parallelism-18": "removes the ranks' temporary output directory; prints nothing",
     "gpu/01_quickstart.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
     "gpu/02_zero_memory.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
