@@ -35,6 +35,7 @@ import re
 from pathlib import Path
 
 from toolkit.errors import UserError
+from toolkit.observe.notebook import markdown_tables  # the notebooks read RESULTS.md tables with it too
 from toolkit.resources import checkout_dir
 
 TUTORIALS_DIR = checkout_dir("tutorials")
@@ -75,21 +76,6 @@ class ResultsSection:
         if exact or len(prefixed) == 1:
             return (exact or prefixed)[0]
         raise UserError(f"benchmarks/RESULTS.md, {self.title!r}, table {table}: no single row {first_cell!r}")
-
-
-def markdown_tables(text: str) -> list[list[dict[str, str]]]:
-    """Every Markdown table in `text`, each a list of {column: cell} rows."""
-    tables, lines = [], text.splitlines()
-    for i, line in enumerate(lines[:-1]):
-        if line.startswith("|") and lines[i + 1].startswith(("|---", "| ---")) and (i == 0 or not lines[i - 1].startswith("|")):
-            header = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows = []
-            for row in lines[i + 2:]:
-                if not row.startswith("|"):
-                    break
-                rows.append(dict(zip(header, (c.strip() for c in row.strip().strip("|").split("|")))))
-            tables.append(rows)
-    return tables
 
 
 def _results(title: str) -> ResultsSection:

@@ -1,0 +1,103 @@
+"""toolkit/observe/notebook.py: the helpers the tutorial notebooks import measure and show what they say."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from toolkit.observe import notebook
+from toolkit.observe.memory_monitor import rss_bytes
+
+MiB = 2**20
+
+
+def test_markdown_table_reads_back_through_markdown_tables():
+    text = notebook.markdown_table(["dtype", "MiB"], [("fp32", "4.00"), ("bf16", 2)])
+    assert text.splitlines()[1] == "|---|---|"
+    assert notebook.markdown_tables("intro\n\n" + text + "\n\nafter") == [[{"dtype": "fp32", "MiB": "4.00"},
+                                                                           {"dtype": "bf16", "MiB": "2"}]]
+
+
+def test_markdown_tables_finds_each_table_once_and_stops_at_its_last_row():
+    text = "| a | b |\n| --- | --- |\n| 1 | 2 |\nprose\n|x|\n|---|\n|y|\n|z|\n"
+    assert notebook.markdown_tables(text) == [[{"a": "1", "b": "2"}], [{"x": "y"}, {"x": "z"}]]
+
+
+def test_show_table_displays_the_markdown_text(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    notebook.show_table(["k", "v"], [("a", 1)])
+    assert [s.data for s in shown] == ["| k | v |\n|---|---|\n| a | 1 |"]
+
+
+class _Engine:
+    """What saved_activation_bytes asks of an engine: .model and a forward call."""
+
+    def __init__(self, n: int):
+        self.model = torch.nn.Module()
+        self.model.weight = torch.nn.Parameter(torch.ones(n))
+
+    def __call__(self, x):
+        return (x * self.model.weight).exp().sum()  # mul keeps x and the weight; exp keeps its output
+
+
+def test_saved_activation_bytes_counts_what_backward_keeps_but_not_the_weights():
+    n = 1000
+    # x (4 kB) for mul's gradient to the weight, exp's output (4 kB); the weight itself is not an activation
+    assert notebook.saved_activation_bytes(_Engine(n), torch.randn(n, requires_grad=True)) == 2 * 4 * n
+    with torch.no_grad():  # nothing is kept for backward
+        assert notebook.saved_activation_bytes(_Engine(n), torch.randn(n)) == 0
+
+
+class _StepEngine:
+    """What step_peak_bytes asks of an engine: .device and train_batch, here holding `mib` MiB for a moment."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, mib: int):
+        self.mib = mib
+
+    def train_batch(self, micro_batches):
+        held = torch.ones(self.mib * MiB // 4)
+        return float(held.sum())
+
+
+def test_step_peak_bytes_sees_a_step_that_holds_64_mib_and_not_one_that_holds_none():
+    assert notebook.rss_follows_tensors()  # glibc on the CI machines
+    big = notebook.step_peak_bytes(_StepEngine(64), [])
+    small = notebook.step_peak_bytes(_StepEngine(0), [])
+    assert 60 * MiB <= big <= 80 * MiB, big / MiB
+    assert small < 8 * MiB, small / MiB
+
+
+def test_after_rss_follows_tensors_a_freed_tensor_leaves_the_resident_set():
+    notebook.rss_follows_tensors()
+    before = rss_bytes()
+    held = torch.ones(32 * MiB // 4)
+    assert rss_bytes() - before >= 30 * MiB
+    del held
+    assert rss_bytes() - before < 4 * MiB
+
+
+def test_synchronize_waits_for_cuda_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
+    notebook.synchronize("cpu")
+    notebook.synchronize(torch.device("cpu"))
+    assert calls == []
+    notebook.synchronize("cuda")
+    assert calls == [()]
+
+
+def test_median_ms_warms_up_once_and_times_each_call():
+    calls = []
+
+    def sleep_2ms():
+        calls.append(1)
+        time.sleep(0.002)
+
+    ms = notebook.median_ms(sleep_2ms, "cpu", calls=2, repeats=3)
+    assert len(calls) == 1 + 2 * 3
+    assert 1.9 <= ms < 20, ms

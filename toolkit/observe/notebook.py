@@ -1,0 +1,130 @@
+"""observe/notebook.py: what the tutorial notebooks use to measure and to show.
+
+The notebooks under tutorials/ import these instead of pasting them into a cell, so that a visible cell
+tells the lesson (run this, compare that) and the measuring plumbing is tested here once:
+a Markdown table of measured values, the Markdown tables of benchmarks/RESULTS.md, the bytes autograd
+keeps for backward, a resident set that follows the live tensors, the bytes one training step adds,
+and the median time of a call. Nothing in training imports this module.
+
+NOTE: torch and IPython are imported inside the functions that need them: `toolkit tutorials build`
+reads `markdown_tables` from here and must stay free of torch.
+"""
+from __future__ import annotations
+
+import time
+
+
+def markdown_table(headers, rows) -> str:
+    """Headers and rows (each value already formatted as it should read) as the text of a Markdown table."""
+    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
+
+
+def show_table(headers, rows) -> None:
+    """Display measured values as a Markdown table in the notebook (`markdown_table`'s text)."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(markdown_table(headers, rows)))
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every Markdown table in `text`, each a list of {column: cell} rows."""
+    tables, lines = [], text.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("|") and lines[i + 1].startswith(("|---", "| ---")) and (i == 0 or not lines[i - 1].startswith("|")):
+            header = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(header, (c.strip() for c in row.strip().strip("|").split("|")))))
+            tables.append(rows)
+    return tables
+
+
+def saved_activation_bytes(engine, batch) -> int:
+    """Bytes autograd keeps for backward during one forward `engine(batch)` (parameters excluded, each storage once)."""
+    import torch
+
+    def key(tensor):  # NOTE: with the device: a CPU and a CUDA storage may share an address
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), str(storage.device)
+
+    params = {key(p) for p in engine.model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        if key(tensor) not in params:
+            saved[key(tensor)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        engine(batch)
+    return sum(saved.values())
+
+
+def rss_follows_tensors() -> bool:
+    """Make the resident set follow live tensors (glibc: blocks >= 64 KiB mapped and unmapped with their tensor);
+    False where that is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD; setting it also stops glibc from raising it later
+        libc.malloc_trim(0)  # and the heap glibc kept so far goes back to the OS
+        return True
+    except (OSError, AttributeError):  # not glibc: a CPU peak is then coarser
+        return False
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU, whose work is done when the call returns."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_peak_bytes(engine, micro_batches) -> int:
+    """Peak bytes one `engine.train_batch(micro_batches)` adds above what was live before it (CUDA allocator on
+    a GPU; on the CPU the peak resident set, after `rss_follows_tensors`)."""
+    import torch
+
+    from toolkit.observe.memory_monitor import PeakMemory, rss_bytes
+
+    peaks = PeakMemory(engine.device)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(engine.device)
+    else:
+        rss_follows_tensors()
+        before = rss_bytes()
+    peaks.reset()
+    engine.train_batch(micro_batches)
+    return peaks.read()["mem_peak_bytes"] - before
+
+
+def median_ms(fn, device, calls: int = 1, repeats: int = 5) -> float:
+    """Median milliseconds per `fn()` over `repeats` rounds of `calls` calls, after one warm-up call (CUDA events
+    on a GPU, perf_counter on the CPU)."""
+    import statistics
+
+    import torch
+
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if torch.device(device).type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append(1e3 * (time.perf_counter() - start) / calls)
+    return statistics.median(times)
