@@ -35,6 +35,7 @@ NO_OUTPUT = {
     "11-zero-infinity-14": "removes the notebook's temporary swap directory; prints nothing",
     "14-parallelism-05": "defines each rank's clocked step loop; prints nothing",
     "14-parallelism-18": "removes the ranks' temporary output directory; prints nothing",
+    "18-offload-overlap-01": "imports and the parameters: assignments only",
     "gpu/01_quickstart.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
     "gpu/02_zero_memory.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
     "gpu/04_precision.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
@@ -48,6 +49,7 @@ NO_OUTPUT = {
     "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/15_muon.ipynb": "not yet executed on a GPU (issue 35: no GPU was lent the session that built Muon)",
     "gpu/16_optimizer_states.ipynb": "not yet executed on a GPU",
+    "gpu/18_offload_overlap.ipynb": "not yet executed on a GPU (issue 36: no GPU was lent the session that built it)",
 }
 
 
