@@ -26,13 +26,14 @@ NO_OUTPUT = {
     "03-workflow-01": "the parameters cell: assignments only",
     "03-workflow-29": "removes the notebook's temporary directory; prints nothing",
     "04-precision-13": "removes the notebook's temporary run directory; prints nothing",
-    "06-activation-checkpointing-03": "defines the measuring functions; prints nothing",
     "07-zero-offload-18": "removes the notebook's temporary run directory; prints nothing",
     "09-real-data-19": "removes the notebook's temporary cache directory; prints nothing",
     "11-zero-infinity-07": "removes the notebook's temporary swap directory; prints nothing",
     "14-parallelism-09": "removes the ranks' temporary output directory; prints nothing",
     "gpu/03_workflow.ipynb": "code changed since its last GPU run (issue 34 items 5-6: cells split, memory timeline); "
                              "re-execute on a GPU",
+    "gpu/06_activation_checkpointing.ipynb": "code changed since its last GPU run (issue 34 items 5-6: helpers moved, "
+                                             "memory timeline); re-execute on a GPU",
     "gpu/10_estimate.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/15_muon.ipynb": "not yet executed on a GPU (issue 35: no GPU was lent the session that built Muon)",
