@@ -29,11 +29,14 @@ NO_OUTPUT = {
     "07-zero-offload-18": "removes the notebook's temporary run directory; prints nothing",
     "09-real-data-19": "removes the notebook's temporary cache directory; prints nothing",
     "11-zero-infinity-07": "removes the notebook's temporary swap directory; prints nothing",
+    "13-communication-19": "removes the ranks' temporary output directory; prints nothing",
     "14-parallelism-09": "removes the ranks' temporary output directory; prints nothing",
     "gpu/03_workflow.ipynb": "code changed since its last GPU run (issue 34 items 5-6: cells split, memory timeline); "
                              "re-execute on a GPU",
     "gpu/06_activation_checkpointing.ipynb": "code changed since its last GPU run (issue 34 items 5-6: helpers moved, "
                                              "memory timeline); re-execute on a GPU",
+    "gpu/13_communication.ipynb": "code changed since its last GPU run (issue 34 items 5-6: launch cell split, "
+                                  "link-speed sweep); re-execute on the GPU machine",
     "gpu/10_estimate.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/15_muon.ipynb": "not yet executed on a GPU (issue 35: no GPU was lent the session that built Muon)",
