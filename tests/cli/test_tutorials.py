@@ -31,12 +31,15 @@ NO_OUTPUT = {
     "11-zero-infinity-07": "removes the notebook's temporary swap directory; prints nothing",
     "13-communication-19": "removes the ranks' temporary output directory; prints nothing",
     "14-parallelism-09": "removes the ranks' temporary output directory; prints nothing",
+    "17-convert-export-resume-11": "removes the notebook's temporary directory; prints nothing",
     "gpu/03_workflow.ipynb": "code changed since its last GPU run (issue 34 items 5-6: cells split, memory timeline); "
                              "re-execute on a GPU",
     "gpu/06_activation_checkpointing.ipynb": "code changed since its last GPU run (issue 34 items 5-6: helpers moved, "
                                              "memory timeline); re-execute on a GPU",
     "gpu/13_communication.ipynb": "code changed since its last GPU run (issue 34 items 5-6: launch cell split, "
                                   "link-speed sweep); re-execute on the GPU machine",
+    "gpu/17_convert_export_resume.ipynb": "not yet executed on a GPU machine (new in issue 34 item 6; it runs the "
+                                          "same CPU run as the CPU variant)",
     "gpu/10_estimate.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/15_muon.ipynb": "not yet executed on a GPU (issue 35: no GPU was lent the session that built Muon)",
@@ -264,9 +267,9 @@ def test_the_index_gives_each_notebook_both_variants_and_its_measured_cpu_time()
 
 
 def test_the_index_says_which_gpu_variants_run_on_cpu_ranks_or_cpu_sized_models():
-    """Issue 34: 02 runs one rank, 13 and 14 gloo ranks on CPU cores, 09 a CPU-sized recipe."""
+    """Issue 34: 02 runs one rank, 13 and 14 gloo ranks on CPU cores, 09 a CPU-sized recipe, 17 the CPU run."""
     says = {notebook_name(t) for t in template_paths() if "gpu" in read_about(t)}
-    assert says == {"02_zero_memory", "09_real_data", "13_communication", "14_parallelism"}
+    assert says == {"02_zero_memory", "09_real_data", "13_communication", "14_parallelism", "17_convert_export_resume"}
     for name in says:
         assert "- **The GPU variant runs** " in _index_entry(name)
 
