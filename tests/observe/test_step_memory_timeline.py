@@ -1,6 +1,7 @@
 """The step memory timeline has the shape of a training step: the forward rises to a peak at the
 forward/backward boundary, the backward falls below where it began, the optimizer step's temporaries
 rise above its start and the step ends where it began; activation checkpointing lowers the forward's end."""
+import pytest
 import torch
 
 from toolkit.observe.step_memory_timeline import PHASES, record_step_memory, saved_for_backward_bytes
@@ -55,3 +56,12 @@ def test_the_bytes_saved_for_backward_are_what_the_forward_of_the_timeline_keeps
     forward_end = record_step_memory(engine, batch).level_at("forward", end=True)
     # what the forward leaves alive is what autograd keeps, plus outputs it does not save (6% measured)
     assert saved <= forward_end <= 1.1 * saved, (saved, forward_end)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_samples_are_the_allocator_and_have_the_same_shape():
+    timeline = timeline_of(["training.device=cuda"])
+    assert timeline.source == "CUDA allocator"
+    assert timeline.level_at("forward", end=True) > timeline.level_at("forward")
+    assert timeline.level_at("backward", end=True) < 0.5 * timeline.level_at("backward")
+    assert timeline.peak_phase() == "backward"
