@@ -24,10 +24,8 @@ NO_OUTPUT = {
     "01-quickstart-10": "removes the notebook's temporary run directory; prints nothing",
     "02-zero-memory-09": "removes the notebook's temporary run directory; prints nothing",
     "03-workflow-01": "the parameters cell: assignments only",
-    "03-workflow-22": "removes the notebook's temporary directory; prints nothing",
     "04-precision-15": "defines DeepSpeed's loss-scale rule, transcribed; prints nothing",
     "04-precision-25": "removes the notebook's temporary run directory; prints nothing",
-    "06-activation-checkpointing-03": "defines the measuring functions; prints nothing",
     "07-zero-offload-19": "defines the sweep's timing function; prints nothing",
     "07-zero-offload-29": "removes the notebook's temporary run directory; prints nothing",
     "09-real-data-21": "removes the notebook's temporary cache directory; prints nothing",
@@ -45,6 +43,17 @@ NO_OUTPUT = {
     "gpu/09_real_data.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
     "gpu/11_zero_infinity.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
     "gpu/14_parallelism.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
+    "03-workflow-29": "removes the notebook's temporary directory; prints nothing",
+    "13-communication-19": "removes the ranks' temporary output directory; prints nothing",
+    "17-convert-export-resume-11": "removes the notebook's temporary directory; prints nothing",
+    "gpu/03_workflow.ipynb": "code changed since its last GPU run (issue 34 items 5-6: cells split, memory timeline); "
+                             "re-execute on a GPU",
+    "gpu/06_activation_checkpointing.ipynb": "code changed since its last GPU run (issue 34 items 5-6: helpers moved, "
+                                             "memory timeline); re-execute on a GPU",
+    "gpu/13_communication.ipynb": "code changed since its last GPU run (issue 34 items 5-6: launch cell split, "
+                                  "link-speed sweep); re-execute on the GPU machine",
+    "gpu/17_convert_export_resume.ipynb": "not yet executed on a GPU machine (new in issue 34 item 6; it runs the "
+                                          "same CPU run as the CPU variant)",
     "gpu/10_estimate.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/15_muon.ipynb": "not yet executed on a GPU (issue 35: no GPU was lent the session that built Muon)",
@@ -273,9 +282,9 @@ def test_the_index_gives_each_notebook_both_variants_and_its_measured_cpu_time()
 
 
 def test_the_index_says_which_gpu_variants_run_on_cpu_ranks_or_cpu_sized_models():
-    """Issue 34: 02 runs one rank, 13 and 14 gloo ranks on CPU cores, 09 a CPU-sized recipe."""
+    """Issue 34: 02 runs one rank, 13 and 14 gloo ranks on CPU cores, 09 a CPU-sized recipe, 17 the CPU run."""
     says = {notebook_name(t) for t in template_paths() if "gpu" in read_about(t)}
-    assert says == {"02_zero_memory", "09_real_data", "13_communication", "14_parallelism"}
+    assert says == {"02_zero_memory", "09_real_data", "13_communication", "14_parallelism", "17_convert_export_resume"}
     for name in says:
         assert "- **The GPU variant runs** " in _index_entry(name)
 
@@ -344,9 +353,6 @@ def test_results_quotes_a_section_of_results_md_and_names_what_it_cannot_find():
 # Issue 34 item 5, the step-through form. Templates another engineer converts on their own branch, until merged;
 # each is an expected failure (strict: once it passes, its entry must go, so the set shrinks to empty).
 NOT_YET_STEP_THROUGH = {
-    "03_workflow": "its template is converted on another branch (issue 34 items 5-6); passes after the merge",
-    "06_activation_checkpointing": "its template is converted on another branch (issue 34 items 5-6); passes after the merge",
-    "13_communication": "its template is converted on another branch (issue 34 item 6); passes after the merge",
     "16_optimizer_states": "its template is converted on another branch; passes after the merge",
 }
 CODE_CELL_LINES, INTRO_WORDS = 40, 150
