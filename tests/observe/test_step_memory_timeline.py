@@ -4,7 +4,8 @@ rise above its start and the step ends where it began; activation checkpointing 
 import pytest
 import torch
 
-from toolkit.observe.step_memory_timeline import PHASES, record_step_memory, saved_for_backward_bytes
+from toolkit.observe.notebook import saved_activation_bytes
+from toolkit.observe.step_memory_timeline import PHASES, record_step_memory
 from toolkit.recipe.load import load_recipe
 from toolkit.runtime.engine import Engine
 
@@ -52,7 +53,7 @@ def test_the_bytes_saved_for_backward_are_what_the_forward_of_the_timeline_keeps
     batch = torch.randint(0, recipe.data.vocab_size, (recipe.batch.micro_batch_per_rank, recipe.data.seq_len + 1),
                           generator=torch.Generator().manual_seed(0))
     engine.train_batch([batch])
-    saved = saved_for_backward_bytes(engine, batch)
+    saved = saved_activation_bytes(engine, batch, train=True)
     forward_end = record_step_memory(engine, batch).level_at("forward", end=True)
     # what the forward leaves alive is what autograd keeps, plus outputs it does not save (6% measured)
     assert saved <= forward_end <= 1.1 * saved, (saved, forward_end)

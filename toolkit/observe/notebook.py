@@ -42,8 +42,9 @@ def markdown_tables(text: str) -> list[list[dict[str, str]]]:
     return tables
 
 
-def saved_activation_bytes(engine, batch) -> int:
-    """Bytes autograd keeps for backward during one forward `engine(batch)` (parameters excluded, each storage once)."""
+def saved_activation_bytes(engine, batch, *, train: bool = False) -> int:
+    """Bytes autograd keeps for backward during one forward `engine(batch)` (parameters excluded, each storage once);
+    `train`: that forward's backward and optimizer step follow (a training step that measures itself)."""
     import torch
 
     def key(tensor):  # NOTE: with the device: a CPU and a CUDA storage may share an address
@@ -59,7 +60,10 @@ def saved_activation_bytes(engine, batch) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        engine(batch)
+        loss = engine(batch)
+    if train:
+        engine.backward(loss)
+        engine.step()
     return sum(saved.values())
 
 

@@ -7,7 +7,7 @@ storages the step's operators created and that are still alive (each storage cou
 operator returns it, and dropped when torch frees it). Either way the figure is relative to what was
 live when the step began (parameters, gradients kept from before, optimizer states), so the
 timeline starts at 0. Operators that return a view or write in place allocate nothing and add
-nothing. `saved_for_backward_bytes` counts what one forward keeps for backward (a saved-tensor hook).
+nothing. (What one forward keeps for backward: toolkit/observe/notebook.py saved_activation_bytes.)
 What lives here: the recording and the phase arithmetic; plotting belongs to the caller.
 """
 from __future__ import annotations
@@ -115,21 +115,3 @@ def record_step_memory(engine, batch: torch.Tensor) -> StepMemoryTimeline:
         bounds["optimizer step"] = (bounds["backward"][1], len(mode.samples))
     source = "CUDA allocator" if mode.cuda else "live tensor storages"
     return StepMemoryTimeline(bytes=mode.samples, bounds=bounds, source=source)
-
-
-def saved_for_backward_bytes(engine, batch: torch.Tensor) -> int:
-    """Bytes of the distinct tensors, parameters aside, that autograd saves for backward in one step's forward."""
-    params = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[(storage.data_ptr(), str(tensor.device))] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = engine(batch)
-    engine.backward(loss)
-    engine.step()
-    return sum(storages.values())
