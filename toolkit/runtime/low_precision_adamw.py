@@ -68,6 +68,46 @@ def bf16_adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torc
     v.copy_(stochastic_round_to_bf16(exp_avg_sq, generator))
 
 
+# -- hashed rounding bits: the CPU Adam kernel's bf16 step (kernels/cpu_adam.cpp adamw_step_bf16) in torch ops --------
+_M32 = 0xFFFFFFFF
+
+
+def _lowbias32(x):
+    """Chris Wellons' 32-bit hash, on Python ints or int64 tensors holding uint32 values (as the kernel's)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32  # NOTE: int64 products wrap; their low 32 bits are the uint32 product's
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def hashed_rounding_bits(seed: int, step: int, offset: int, numel: int) -> tuple[torch.Tensor, ...]:
+    """The 16 random bits (int32 tensors) the kernel adds below the weight's, exp_avg's and exp_avg_sq's bf16
+    mantissa for elements offset .. offset + numel - 1 of a shard: a hash of (seed, step, index)."""
+    seed &= (1 << 64) - 1
+    step_key = _lowbias32((seed & _M32) ^ _lowbias32((step & _M32) ^ _lowbias32(seed >> 32)))
+    index = torch.arange(offset, offset + numel, dtype=torch.int64)
+    r = _lowbias32((index & _M32) ^ _lowbias32((index >> 32) ^ step_key))
+    return ((r & 0xFFFF).to(torch.int32), (r >> 16).to(torch.int32), (_lowbias32(r) & 0xFFFF).to(torch.int32))
+
+
+def _round_with_bits(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`x` (fp32) rounded to bf16 by adding `noise` below the cut and truncating; NaN stays NaN."""
+    rounded = ((x.contiguous().view(torch.int32) + noise) & _HIGH_MASK).view(torch.float32).to(torch.bfloat16)
+    return torch.where(torch.isnan(x), x.to(torch.bfloat16), rounded)
+
+
+def hashed_bf16_adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, seed: int,
+                             offset: int, **settings) -> None:
+    """One AdamW (Adam) step on bf16 CPU `p`, `m`, `v` in place with the kernel's hashed rounding bits (`settings`:
+    step, lr, wd, betas, eps, l2): the fallback of kernels/cpu_adam.cpp adamw_step_bf16, and its reference."""
+    param, exp_avg, exp_avg_sq = p.float(), m.float(), v.float()
+    adam_reference_update_(param, g.float(), exp_avg, exp_avg_sq, **settings)
+    bits = hashed_rounding_bits(seed, settings["step"], offset, p.numel())
+    for target, value, noise in zip((p, m, v), (param, exp_avg, exp_avg_sq), bits):
+        target.copy_(_round_with_bits(value, noise))
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """torch AdamW's maths (or Adam's with `l2`) on bf16 parameters, bf16 exp_avg/exp_avg_sq, stochastic rounding."""
 
