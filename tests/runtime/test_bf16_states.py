@@ -136,7 +136,7 @@ def test_zero_1_to_3_with_bf16_states_match_stage_0_within_rounding_noise():
 
 
 @pytest.mark.parametrize("overrides, what", [
-    (["zero.stage=2", "zero.offload_optimizer=cpu"], "zero.offload_optimizer 'cpu'"),
+    (["zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/tmp"], "zero.offload_optimizer 'nvme'"),
     (["zero.stage=3", "zero.offload_param=cpu"], "zero.offload_param 'cpu'"),
     (["optimizer.type=muon"], "not 'muon'"),
     (["optimizer.type=onebit_adam"], "not 'onebit_adam'"),
@@ -150,3 +150,29 @@ def test_bf16_states_with_an_unbuilt_combination_are_refused_in_one_line(overrid
         load_recipe("quickstart", ["optimizer.state_dtype=bf16", *precision, *overrides], world_size=2)
     assert len(caught.value.lines) == 1
     assert caught.value.lines[0].startswith("recipe.optimizer.state_dtype: 'bf16'") and what in caught.value.lines[0]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_bf16_states_match_the_device_ones_within_rounding_noise_and_hold_6_bytes(stage):
+    """zero.offload_optimizer cpu with bf16 states: a bf16 master and two bf16 moments in CPU memory, stepped by the
+    CPU Adam kernel's bf16 step (kernels/cpu_adam.cpp; its rounding bits are hashed, the device's drawn), so the losses
+    agree with the device's bf16 states within the rounding noise of the test above; the bytes are the estimate's."""
+    from toolkit.observe.estimate import estimate_model_state_bytes
+
+    device = train(1, [f"zero.stage={stage}", SMALL_BUCKETS, *BF16])[2]
+    engine, _, losses, _ = train(1, [f"zero.stage={stage}", SMALL_BUCKETS, *BF16, "zero.offload_optimizer=cpu"])
+    part = engine.strategy.parts[-1]
+    assert part.offloaded and part.master.dtype == part.optimizer.exp_avg.dtype == torch.bfloat16
+    assert losses == pytest.approx(device, rel=2e-4)
+    want = estimate_model_state_bytes(engine.num_parameters, stage=stage, world_size=1, dtype="bf16",
+                                      offload="cpu", state_dtype="bf16")
+    assert engine.strategy.memory_bytes()["mem_offload_bytes"] == want.cpu_optim == 6 * engine.strategy.layout.numel
+    assert "bf16 master and moments in CPU memory" in engine.strategy.describe()
+
+
+def test_offloaded_bf16_states_resume_bit_exactly_also_with_the_delayed_update(tmp_path):
+    for name, extra in {"exact": [], "delayed": ["zero.offload_update=delayed", "zero.offload_update_warmup=2"]}.items():
+        overrides = ["zero.stage=2", SMALL_BUCKETS, *BF16, "zero.offload_optimizer=cpu", *extra]
+        saved, restored, uninterrupted, resumed, _ = save_and_resume(tmp_path / name, overrides, overrides)
+        assert all(torch.equal(restored[key], saved[key]) for key in saved), name
+        assert resumed == uninterrupted, name

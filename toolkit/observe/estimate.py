@@ -28,6 +28,7 @@ GiB = 2**30  # what GPUs and the table below are measured in
 # parameters are already the master copy, so only momentum and variance, 4 + 4.
 ADAM_K = {"fp16": 12, "bf16": 12, "fp32": 8}
 BF16_STATE_K = 4  # optimizer.state_dtype bf16: two bf16 moments (the bf16 weights are the master)
+BF16_OFFLOAD_K = 6  # ... offloaded: a bf16 master and two bf16 moments in CPU memory
 MUON_SAVED = 4  # bytes per matrix element optimizer.type muon does not keep: one fp32 momentum, not two moments
 PARAM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # parameters and gradients as the model holds them
 
@@ -111,9 +112,10 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     into an fp32 shard (4P/N) rather than a 16-bit one. With offload, `offload_ratio` of the
     optimizer shard sits in CPU memory (the toolkit rounds it to whole groups). `muon_params` of the
     parameters step with Muon (optimizer.type muon): one fp32 momentum, MUON_SAVED bytes fewer each.
-    `state_dtype` bf16 (bf16 precision, no offload: recipe checks): the bf16 weights are the master and the two
-    moments are bf16, BF16_STATE_K bytes per element of the optimizer's share; stage 0's gradients are bf16 too
-    (2 + 2 + 4 bytes per parameter; toolkit/runtime/low_precision_adamw.py, zero/adamw.py).
+    `state_dtype` bf16 (bf16 precision; offload cpu or none: recipe checks): the bf16 weights are the master and the
+    two moments are bf16, BF16_STATE_K bytes per element of the optimizer's share on the device; stage 0's gradients
+    are bf16 too (2 + 2 + 4 bytes per parameter; toolkit/runtime/low_precision_adamw.py, zero/adamw.py); offloaded,
+    a bf16 master and two bf16 moments in CPU memory (BF16_OFFLOAD_K bytes per element, kernels/cpu_adam.cpp).
     """
     # Mixed precision with Adam, P parameters, N ranks (K = 12), as the paper counts:
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
@@ -127,8 +129,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         raise ValueError(f"offload {offload!r} with stage {stage}: offload needs stage >= 1")
     if layout not in ("paper", "toolkit"):
         raise ValueError(f"layout {layout!r} is not 'paper' or 'toolkit'")
-    if state_dtype == "bf16" and (offload != "none" or dtype != "bf16"):
-        raise ValueError(f"state_dtype bf16 is built for precision bf16 on the device, not {dtype} offload {offload!r}")
+    if state_dtype == "bf16" and (offload == "nvme" or dtype != "bf16"):
+        raise ValueError(f"state_dtype bf16 is built for precision bf16 without swap files, not {dtype} offload {offload!r}")
     if state_dtype == "bf16" and stage == 0:
         return ModelStateBytes(2 * num_params, 2 * num_params, BF16_STATE_K * num_params, 0)
     n = world_size
@@ -148,6 +150,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     if offload in ("cpu", "nvme"):  # nvme: the same bytes in swap files, streamed through bounded buffers
         host = round(offload_ratio * shard)
         # NOTE: under nvme the 12 * host bytes sit in swap files, in neither column (swap.py checks the disk)
+        if state_dtype == "bf16":
+            return ModelStateBytes(params, grads, BF16_STATE_K * (shard - host), BF16_OFFLOAD_K * host)
         return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host), 12 * host if offload == "cpu" else 0)
     return ModelStateBytes(params, grads, optim, 0)
 

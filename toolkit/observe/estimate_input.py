@@ -90,5 +90,5 @@ class EstimateInput:
         return estimate_memory(self.model, micro_batch=self.micro_batch, seq_len=self.seq_len, dtype=self.dtype,
                                world_size=self.world_size, stage=stage, offload=offload,
                                offload_ratio=self.offload_ratio, muon_params=self.muon_params,
-                               # NOTE: bf16 states are built without offload; the table's cpu rows count fp32 states
-                               state_dtype=self.state_dtype if offload == "none" else "fp32")
+                               # NOTE: bf16 states are built on the device and in CPU memory, not in swap files
+                               state_dtype=self.state_dtype if offload != "nvme" else "fp32")

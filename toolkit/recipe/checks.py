@@ -89,16 +89,16 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
 
 
 def state_dtype_errors(r: dict, mesh: bool) -> list[str]:
-    """optimizer.state_dtype bf16 is built for zero.stage 0-3 on the device, AdamW/Adam and bf16 precision: one line
-    per combination refused."""
+    """optimizer.state_dtype bf16 is built for zero.stage 0-3 on the device or offloaded to CPU memory, AdamW/Adam
+    and bf16 precision: one line per combination refused."""
     opt, zero = r["optimizer"], r["zero"]
     if opt["state_dtype"] == "fp32":
         return []
     errors = []
-    if zero["offload_optimizer"] != "none" or zero["offload_param"] != "none":
-        key = "offload_optimizer" if zero["offload_optimizer"] != "none" else "offload_param"
-        errors.append(f"recipe.optimizer.state_dtype: 'bf16' runs with the states on the device, not with zero.{key} "
-                      f"{zero[key]!r} (the CPU step in bf16 is not built yet); use 'fp32'")
+    if zero["offload_optimizer"] == "nvme" or zero["offload_param"] != "none":
+        key = "offload_optimizer" if zero["offload_optimizer"] == "nvme" else "offload_param"
+        errors.append(f"recipe.optimizer.state_dtype: 'bf16' runs with the states on the device or in CPU memory "
+                      f"(zero.offload_optimizer 'cpu'), not with zero.{key} {zero[key]!r} (not built yet); use 'fp32'")
     if opt["type"] in ("muon", "onebit_adam"):
         errors.append(f"recipe.optimizer.state_dtype: 'bf16' steps optimizer.type adamw or adam, not "
                       f"{opt['type']!r} (not built yet); use 'fp32'")

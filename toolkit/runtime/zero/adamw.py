@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.low_precision_adamw import adam_reference_update_, bf16_adam_update_, rounding_generator
+from toolkit.runtime.low_precision_adamw import (adam_reference_update_, bf16_adam_update_, hashed_bf16_adam_update_,
+                                                 rounding_generator)
 from toolkit.specs import OptimizerSpec
 
 
@@ -81,21 +82,32 @@ class ShardedAdamW:
                 self._fused(ps, gs, ms, vs, lr, wd)
 
     def update(self, decay: bool, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor) -> None:
-        """This step's AdamW on one contiguous piece (after `begin_step`); `out` gets the new weights in its dtype."""
+               out: torch.Tensor, offset: int = 0) -> None:
+        """This step's AdamW on one contiguous piece (after `begin_step`) starting at element `offset` of the shard;
+        `out` gets the new weights in its dtype."""
         lr, wd = self.step_settings[0 if decay else 1]
         beta1, beta2 = self.step_betas
         bf16_out = out.dtype == torch.bfloat16
         if self.l2 and wd != 0:  # the staged gradient is this step's own copy: L2 decay into it, then plain Adam
             g.add_(p, alpha=wd)
             wd = 0.0
-        if self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
+        if p.dtype == torch.bfloat16:  # offloaded bf16 states: the rounding bits keyed by the element's index
+            self._update_bf16(p, g, m, v, lr, wd, (beta1, beta2), offset)
+        elif self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
             self.kernel.adamw_step(p, g, m, v, self.step_count, lr, beta1, beta2, self.eps, wd,
                                    out if bf16_out else None, False)
         else:
             self._fused([p], [g], [m], [v], lr, wd, (beta1, beta2))
-        if not (bf16_out and self.mode == "cpu_adam"):
+        if p.dtype == torch.bfloat16 or not (bf16_out and self.mode == "cpu_adam"):  # else the kernel wrote `out`
             out.copy_(p)
+
+    def _update_bf16(self, p, g, m, v, lr: float, wd: float, betas: tuple[float, float], offset: int) -> None:
+        if self.kernel is not None:
+            self.kernel.adamw_step_bf16(p, g, m, v, self.step_count, lr, betas[0], betas[1], self.eps, wd, self.seed,
+                                        offset)
+        else:  # the kernel's maths and rounding bits in torch ops
+            hashed_bf16_adam_update_(p, g, m, v, seed=self.seed, offset=offset, step=self.step_count, lr=lr, wd=wd,
+                                     betas=betas, eps=self.eps, l2=False)
 
     def _fused(self, ps, gs, ms, vs, lr: float, wd: float, betas: tuple[float, float] | None = None) -> None:
         steps = [torch.tensor(float(self.step_count), device=p.device) for p in ps]

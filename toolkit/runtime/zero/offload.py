@@ -127,7 +127,7 @@ class OffloadedStep:
             sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
             grads, out = self._arrived(k)
             self.optimizer.update(piece.decay, self.master[sl], grads, self.optimizer.exp_avg[sl],
-                                  self.optimizer.exp_avg_sq[sl], out)
+                                  self.optimizer.exp_avg_sq[sl], out, offset=piece.shard_offset)
             self._send(k, out)
         self._end()
 

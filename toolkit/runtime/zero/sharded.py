@@ -64,6 +64,7 @@ class ShardedStrategy(StrategyBase):
         self.layout = ShardLayout(groups, info.rank)
         self.param_dtype = param_dtype
         self.offload = zero.offload_optimizer != "none"
+        self.bf16_states = state_dtype(optimizer) == torch.bfloat16
         self.separate_master = (self.offload or param_dtype not in (torch.float32, state_dtype(optimizer))
                                 or zero.offload_param != "none")
         self.param_chunks: list[torch.Tensor] = []
@@ -103,7 +104,8 @@ class ShardedStrategy(StrategyBase):
         """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
         what = {1: "optimizer states", 2: "optimizer states + gradients", 3: "optimizer states + gradients + "
                 "parameters"}[self.stage]
-        master = ("fp32 master separate" if self.separate_master else "bf16 weights are the master (bf16 states)"
+        master = ("bf16 master and moments in CPU memory (bf16 states)" if self.offload and self.bf16_states
+                  else "fp32 master separate" if self.separate_master else "bf16 weights are the master (bf16 states)"
                   if self.param_dtype == torch.bfloat16 else "fp32 weights are the master")
         adams = []
         for part in self.parts:
@@ -143,7 +145,8 @@ class ShardedStrategy(StrategyBase):
             tier = part.tier
             numel = part.layout.numel
             share = f" {numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
-            nbytes = 12 * numel if tier != "none" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
+            per_element = 6 if self.bf16_states else 12  # master + two moments, bf16 or fp32
+            nbytes = per_element * numel if tier != "none" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
             states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
         delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
         if delayed:
