@@ -160,6 +160,10 @@ def build_optimizer(spec: OptimizerSpec, params, adamw: str = "torch", *, flat_o
         from toolkit.runtime.low_precision_adamw import BF16AdamW
 
         return BF16AdamW(params, spec.lr, tuple(spec.betas), spec.eps, spec.weight_decay, l2=spec.type == "adam")
+    if spec.state_dtype == "int8":  # whole tensors (stage 0): fp32 weights, 8-bit blockwise moments
+        from toolkit.runtime.int8_adamw import Int8AdamW
+
+        return Int8AdamW(params, spec.lr, tuple(spec.betas), spec.eps, spec.weight_decay, l2=spec.type == "adam")
     cls, settings = _whole_tensor_optimizer(spec, adamw)
     if shard_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
