@@ -6,7 +6,8 @@ The fp32 parameters are their own master (stage 0 keeps fp32 weights under autoc
 parameter live in one `BlockwiseMoments` run, the parameters laid end to end in param_groups order, so the
 optimizer holds exactly 2 bytes per parameter plus 8 per BLOCK of them (ceil(P / BLOCK) scales per moment: what
 toolkit/observe/estimate.py counts); a block may span the end of one parameter and the start of the next.
-Each parameter's state holds its step and views into the run, so the memory monitor counts the run once.
+Each parameter's state holds its step (a float, not a tensor: no bytes beside the run's) and views into the run, so
+the memory monitor counts the run once and exactly the estimate's bytes.
 
 Checkpoints: `state_dict` gives torch AdamW's layout, fp32 exp_avg / exp_avg_sq per parameter (dequantized), so any
 stage and world size can read it; loading one (or a ZeRO shard's fp32 pieces, ddp.py load_pieces) quantizes the
@@ -59,7 +60,7 @@ class Int8AdamW(torch.optim.Optimizer):
         self.moments.write(0, exp_avg, exp_avg_sq)
         self.steps = int(float(self.state[loaded[0]]["step"]))
         for p in loaded:
-            self.state[p] = {"step": torch.tensor(float(self.steps)), **self._views(p)}
+            self.state[p] = {"step": float(self.steps), **self._views(p)}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -76,7 +77,7 @@ class Int8AdamW(torch.optim.Optimizer):
         blockwise_adam_step(self.moments, pieces, step=self.steps, betas=tuple(group["betas"]), eps=group["eps"],
                             l2=self.l2)
         for p, _ in stepped:
-            self.state[p] = {"step": torch.tensor(float(self.steps)), **self._views(p)}
+            self.state[p] = {"step": float(self.steps), **self._views(p)}
         return loss
 
     def fp32_states(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
