@@ -13,7 +13,8 @@ signed map (1.0 but not -1.0), ours is symmetric, 0 and +-1 included, so a block
 exactly +-absmax: dequantizing and quantizing again gives back the same codes and absmax (a checkpoint stores
 dequantized fp32 moments and a resume at the same layout re-quantizes them bit for bit).
 NOTE: exp_avg_sq is quantized as is (unsigned map, as bitsandbytes and torchao do), not as its square root:
-benchmarks/bf16_states.py measured both (RESULTS.md "Optimizer states in bf16 and int8").
+benchmarks/bf16_states.py measured both, and both ended at held-out 1.4161 after 1,000 quickstart steps (fp32
+states 1.4157; RESULTS.md "Optimizer states in bf16 and int8"), so the simpler one is built.
 """
 from __future__ import annotations
 
