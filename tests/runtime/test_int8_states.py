@@ -82,7 +82,11 @@ def test_three_steps_equal_adamw_from_its_formula_with_the_moments_quantized_aft
 def test_the_factory_builds_int8_adamw_and_the_start_up_line_says_so():
     from toolkit.runtime.precision import describe_precision
 
+    from toolkit.observe.estimate import format_bytes
+
     recipe, engine, stream = tiny_engine(1, ["zero.stage=0", *INT8])
+    n = engine.num_parameters  # the tiers row counts the codes and scales before the first step: they exist
+    assert f"optimizer states device ({format_bytes(2 * n + 8 * -(-n // 256))})" in engine.strategy.describe_tiers()
     engine.train_batch(stream.next_step())
     assert isinstance(engine.strategy.optimizer, Int8AdamW)
     state = engine.strategy.optimizer.state

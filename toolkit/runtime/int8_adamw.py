@@ -37,6 +37,8 @@ class Int8AdamW(torch.optim.Optimizer):
         device = next(iter(self.offsets)).device if self.offsets else torch.device("cpu")
         self.moments = BlockwiseMoments.zeros(sum(p.numel() for p in self.offsets), device)
         self.steps = 0  # applied steps (every parameter steps together: the run's blocks span parameters)
+        for p in self.offsets:  # the run exists from the start: the start-up table's tiers row counts it
+            self.state[p] = {"step": 0.0, **self._views(p)}
 
     def _views(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter p's codes and the scales of the blocks it touches: views into the run."""
@@ -81,11 +83,11 @@ class Int8AdamW(torch.optim.Optimizer):
         return loss
 
     def fp32_states(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per stepped parameter: step and its fp32 exp_avg / exp_avg_sq (dequantized copies), torch AdamW's names."""
+        """Per parameter: step and its fp32 exp_avg / exp_avg_sq (dequantized copies), torch AdamW's names."""
         self._absorb_fp32_state()
         exp_avg, exp_avg_sq = self.moments.read(0, self.moments.numel)
         states = {}
-        for p in (p for p in self.offsets if p in self.state):
+        for p in self.offsets:
             a, b = self.offsets[p], self.offsets[p] + p.numel()
             states[p] = {"step": torch.tensor(float(self.steps)), "exp_avg": exp_avg[a:b].view_as(p).clone(),
                          "exp_avg_sq": exp_avg_sq[a:b].view_as(p).clone()}
@@ -96,8 +98,7 @@ class Int8AdamW(torch.optim.Optimizer):
         states = self.fp32_states()
         state = super().state_dict()
         for index, p in enumerate(self.offsets):
-            if p in states:
-                state["state"][index] = states[p]
+            state["state"][index] = states[p]
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
