@@ -110,7 +110,7 @@ def test_state_dtype_int8_builds_int8_adamw_over_whole_tensors_and_int8_moments_
     from dataclasses import replace
 
     from toolkit.runtime.int8_adamw import Int8AdamW
-    from toolkit.runtime.optim import FlatShard, build_optimizer, param_groups
+    from toolkit.runtime.optim import FlatShard, adamw_kernel_applies, build_optimizer, param_groups
     from toolkit.runtime.zero.adamw import ShardedAdamW
 
     int8 = replace(spec(type_), state_dtype="int8")
@@ -122,3 +122,5 @@ def test_state_dtype_int8_builds_int8_adamw_over_whole_tensors_and_int8_moments_
     shard = build_optimizer(int8, FlatShard(300, torch.device("cpu"), False))
     assert type(shard) is ShardedAdamW and shard.mode == "int8 blockwise moments"
     assert [t.numel() for t in shard.moment_tensors()] == [300, 2, 300, 2]
+    assert not adamw_kernel_applies("auto", 0, state_dtype="int8")  # the engine builds no CUDA AdamW for it
+    assert not adamw_kernel_applies("auto", 0, state_dtype="bf16") and adamw_kernel_applies("auto", 0)

@@ -99,14 +99,16 @@ def adamw_implementation(optimizer: OptimizerSpec, kernels: KernelsSpec) -> str:
     return optimizer.implementation
 
 
-def adamw_kernel_applies(implementation: str, zero_stage: int, mesh: bool = False, optimizer_type: str = "adamw") -> bool:
+def adamw_kernel_applies(implementation: str, zero_stage: int, mesh: bool = False, optimizer_type: str = "adamw",
+                         state_dtype: str = "fp32") -> bool:
     """Whether the run's AdamW could step with kernels/fused_adamw.cu, so the engine should resolve it (not under
-    Muon, whose AdamW part is torch's: build_optimizer)."""
+    Muon, whose AdamW part is torch's, nor with bf16 or int8 optimizer states, which step their own: build_optimizer)."""
     # NOTE: only stage 0 steps whole parameters with a torch-style optimizer (FusedAdamW); stages 1-3
     # step flat shards (toolkit/runtime/zero/adamw.py: torch's fused AdamW, or the CPU Adam kernel
     # under offload), and the mesh steps DTensors' local shards with torch's, so building the CUDA
     # AdamW for them would be a minute spent on nothing.
-    return zero_stage == 0 and not mesh and implementation in ("auto", "fused") and optimizer_type != "muon"
+    return (zero_stage == 0 and not mesh and implementation in ("auto", "fused") and optimizer_type != "muon"
+            and state_dtype == "fp32")
 
 
 def choose_adamw(implementation: str, device_type: str, fused_kernel: bool) -> str:
