@@ -19,8 +19,6 @@ import torch
 
 from toolkit.runtime.int8_moments import BLOCK, BlockwiseMoments, Piece, blockwise_adam_step
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
 
 class Int8AdamW(torch.optim.Optimizer):
     """torch AdamW's maths (or Adam's with `l2`) on fp32 parameters, exp_avg/exp_avg_sq in 8-bit blockwise codes."""
