@@ -1,6 +1,7 @@
-"""optimizer.state_dtype fp32 against bf16 on a recipe (default: quickstart, precision bf16, on the CPU): held-out
-loss, optimizer bytes per parameter held, and bf16 with round-to-nearest writes instead of stochastic rounding
-(the measurement that chose stochastic rounding: toolkit/runtime/low_precision_adamw.py).
+"""optimizer.state_dtype fp32 against bf16 and int8 on a recipe (default: quickstart, precision bf16, on the CPU):
+held-out loss and optimizer bytes per parameter held; and two variants that chose the built ones: bf16 with
+round-to-nearest writes instead of stochastic rounding (toolkit/runtime/low_precision_adamw.py), and int8 moments
+with the square root of exp_avg_sq quantized instead of exp_avg_sq itself (toolkit/runtime/int8_moments.py).
 
     python -m benchmarks.bf16_states [--steps N] [--lr LR] [recipe]
 """
@@ -12,8 +13,9 @@ import json
 import tempfile
 from pathlib import Path
 
-VARIANTS = {"fp32 states": [], "bf16 states, stochastic rounding": ["optimizer.state_dtype=bf16"],
-            "bf16 states, round to nearest": ["optimizer.state_dtype=bf16"]}
+BF16, INT8 = ["optimizer.state_dtype=bf16"], ["optimizer.state_dtype=int8"]
+VARIANTS = {"fp32 states": [], "bf16 states, stochastic rounding": BF16, "bf16 states, round to nearest": BF16,
+            "int8 moments": INT8, "int8 moments, sqrt(exp_avg_sq)": INT8}
 
 
 @contextlib.contextmanager
@@ -30,11 +32,26 @@ def round_to_nearest(on: bool):
         low.stochastic_round_to_bf16 = kept
 
 
-def run_variant(recipe: str, overrides: list[str], nearest: bool, run_dir: Path) -> dict:
+@contextlib.contextmanager
+def second_moment_as_sqrt(on: bool):
+    """While `on`, int8 moments hold sqrt(exp_avg_sq) in the unsigned map (squared again when read)."""
+    from toolkit.runtime.int8_moments import BlockwiseMoments
+
+    read, write = BlockwiseMoments.read, BlockwiseMoments.write
+    if on:
+        BlockwiseMoments.read = lambda self, start, stop: (lambda m, v: (m, v * v))(*read(self, start, stop))
+        BlockwiseMoments.write = lambda self, start, m, v: write(self, start, m, v.sqrt())
+    try:
+        yield
+    finally:
+        BlockwiseMoments.read, BlockwiseMoments.write = read, write
+
+
+def run_variant(recipe: str, overrides: list[str], name: str, run_dir: Path) -> dict:
     """Train one variant in this process; its eval losses by step and the last logged optimizer bytes."""
     from toolkit.cli.main import main
 
-    with round_to_nearest(nearest):
+    with round_to_nearest("nearest" in name), second_moment_as_sqrt("sqrt" in name):
         code = main(["run", recipe, "precision.dtype=bf16", "logging.console=false", *overrides,
                      "--run-dir", str(run_dir)])
     assert code == 0, f"{recipe} {overrides}: exit {code}"
@@ -45,7 +62,7 @@ def run_variant(recipe: str, overrides: list[str], nearest: bool, run_dir: Path)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the three variants and print one line each: final held-out loss, its ratio to fp32 states, bytes."""
+    """Run the variants and print one line each: final held-out loss, its ratio to fp32 states, bytes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default="quickstart")
     parser.add_argument("--steps", type=int, default=1000)
@@ -56,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         for i, (name, overrides) in enumerate(VARIANTS.items()):
-            results[name] = run_variant(args.recipe, [*common, *overrides], "nearest" in name, Path(folder) / str(i))
+            results[name] = run_variant(args.recipe, [*common, *overrides], name, Path(folder) / str(i))
     base = results["fp32 states"]["eval"][args.steps]
     for name, r in results.items():
         final = r["eval"][args.steps]

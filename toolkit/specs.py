@@ -136,7 +136,7 @@ class OptimizerSpec:
     muon_weight_decay: float = 0.0
     muon_adjust_lr: str = "original"
     muon_ns_dtype: str = "bf16"
-    state_dtype: str = "fp32"  # bf16: bf16 weights (the master) and moments, stochastic rounding
+    state_dtype: str = "fp32"  # bf16: bf16 weights (the master) and moments, stochastic rounding; int8: 8-bit moments
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ estimate, and the combinations refused."""
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import SMALL_BUCKETS, save_and_resume, tiny_engine, train
+from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine,
+                                        train)
 from toolkit.runtime.low_precision_adamw import BF16AdamW, stochastic_round_to_bf16
 
 BF16 = ["precision.dtype=bf16", "optimizer.state_dtype=bf16"]
@@ -126,13 +127,7 @@ def test_zero_1_to_3_with_bf16_states_match_stage_0_within_rounding_noise():
     element can land on the other bf16 neighbour (one ulp, 2^-8 relative) on either side. The control: a 10%
     larger lr moves the losses by 2.1e-3, ten times the tolerance. Too small for it to see over 10 steps (measured
     4e-5): weight decay off, and fp32 against bf16 states, so the moments' dtype is asserted."""
-    stage0 = train(1, ["zero.stage=0", SMALL_BUCKETS, *BF16])[2]
-    other_lr = train(1, ["zero.stage=0", SMALL_BUCKETS, *BF16, "optimizer.lr=0.0033"])[2]
-    assert other_lr != pytest.approx(stage0, rel=2e-4)
-    for stage in (1, 2, 3):
-        engine, _, losses, _ = train(1, [f"zero.stage={stage}", SMALL_BUCKETS, *BF16])
-        assert all(p.optimizer.exp_avg.dtype == torch.bfloat16 for p in engine.strategy.parts)
-        assert losses == pytest.approx(stage0, rel=2e-4), stage
+    assert_stages_1_to_3_track_stage_0(BF16, torch.bfloat16, rel=2e-4)
 
 
 @pytest.mark.parametrize("overrides, what", [

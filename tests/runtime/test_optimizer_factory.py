@@ -103,3 +103,24 @@ def test_state_dtype_bf16_builds_the_bf16_state_adamw_over_whole_tensors(type_, 
     assert type(optimizer) is BF16AdamW and optimizer.l2 is l2
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
     assert type(build_optimizer(spec(type_), param_groups(model.float(), 0.1))) is not BF16AdamW
+
+
+@pytest.mark.parametrize("type_, l2", [("adamw", False), ("adam", True)])
+def test_state_dtype_int8_builds_int8_adamw_over_whole_tensors_and_int8_moments_over_a_shard(type_, l2):
+    from dataclasses import replace
+
+    from toolkit.runtime.int8_adamw import Int8AdamW
+    from toolkit.runtime.optim import FlatShard, adamw_kernel_applies, build_optimizer, param_groups
+    from toolkit.runtime.zero.adamw import ShardedAdamW
+
+    int8 = replace(spec(type_), state_dtype="int8")
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    optimizer = build_optimizer(int8, param_groups(model, 0.1), "torch-fused")
+    assert type(optimizer) is Int8AdamW and optimizer.l2 is l2
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert optimizer.moments.numel == 28  # held from the start: the start-up table's tiers row counts it
+    shard = build_optimizer(int8, FlatShard(300, torch.device("cpu"), False))
+    assert type(shard) is ShardedAdamW and shard.mode == "int8 blockwise moments"
+    assert [t.numel() for t in shard.moment_tensors()] == [300, 2, 300, 2]
+    assert not adamw_kernel_applies("auto", 0, state_dtype="int8")  # the engine builds no CUDA AdamW for it
+    assert not adamw_kernel_applies("auto", 0, state_dtype="bf16") and adamw_kernel_applies("auto", 0)

@@ -51,6 +51,21 @@ def train(world, overrides, steps=STEPS):
     return engine, stream, [r.loss for r in results], [r.grad_norm for r in results]
 
 
+def assert_stages_1_to_3_track_stage_0(overrides, moment_dtype, rel):
+    """STEPS steps of `overrides` with small buckets at each ZeRO stage in one process: the shards' exp_avg in
+    `moment_dtype`, stages 1-3's losses within `rel` of stage 0's, and stage 0 with a 10% larger lr outside it."""
+    import pytest
+
+    runs = {stage: train(1, [f"zero.stage={stage}", SMALL_BUCKETS, *overrides]) for stage in (0, 1, 2, 3)}
+    stage0 = runs[0][2]
+    other_lr = train(1, ["zero.stage=0", SMALL_BUCKETS, *overrides, "optimizer.lr=0.0033"])[2]
+    assert other_lr != pytest.approx(stage0, rel=rel)
+    for stage in (1, 2, 3):
+        engine, _, losses, _ = runs[stage]
+        assert all(p.optimizer.exp_avg.dtype == moment_dtype for p in engine.strategy.parts)
+        assert losses == pytest.approx(stage0, rel=rel), stage
+
+
 def assert_params_close(got, want):
     assert got.keys() == want.keys()
     for name in want:

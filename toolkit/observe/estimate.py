@@ -29,6 +29,13 @@ GiB = 2**30  # what GPUs and the table below are measured in
 ADAM_K = {"fp16": 12, "bf16": 12, "fp32": 8}
 BF16_STATE_K = 4  # optimizer.state_dtype bf16: two bf16 moments (the bf16 weights are the master)
 BF16_OFFLOAD_K = 6  # ... offloaded: a bf16 master and two bf16 moments in CPU memory
+INT8_BLOCK = 256  # optimizer.state_dtype int8: elements per fp32 absmax scale (toolkit/runtime/int8_moments.py BLOCK)
+
+
+def int8_moment_bytes(elements: int) -> int:
+    """Bytes of the two 8-bit blockwise moments of `elements` consecutive elements: a 1-byte code each per element,
+    an fp32 absmax each per INT8_BLOCK of them (2 + 8 / 256 bytes per element)."""
+    return 2 * elements + 8 * _ceil_div(elements, INT8_BLOCK)
 MUON_SAVED = 4  # bytes per matrix element optimizer.type muon does not keep: one fp32 momentum, not two moments
 PARAM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # parameters and gradients as the model holds them
 
@@ -116,6 +123,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     two moments are bf16, BF16_STATE_K bytes per element of the optimizer's share on the device; stage 0's gradients
     are bf16 too (2 + 2 + 4 bytes per parameter; toolkit/runtime/low_precision_adamw.py, zero/adamw.py); offloaded,
     a bf16 master and two bf16 moments in CPU memory (BF16_OFFLOAD_K bytes per element, kernels/cpu_adam.cpp).
+    `state_dtype` int8 (no offload): the master as under fp32 (stage 0's fp32 weights; at stages 1-3 a separate fp32
+    master under 16-bit weights) and `int8_moment_bytes` of the optimizer's share instead of 8 bytes per element.
     """
     # Mixed precision with Adam, P parameters, N ranks (K = 12), as the paper counts:
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
@@ -131,6 +140,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         raise ValueError(f"layout {layout!r} is not 'paper' or 'toolkit'")
     if state_dtype == "bf16" and (offload == "nvme" or dtype != "bf16"):
         raise ValueError(f"state_dtype bf16 is built for precision bf16 without swap files, not {dtype} offload {offload!r}")
+    if state_dtype == "int8" and offload != "none":
+        raise ValueError(f"state_dtype int8 is built for the states on the device, not offload {offload!r}")
     if state_dtype == "bf16" and stage == 0:
         return ModelStateBytes(2 * num_params, 2 * num_params, BF16_STATE_K * num_params, 0)
     n = world_size
@@ -147,6 +158,9 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     optim -= MUON_SAVED * (_ceil_div(muon_params, n) if stage >= 1 else muon_params)
     if state_dtype == "bf16":  # stages 1-3: the bf16 weights' chunk is the master; two bf16 moments per element
         optim = BF16_STATE_K * shard
+    if state_dtype == "int8":  # 8-bit moments (stage 0: the fp32 weights are the master, 8 bytes were moments)
+        share = shard if stage >= 1 else num_params
+        optim += int8_moment_bytes(share) - 8 * share
     if offload in ("cpu", "nvme"):  # nvme: the same bytes in swap files, streamed through bounded buffers
         host = round(offload_ratio * shard)
         # NOTE: under nvme the 12 * host bytes sit in swap files, in neither column (swap.py checks the disk)
@@ -318,7 +332,7 @@ def format_estimate(inp: "EstimateInput", device: str | None = None) -> str:  # 
     lines = [f"model {inp.model.label}: {format_count(inp.num_params)} parameters; "
              f"micro batch {inp.micro_batch} x {inp.seq_len} tokens; {inp.dtype} (Adam K={ADAM_K[inp.dtype]}"
              + (f"; bf16 optimizer states: K={BF16_STATE_K}, bf16 weights" if inp.state_dtype == "bf16"
-                else "")
+                else f"; int8 blockwise moments: 2 + 8/{INT8_BLOCK} bytes, not 8" if inp.state_dtype == "int8" else "")
              + "); "
              f"world size {inp.world_size}; activation checkpointing "
              f"{'on' if inp.model.activation_checkpointing else 'off'}"]

@@ -34,7 +34,8 @@ class EstimateInput:
     token_buffer_bytes: int = 0  # the synthetic data's in-memory token tensors
     parallel: ParallelSpec = ParallelSpec()
     optimizer: str = "adamw"  # optimizer.type: muon keeps one moment for the block matrices
-    state_dtype: str = "fp32"  # optimizer.state_dtype: bf16 keeps the weights (the master) and moments in 2 bytes
+    state_dtype: str = "fp32"  # optimizer.state_dtype: bf16 keeps the weights (the master) and moments in 2 bytes;
+    # int8 keeps the moments in 1 byte each plus an fp32 scale per 256 elements
     offload_update: str = "exact"  # zero.offload_update: delayed adds host copies of gradients and weights
 
     @classmethod

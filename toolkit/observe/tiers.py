@@ -45,8 +45,9 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
                    offload_update: str = "exact") -> TierBytes:
     """Bytes per tier for one rank and one offload combination (offload_param needs stage 3); `muon_params`
     step with Muon (one moment, not two: estimate.py MUON_SAVED); `state_dtype` bf16: the bf16 weights are the master,
-    2-byte moments (estimate.py BF16_STATE_K); `offload_update` delayed: a gradient (4 bytes) and a weight copy
-    per offloaded element in CPU memory (zero/delayed_update.py)."""
+    2-byte moments (estimate.py BF16_STATE_K); int8: 8-bit blockwise moments (estimate.py int8_moment_bytes);
+    `offload_update` delayed: a gradient (4 bytes) and a weight copy per offloaded element in CPU memory
+    (zero/delayed_update.py)."""
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param {offload_param!r} needs stage 3, not {stage}")
     states = estimate_model_state_bytes(num_params, stage=stage, world_size=world_size, dtype=dtype,

@@ -89,22 +89,26 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
 
 
 def state_dtype_errors(r: dict, mesh: bool) -> list[str]:
-    """optimizer.state_dtype bf16 is built for zero.stage 0-3 on the device or offloaded to CPU memory, AdamW/Adam
-    and bf16 precision: one line per combination refused."""
+    """optimizer.state_dtype bf16 and int8 are built for zero.stage 0-3 on the device and AdamW/Adam (bf16 also needs
+    bf16 precision, and is built offloaded to CPU memory too): one line per combination refused."""
     opt, zero = r["optimizer"], r["zero"]
-    if opt["state_dtype"] == "fp32":
+    dtype = opt["state_dtype"]
+    if dtype == "fp32":
         return []
     errors = []
-    if zero["offload_optimizer"] == "nvme" or zero["offload_param"] != "none":
-        key = "offload_optimizer" if zero["offload_optimizer"] == "nvme" else "offload_param"
-        errors.append(f"recipe.optimizer.state_dtype: 'bf16' runs with the states on the device or in CPU memory "
-                      f"(zero.offload_optimizer 'cpu'), not with zero.{key} {zero[key]!r} (not built yet); use 'fp32'")
+    offload_built = dtype == "bf16" and zero["offload_optimizer"] != "nvme"  # bf16: the CPU Adam kernel's bf16 step
+    if (zero["offload_optimizer"] != "none" and not offload_built) or zero["offload_param"] != "none":
+        key = "offload_optimizer" if zero["offload_optimizer"] != "none" and not offload_built else "offload_param"
+        where = "on the device or in CPU memory (zero.offload_optimizer 'cpu')" if dtype == "bf16" else "on the device"
+        errors.append(f"recipe.optimizer.state_dtype: {dtype!r} runs with the states {where}, not with zero.{key} "
+                      f"{zero[key]!r} (not built yet); use 'fp32'")
     if opt["type"] in ("muon", "onebit_adam"):
-        errors.append(f"recipe.optimizer.state_dtype: 'bf16' steps optimizer.type adamw or adam, not "
+        errors.append(f"recipe.optimizer.state_dtype: {dtype!r} steps optimizer.type adamw or adam, not "
                       f"{opt['type']!r} (not built yet); use 'fp32'")
     if mesh:
-        errors.append("recipe.optimizer.state_dtype: 'bf16' is not built for parallel.tensor/pipeline > 1; use 'fp32'")
-    if r["precision"]["dtype"] != "bf16":
+        errors.append(f"recipe.optimizer.state_dtype: {dtype!r} is not built for parallel.tensor/pipeline > 1; "
+                      "use 'fp32'")
+    if dtype == "bf16" and r["precision"]["dtype"] != "bf16":
         errors.append(f"recipe.optimizer.state_dtype: 'bf16' keeps the weights in bf16, so it needs "
                       f"precision.dtype 'bf16' (not {r['precision']['dtype']!r})")
     return errors

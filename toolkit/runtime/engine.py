@@ -125,7 +125,8 @@ class Engine:
         """recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)."""
         # NOTE: the AdamW kernel only where stage 0's optimizer can step with it (optim.adamw_kernel_applies).
         use_adamw_kernel = adamw_kernel_applies(adamw_implementation(recipe.optimizer, recipe.kernels),
-                                                recipe.zero.stage, recipe.parallel.active, recipe.optimizer.type)
+                                                recipe.zero.stage, recipe.parallel.active, recipe.optimizer.type,
+                                                recipe.optimizer.state_dtype)
         self.kernels = loader.resolve(recipe.kernels, self.device.type,
                                       loader.needed_kernels(recipe.model.family, use_adamw_kernel))
 

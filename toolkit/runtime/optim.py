@@ -99,14 +99,16 @@ def adamw_implementation(optimizer: OptimizerSpec, kernels: KernelsSpec) -> str:
     return optimizer.implementation
 
 
-def adamw_kernel_applies(implementation: str, zero_stage: int, mesh: bool = False, optimizer_type: str = "adamw") -> bool:
+def adamw_kernel_applies(implementation: str, zero_stage: int, mesh: bool = False, optimizer_type: str = "adamw",
+                         state_dtype: str = "fp32") -> bool:
     """Whether the run's AdamW could step with kernels/fused_adamw.cu, so the engine should resolve it (not under
-    Muon, whose AdamW part is torch's: build_optimizer)."""
+    Muon, whose AdamW part is torch's, nor with bf16 or int8 optimizer states, which step their own: build_optimizer)."""
     # NOTE: only stage 0 steps whole parameters with a torch-style optimizer (FusedAdamW); stages 1-3
     # step flat shards (toolkit/runtime/zero/adamw.py: torch's fused AdamW, or the CPU Adam kernel
     # under offload), and the mesh steps DTensors' local shards with torch's, so building the CUDA
     # AdamW for them would be a minute spent on nothing.
-    return zero_stage == 0 and not mesh and implementation in ("auto", "fused") and optimizer_type != "muon"
+    return (zero_stage == 0 and not mesh and implementation in ("auto", "fused") and optimizer_type != "muon"
+            and state_dtype == "fp32")
 
 
 def choose_adamw(implementation: str, device_type: str, fused_kernel: bool) -> str:
@@ -160,6 +162,10 @@ def build_optimizer(spec: OptimizerSpec, params, adamw: str = "torch", *, flat_o
         from toolkit.runtime.low_precision_adamw import BF16AdamW
 
         return BF16AdamW(params, spec.lr, tuple(spec.betas), spec.eps, spec.weight_decay, l2=spec.type == "adam")
+    if spec.state_dtype == "int8":  # whole tensors (stage 0): fp32 weights, 8-bit blockwise moments
+        from toolkit.runtime.int8_adamw import Int8AdamW
+
+        return Int8AdamW(params, spec.lr, tuple(spec.betas), spec.eps, spec.weight_decay, l2=spec.type == "adam")
     cls, settings = _whole_tensor_optimizer(spec, adamw)
     if shard_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -46,15 +46,18 @@ def sixteen_bit_weights(dtype: str, zero_stage: int) -> torch.dtype | None:
 
 
 def describe_precision(spec: PrecisionSpec, zero_stage: int, state_dtype: str = "fp32") -> str:
-    """One line for the start-up table: the autocast dtype, the weights' dtype and, under fp16, the loss scale."""
+    """One line for the start-up table: the autocast dtype, the weights' dtype, the optimizer's moments when not fp32
+    (state_dtype int8) and, under fp16, the loss scale."""
+    moments = ", int8 blockwise moments (256 per fp32 scale)" if state_dtype == "int8" else ""
     if spec.dtype == "fp32":
-        return "fp32"
+        return "fp32" + moments
     weights = ("16-bit weights, fp32 master in the ZeRO shard" if sixteen_bit_weights(spec.dtype, zero_stage)
                else "bf16 weights (the master) and bf16 moments, stochastic rounding" if state_dtype == "bf16"
                else "fp32 weights")
     if spec.dtype == "bf16":
-        return f"bf16 autocast, {weights}"
-    return f"fp16 autocast, {weights}, " + ("dynamic loss scale" if spec.fp16.loss_scale == 0 else "static loss scale")
+        return f"bf16 autocast, {weights}{moments}"
+    return (f"fp16 autocast, {weights}{moments}, "
+            + ("dynamic loss scale" if spec.fp16.loss_scale == 0 else "static loss scale"))
 
 
 def has_inf_or_nan(grads: Iterable[torch.Tensor | None]) -> bool:

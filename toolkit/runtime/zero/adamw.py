@@ -4,7 +4,9 @@ torch.optim.AdamW, decoupled weight decay per group (decayed matrices; biases,
 norms and 1-D parameters not, as toolkit.runtime.optim.param_groups decides).
 
 Three ways to run the step, one result (and a fourth for optimizer.state_dtype bf16: bf16 moments, the bf16
-weights' chunk as master, torch's maths in fp32 and stochastic rounding, toolkit/runtime/low_precision_adamw.py):
+weights' chunk as master, torch's maths in fp32 and stochastic rounding, toolkit/runtime/low_precision_adamw.py;
+and a fifth for int8: the shard's moments as one BlockwiseMoments run, 8-bit codes with an absmax per 256 elements
+of the shard, stepped a window at a time by `step_segments`, toolkit/runtime/int8_moments.py):
   reference  torch's own per-tensor ops in torch's order (CPU, no offload): bit-identical
              to torch.optim.AdamW's single-tensor path, so ZeRO stages match stage 0 exactly
   fused      torch._fused_adamw_ on CUDA (what stage 0 uses there)
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.runtime.int8_moments import BlockwiseMoments, Piece, blockwise_adam_step
 from toolkit.runtime.low_precision_adamw import (adam_reference_update_, bf16_adam_update_, hashed_bf16_adam_update_,
                                                  rounding_generator)
 from toolkit.specs import OptimizerSpec
@@ -33,8 +36,11 @@ class ShardedAdamW:
         self.eps = spec.eps
         # optimizer.state_dtype bf16: bf16 moments (and a bf16 master: shard_part.py), stochastic rounding
         state_dtype = torch.bfloat16 if spec.state_dtype == "bf16" else torch.float32
-        self.exp_avg = torch.zeros(numel, dtype=state_dtype, device=device)
-        self.exp_avg_sq = torch.zeros(numel, dtype=state_dtype, device=device)
+        # optimizer.state_dtype int8: the moments are 8-bit codes and block scales (`step_segments` steps them)
+        self.moments = BlockwiseMoments.zeros(numel, device) if spec.state_dtype == "int8" else None
+        self.exp_avg, self.exp_avg_sq = ((self.moments.exp_avg, self.moments.exp_avg_sq) if self.moments else
+                                         (torch.zeros(numel, dtype=state_dtype, device=device),
+                                          torch.zeros(numel, dtype=state_dtype, device=device)))
         self.seed = torch.initial_seed()  # the run's training.seed: the rounding bits (low_precision_adamw.py)
         self.step_count = 0  # applied steps (skipped fp16 steps excluded), as torch's per-parameter `step`
         # NOTE: betas live in the groups as in torch, so a OneCycle schedule can cycle them.
@@ -47,7 +53,7 @@ class ShardedAdamW:
 
             self.kernel = load_cpu_adam()
         self.mode = "cpu_adam" if self.kernel is not None else "bf16" if state_dtype == torch.bfloat16 else (
-            "fused" if device.type == "cuda" or offload else "reference")
+            "int8 blockwise moments" if self.moments else "fused" if device.type == "cuda" or offload else "reference")
 
     @property
     def betas(self) -> tuple[float, float]:
@@ -80,6 +86,16 @@ class ShardedAdamW:
                 self._reference(ps, gs, ms, vs, lr, wd)
             else:
                 self._fused(ps, gs, ms, vs, lr, wd)
+
+    def step_segments(self, layout, masters: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """One step of the int8 moments (state_dtype int8): each of `layout`'s segments (flat.ShardLayout) over the
+        fp32 `masters[g]` and `grads[g]` chunks, its moments at the segment's place in the shard."""
+        self.begin_step()
+        settings = {decay: (float(group["lr"]), float(group["weight_decay"]))
+                    for decay, group in zip((True, False), self.param_groups)}
+        pieces = [Piece(s.shard_offset, masters[s.group][s.start:s.stop], grads[s.group][s.start:s.stop],
+                        *settings[s.decay]) for s in layout.segments]
+        blockwise_adam_step(self.moments, pieces, step=self.step_count, betas=self.betas, eps=self.eps, l2=self.l2)
 
     def update(self, decay: bool, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, offset: int = 0) -> None:
@@ -136,6 +152,10 @@ class ShardedAdamW:
         self.step_count = int(state["step"])
 
     def memory_bytes(self) -> int:
-        """Bytes of the two moment buffers."""
-        return (self.exp_avg.numel() + self.exp_avg_sq.numel()) * self.exp_avg.element_size()
+        """Bytes of the two moment buffers (int8: their codes and block scales)."""
+        return sum(t.numel() * t.element_size() for t in self.moment_tensors())
+
+    def moment_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the two moments."""
+        return self.moments.tensors() if self.moments else [self.exp_avg, self.exp_avg_sq]
 

@@ -23,6 +23,7 @@ from torch import nn
 from toolkit.observe.comm_ledger import expected_step_bytes
 from toolkit.ops.fused_adamw import FusedAdamW
 from toolkit.runtime.communicator import Communicator
+from toolkit.runtime.int8_adamw import Int8AdamW
 from toolkit.runtime.optim import build_optimizer, optimizer_param_groups
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
@@ -215,8 +216,10 @@ class DataParallel(StrategyBase):
         if self.info.rank != 0:
             return []
         pieces = []
+        # NOTE: optimizer.state_dtype int8 holds codes in `state`; its fp32 moments are dequantized for the pieces
+        states = self.optimizer.fp32_states() if isinstance(self.optimizer, Int8AdamW) else self.optimizer.state
         for name, p in self.model.named_parameters():
-            state = self.optimizer.state.get(p, {})
+            state = states.get(p, {})
             zeros = torch.zeros(p.numel(), dtype=torch.float32)
             # Muon's matrices: the momentum is saved as exp_avg, no second moment (as the ZeRO shards)
             first = state.get("exp_avg", state.get("momentum_buffer"))

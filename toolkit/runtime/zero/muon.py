@@ -31,6 +31,7 @@ class ShardedMuon:
     """Muon on the matrices of one rank's shard (gathering each group's updates), ShardedAdamW on the rest."""
 
     whole_matrices = True  # ShardPart steps it with step_chunks (it needs the slots, not decay segments)
+    moments = None  # fp32 moments: optimizer.state_dtype int8 is not built for Muon (recipe checks refuse it)
 
     def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, layout, comm):
         self.adamw = ShardedAdamW(spec, numel, device, offload=False)
@@ -99,6 +100,10 @@ class ShardedMuon:
     def memory_bytes(self) -> int:
         """Bytes of the moment buffers."""
         return self.adamw.memory_bytes()
+
+    def moment_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the momentum and AdamW's moments."""
+        return self.adamw.moment_tensors()
 
     # -- the step ------------------------------------------------------------------------
 

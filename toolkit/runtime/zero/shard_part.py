@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.runtime.int8_moments import BLOCK
 from toolkit.runtime.optim import FlatShard, build_optimizer
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.delayed_update import DelayedUpdate
@@ -53,8 +54,11 @@ class ShardPart:
             self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
             for master, g in zip(self.master_chunks, groups):
                 master.copy_(weights.read(g))
-        # NOTE: Muon's exp_avg_sq is compact (AdamW's elements only): no chunk views of it (zero/muon.py)
-        self.moment_chunks = [] if self.swap is not None else [
+        # NOTE: Muon's exp_avg_sq is compact (AdamW's elements only): no chunk views of it (zero/muon.py); int8
+        # moments are codes (chunk_states dequantizes copies, store_chunk_states stages them for one quantization)
+        self.int8 = self.optimizer.moments
+        self.loading: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.moment_chunks = [] if self.swap is not None or self.int8 is not None else [
             (self.layout.chunk_of(self.optimizer.exp_avg, g),
              None if self.optimizer.whole_matrices else self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
             for g in range(len(groups))]
@@ -85,6 +89,10 @@ class ShardPart:
         if self.offloaded_step is not None:
             self.offloaded_step.step()
             return
+        if self.int8 is not None:  # the shard's moments in 8 bits, a window at a time (int8_moments.py)
+            self.optimizer.step_segments(self.layout, self.master_chunks, self.grad_chunks)
+            self.publish()
+            return
         if self.optimizer.whole_matrices:  # Muon: per slot, gathering each matrix (zero/muon.py)
             self.optimizer.step_chunks(self.master_chunks, self.grad_chunks, self.moment_chunks)
             self.publish()
@@ -111,6 +119,11 @@ class ShardPart:
 
     def chunk_states(self, local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master, exp_avg, exp_avg_sq) of the part's group `local`: views, or (nvme) copies read from the file."""
+        if self.int8 is not None:  # fp32 copies, dequantized (a chunk need not start or end on a block)
+            start = self.layout.offsets[local]
+            first = start - start % BLOCK
+            exp_avg, exp_avg_sq = self.int8.read(first, start + self.layout.groups[local].chunk)
+            return self.master_chunks[local], exp_avg[start - first:], exp_avg_sq[start - first:]
         if self.swap is None and self.optimizer.whole_matrices:  # Muon: a copy of the compact exp_avg_sq
             return self.master_chunks[local], self.moment_chunks[local][0], self.optimizer.second_moment_chunk(local)
         if self.swap is None:
@@ -120,19 +133,38 @@ class ShardPart:
                      for kind in range(3))
 
     def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
-        """Write back what `chunk_states` returned, after filling it (nvme, Muon's compact exp_avg_sq; views need nothing)."""
+        """Write back what `chunk_states` returned, after filling it (nvme, Muon's compact exp_avg_sq, int8's
+        copies; views need nothing)."""
+        if self.int8 is not None:
+            self._stage_int8(local, states[1], states[2])
+            return
         if self.optimizer.whole_matrices:
             self.optimizer.store_second_moment_chunk(local, states[2])
         if self.swap is not None:
             for kind, tensor in enumerate(states):
                 self.swap.write(tensor.contiguous(), 4 * (kind * self.layout.numel + self.layout.offsets[local]))
 
+    def _stage_int8(self, local: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Gather loaded fp32 moments group by group; quantize the whole shard at once after the last group (a block
+        quantized twice, once per group it spans, could round twice)."""
+        if self.loading is None:
+            self.loading = self.int8.read(0, self.int8.numel)
+        start = self.layout.offsets[local]
+        self.loading[0][start:start + exp_avg.numel()] = exp_avg
+        self.loading[1][start:start + exp_avg.numel()] = exp_avg_sq
+        if local == len(self.groups) - 1:
+            self.int8.write(0, *self.loading)
+            self.loading = None
+
+    def moment_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the moments (int8: codes and block scales)."""
+        return self.optimizer.moment_tensors()
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Moments, the separate master and a delayed update's buffers, those in memory (a swapped part holds no
         master or moments)."""
         delayed = self.delayed.host_tensors() if self.delayed is not None else []
-        return ([self.optimizer.exp_avg, self.optimizer.exp_avg_sq] + ([self.master] if self.master is not None else [])
-                + delayed)
+        return self.moment_tensors() + ([self.master] if self.master is not None else []) + delayed
 
 
 def split_groups(groups: list[FlatGroup], offload: bool, ratio: float) -> tuple[range, range]:

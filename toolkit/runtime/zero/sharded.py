@@ -335,7 +335,7 @@ class ShardedStrategy(StrategyBase):
         kept = [part for part in self.parts if not part.offloaded]
         return {"mem_params_bytes": tensor_bytes(self.param_tensors()),
                 "mem_grads_bytes": tensor_bytes(self.grad_tensors()),
-                "mem_optim_bytes": tensor_bytes(t for p in kept for t in (p.optimizer.exp_avg, p.optimizer.exp_avg_sq)),
+                "mem_optim_bytes": tensor_bytes(t for p in kept for t in p.moment_tensors()),
                 "mem_master_bytes": tensor_bytes(p.master for p in kept if p.master is not None),
                 "mem_offload_bytes": tensor_bytes([*(t for p in self.parts if p.offloaded for t in p.state_tensors()),
                                                    *self.weights.host_tensors()])}
