@@ -353,7 +353,6 @@ def test_results_quotes_a_section_of_results_md_and_names_what_it_cannot_find():
 # Issue 34 item 5, the step-through form. Templates another engineer converts on their own branch, until merged;
 # each is an expected failure (strict: once it passes, its entry must go, so the set shrinks to empty).
 NOT_YET_STEP_THROUGH = {
-    "16_optimizer_states": "its template is converted on another branch; passes after the merge",
 }
 CODE_CELL_LINES, INTRO_WORDS = 40, 150
 ABOUT_BOX = ("> **You will learn to** ", "> **You need:** ")  # tutorials/templates/_about_box.md.j2
