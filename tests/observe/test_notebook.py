@@ -117,3 +117,12 @@ def test_fresh_process_peak_bytes_reads_the_largest_peak_its_run_logged(tmp_path
 def test_fresh_process_peak_bytes_names_a_failed_run(tmp_path):
     with pytest.raises(RuntimeError, match="exit code"):
         notebook.fresh_process_peak_bytes("quickstart", ["zero.stage=9"], tmp_path / "run")
+
+
+def test_launch_ranks_runs_the_script_once_per_rank_with_its_folder(tmp_path):
+    script = ("import os, sys, toolkit\nfrom pathlib import Path\n"
+              "Path(sys.argv[1], 'rank' + os.environ['RANK']).write_text(toolkit.__file__)\n")
+    done = notebook.launch_ranks(script, tmp_path, 2)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import toolkit
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [toolkit.__file__] * 2
