@@ -1,8 +1,10 @@
 """toolkit/observe/notebook.py: the helpers the tutorial notebooks import measure and show what they say."""
 from __future__ import annotations
 
+import json
 import time
 
+import pytest
 import torch
 
 from toolkit.observe import notebook
@@ -101,3 +103,26 @@ def test_median_ms_warms_up_once_and_times_each_call():
     ms = notebook.median_ms(sleep_2ms, "cpu", calls=2, repeats=3)
     assert len(calls) == 1 + 2 * 3
     assert 1.9 <= ms < 20, ms
+
+
+def test_fresh_process_peak_bytes_reads_the_largest_peak_its_run_logged(tmp_path):
+    run_dir = tmp_path / "run"
+    peak = notebook.fresh_process_peak_bytes("quickstart", ["training.device=cpu", "training.max_steps=2",
+                                                            "training.log_interval=1", "training.eval_interval=0",
+                                                            "checkpoint.save_final=false"], run_dir)
+    logged = [json.loads(line).get("mem_peak_bytes", 0) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert peak == max(logged) > 0
+
+
+def test_fresh_process_peak_bytes_names_a_failed_run(tmp_path):
+    with pytest.raises(RuntimeError, match="exit code"):
+        notebook.fresh_process_peak_bytes("quickstart", ["zero.stage=9"], tmp_path / "run")
+
+
+def test_launch_ranks_runs_the_script_once_per_rank_with_its_folder(tmp_path):
+    script = ("import os, sys, toolkit\nfrom pathlib import Path\n"
+              "Path(sys.argv[1], 'rank' + os.environ['RANK']).write_text(toolkit.__file__)\n")
+    done = notebook.launch_ranks(script, tmp_path, 2)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import toolkit
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [toolkit.__file__] * 2

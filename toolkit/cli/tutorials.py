@@ -15,7 +15,8 @@ macros) and render to no notebook.
 
 Each template renders twice: `gpu` false gives tutorials/<name>.ipynb (sizes
 that run on 2 CPU cores, executed by nbval in CI), `gpu` true gives
-tutorials/gpu/<name>.ipynb (the same story at real sizes, executed on a GPU).
+tutorials/gpu/<name>.ipynb (the same story on an H200 machine: at real sizes where one GPU allows, else
+with CPU ranks or a CPU-sized model, which its `about` block's "gpu" key says).
 
 The rendering is deterministic: cell ids are `<name>-<index>`
 (`01-quickstart-03`), a fixed python3 kernelspec and nbformat's sorted JSON.

@@ -4,7 +4,8 @@ The notebooks under tutorials/ import these instead of pasting them into a cell,
 tells the lesson (run this, compare that) and the measuring plumbing is tested here once:
 a Markdown table of measured values, the Markdown tables of benchmarks/RESULTS.md, the bytes autograd
 keeps for backward, a resident set that follows the live tensors, the bytes one training step adds,
-and the median time of a call. Nothing in training imports this module.
+the peak of a run in a process of its own, a script on several ranks in one launch, and the median time
+of a call. Nothing in training imports this module.
 
 NOTE: torch and IPython are imported inside the functions that need them: `toolkit tutorials build`
 reads `markdown_tables` from here and must stay free of torch.
@@ -106,6 +107,39 @@ def step_peak_bytes(engine, micro_batches) -> int:
     peaks.reset()
     engine.train_batch(micro_batches)
     return peaks.read()["mem_peak_bytes"] - before
+
+
+def fresh_process_peak_bytes(recipe: str, overrides, run_dir) -> int:
+    """The largest `mem_peak_bytes` of `toolkit run recipe *overrides` in a process of its own (nothing an
+    earlier run in this process left allocated counts), read from its run directory's metrics.jsonl."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "toolkit", "run", recipe, *overrides, "--run-dir", str(run_dir)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"toolkit run {recipe} failed (exit code {done.returncode}): {done.stderr[-2000:]}")
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return max(line.get("mem_peak_bytes", 0) for line in lines)
+
+
+def launch_ranks(script: str, out_dir, nproc: int):
+    """Run `script` on `nproc` ranks in one launch (`python -m torch.distributed.run --standalone`, what `toolkit
+    run --nproc` starts), with `out_dir` (where the script is written) as its argument, importing the toolkit this
+    process imported; the finished `subprocess.CompletedProcess`, its output captured."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(out_dir) / "ranks.py"
+    path.write_text(script)
+    package_root = Path(__file__).resolve().parents[2]  # the folder that holds this toolkit package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package_root), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           str(path), str(out_dir)], env=env, capture_output=True, text=True)
 
 
 def median_ms(fn, device, calls: int = 1, repeats: int = 5) -> float:
