@@ -14,8 +14,10 @@ import tempfile
 from pathlib import Path
 
 BF16, INT8 = ["optimizer.state_dtype=bf16"], ["optimizer.state_dtype=int8"]
+OFFLOAD = ["zero.stage=1", "zero.offload_optimizer=cpu"]  # the CPU Adam kernel's bf16 step (kernels/cpu_adam.cpp)
 VARIANTS = {"fp32 states": [], "bf16 states, stochastic rounding": BF16, "bf16 states, round to nearest": BF16,
-            "int8 moments": INT8, "int8 moments, sqrt(exp_avg_sq)": INT8}
+            "int8 moments": INT8, "int8 moments, sqrt(exp_avg_sq)": INT8,
+            "bf16 states offloaded to CPU memory": [*BF16, *OFFLOAD]}
 
 
 @contextlib.contextmanager
@@ -58,7 +60,9 @@ def run_variant(recipe: str, overrides: list[str], name: str, run_dir: Path) -> 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
     last = [r for r in rows if "mem_optim_bytes" in r][-1]
-    return {"eval": evals, "optim_bytes": last["mem_optim_bytes"], "param_bytes": last["mem_params_bytes"]}
+    # NOTE: offloaded states are counted in CPU memory (mem_offload_bytes: the master as well as the moments)
+    return {"eval": evals, "optim_bytes": last["mem_optim_bytes"] + last.get("mem_offload_bytes", 0),
+            "param_bytes": last["mem_params_bytes"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -67,12 +71,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("recipe", nargs="?", default="quickstart")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--lr", type=float, default=None, help="optimizer.lr (default: the recipe's)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="which to run (fp32 states always runs: the others are compared with it)")
     args = parser.parse_args(argv)
     common = [f"training.max_steps={args.steps}", f"training.eval_interval={max(args.steps // 10, 1)}"]
     common += [f"optimizer.lr={args.lr}"] if args.lr is not None else []
     results = {}
     with tempfile.TemporaryDirectory() as folder:
-        for i, (name, overrides) in enumerate(VARIANTS.items()):
+        chosen = ["fp32 states", *(v for v in args.variants if v != "fp32 states")]
+        for i, (name, overrides) in enumerate((v, VARIANTS[v]) for v in chosen):
             results[name] = run_variant(args.recipe, [*common, *overrides], name, Path(folder) / str(i))
     base = results["fp32 states"]["eval"][args.steps]
     for name, r in results.items():

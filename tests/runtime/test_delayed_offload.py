@@ -199,3 +199,14 @@ def test_the_estimate_counts_the_host_bytes_the_engine_holds(dtype):
     held = sum(t.untyped_storage().nbytes() for t in engine.strategy.parts[-1].delayed.host_tensors())
     assert extra == held
     assert "<- recipe" in format_tier_estimate(inp)
+
+
+def test_a_delay_that_starts_inside_the_lr_warm_up_is_warned_with_the_fix():
+    from tests.conftest import run_cli
+
+    base = ["validate", "quickstart", "zero.stage=1", "zero.offload_optimizer=cpu", "zero.offload_update=delayed"]
+    early = run_cli(*base, "zero.offload_update_warmup=5")  # the quickstart's lr warms up for 20 steps
+    assert early.returncode == 0
+    assert ("warning: recipe.zero.offload_update_warmup: 5 is shorter than scheduler.warmup_num_steps 20"
+            in early.stderr), early.stderr
+    assert "offload_update_warmup" not in run_cli(*base, "zero.offload_update_warmup=20").stderr

@@ -131,6 +131,14 @@ def recipe_warnings(r: dict, given: dict, max_steps: int) -> list[str]:
             and sched["warmup_max_lr"] != lr:
         warnings.append(f"recipe.scheduler.warmup_max_lr: not given, so WarmupDecayLR warms up to "
                         f"{sched['warmup_max_lr']:g} (DeepSpeed's default), not optimizer.lr {lr:g}; set it")
+    zero = r["zero"]
+    if zero["offload_update"] == "delayed" and sched["type"] != "constant" \
+            and zero["offload_update_warmup"] < sched["warmup_num_steps"]:
+        # NOTE: measured (benchmarks/RESULTS.md "Delayed offload update"): on python-stdlib a delay from step 10 of
+        # a 50-step lr warm-up ended 25.7% above exact offload's held-out loss after 1,000 steps
+        warnings.append(f"recipe.zero.offload_update_warmup: {zero['offload_update_warmup']} is shorter than "
+                        f"scheduler.warmup_num_steps {sched['warmup_num_steps']}: stale gradients while the lr still "
+                        "rises cost the most held-out loss (benchmarks/RESULTS.md); start the delay after the warm-up")
     adamw = r["kernels"]["adamw"]
     if adamw != "auto":  # NOTE: kept for old recipes; toolkit/runtime/optim.py adamw_implementation reads it
         meaning = ("reads as optimizer.implementation 'torch_fused'" if adamw == "off" else
