@@ -34,12 +34,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("recipe", nargs="?", default="python-stdlib")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--stage", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=10, help="zero.offload_update_warmup")
+    parser.add_argument("--warmup", type=int, default=None, help="zero.offload_update_warmup (default: the schema's)")
     args = parser.parse_args(argv)
     common = [f"training.max_steps={args.steps}", f"training.eval_interval={max(args.steps // 10, 1)}",
               f"zero.stage={args.stage}", "zero.offload_optimizer=cpu", "checkpoint.save_final=false"]
     variants = {"exact": ["zero.offload_update=exact"],
-                "delayed": ["zero.offload_update=delayed", f"zero.offload_update_warmup={args.warmup}"]}
+                "delayed": ["zero.offload_update=delayed",
+                            *([f"zero.offload_update_warmup={args.warmup}"] if args.warmup is not None else [])]}
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         for name, overrides in variants.items():

@@ -97,7 +97,7 @@ class ZeroSpec:
     overlap_comm: bool = True
     nvme_ratio: float = 1.0  # of the offloaded optimizer, the part in swap files (the rest: CPU memory)
     offload_update: str = "exact"  # delayed: the CPU step of step t overlaps step t+1 (zero/delayed_update.py)
-    offload_update_warmup: int = 10  # applied steps taken exactly before updates are delayed
+    offload_update_warmup: int = 100  # applied steps taken exactly before updates are delayed
 
 
 @dataclass(frozen=True)
