@@ -35,12 +35,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=None, help="zero.offload_update_warmup (default: the schema's)")
+    parser.add_argument("--modes", nargs="+", default=["delayed"], choices=["delayed", "delayed_extrapolated"],
+                        help="the delayed modes to run beside exact")
     args = parser.parse_args(argv)
     common = [f"training.max_steps={args.steps}", f"training.eval_interval={max(args.steps // 10, 1)}",
               f"zero.stage={args.stage}", "zero.offload_optimizer=cpu", "checkpoint.save_final=false"]
-    variants = {"exact": ["zero.offload_update=exact"],
-                "delayed": ["zero.offload_update=delayed",
-                            *([f"zero.offload_update_warmup={args.warmup}"] if args.warmup is not None else [])]}
+    warmup = [f"zero.offload_update_warmup={args.warmup}"] if args.warmup is not None else []
+    variants = {"exact": ["zero.offload_update=exact"], **{m: [f"zero.offload_update={m}", *warmup] for m in args.modes}}
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         for name, overrides in variants.items():
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = results["exact"]
     for name, r in results.items():
         final = r["eval"][args.steps]
-        print(f"{name:8s} eval loss {final:.4f} ({final / base['eval'][args.steps] - 1:+.2%} vs exact); "
+        print(f"{name:20s} eval loss {final:.4f} ({final / base['eval'][args.steps] - 1:+.2%} vs exact); "
               f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x exact)")
     print("eval losses by step:", json.dumps({n: r["eval"] for n, r in results.items()}))
     return results

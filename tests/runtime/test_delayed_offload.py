@@ -20,9 +20,11 @@ WARMUP = 3
 DELAYED = ["zero.offload_optimizer=cpu", "zero.offload_update=delayed", f"zero.offload_update_warmup={WARMUP}"]
 
 
-def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None):
+def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None, extrapolate: bool = False):
     """(losses, final master weights by name) of the hand-written delayed rule on a stage-0 engine; only the
-    parameters in `delayed_names` are delayed (None: all)."""
+    parameters in `delayed_names` are delayed (None: all). `extrapolate` (delayed_extrapolated): a forward whose
+    previous update was delayed sees 2 M_{t-1} - M_{t-2} instead of M_{t-1}."""
+    previous = None
     _, engine, stream = tiny_engine(1, ["zero.stage=0"])
     params = dict(engine.model.named_parameters())
     master = {n: p.detach().clone() for n, p in params.items()}
@@ -39,8 +41,9 @@ def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None):
             with torch.no_grad():
                 for n, p in params.items():
                     if delayed_names is None or n in delayed_names:
-                        p.copy_(master[n])
-        master = stepped
+                        ahead = extrapolate and t - 1 > warmup  # the update that lands now was delayed
+                        p.copy_(2 * master[n].double() - previous[n].double() if ahead else master[n])
+        previous, master = master, stepped
     return losses, master
 
 
@@ -77,6 +80,16 @@ def test_with_part_of_the_optimizer_on_the_device_only_the_offloaded_parameters_
     assert_params_close(finished(engine), ref_master)
 
 
+@pytest.mark.parametrize("overrides", [["zero.stage=2", SMALL_BUCKETS], ["zero.stage=3"]], ids=" ".join)
+def test_delayed_extrapolated_follows_its_hand_written_rule_and_lands_the_master(overrides):
+    extrapolated = [*DELAYED[:2], f"zero.offload_update_warmup={WARMUP}", "zero.offload_update=delayed_extrapolated"]
+    engine, _, losses, _ = train(1, overrides + extrapolated)
+    ref_losses, ref_master = delayed_reference(WARMUP, extrapolate=True)
+    assert losses == pytest.approx(ref_losses, rel=RTOL)
+    assert losses != pytest.approx(delayed_reference(WARMUP)[0], rel=100 * RTOL)  # not plain delayed
+    assert_params_close(finished(engine), ref_master)  # what lands at the end is the master, not an extrapolation
+
+
 def test_the_rule_is_not_the_exact_one():
     """The reference would pass for exact offload too if the delay changed nothing: it changes the losses by far
     more than the tolerance from the first delayed step's successor on."""
@@ -101,8 +114,9 @@ def test_swap_files_follow_the_rule_too(tmp_path, reference):
     assert_params_close(finished(engine), reference[1])
 
 
-def test_a_checkpoint_lands_the_update_and_resumes_bit_exactly(tmp_path):
-    overrides = ["zero.stage=2", SMALL_BUCKETS, *DELAYED]
+@pytest.mark.parametrize("mode", ["delayed", "delayed_extrapolated"])
+def test_a_checkpoint_lands_the_update_and_resumes_bit_exactly(tmp_path, mode):
+    overrides = ["zero.stage=2", SMALL_BUCKETS, *DELAYED, f"zero.offload_update={mode}"]
     saved, restored, uninterrupted, resumed, engine = save_and_resume(tmp_path, overrides, overrides, save_after=5)
     assert all(torch.equal(saved[k], restored[k]) for k in saved)
     assert resumed == uninterrupted  # bitwise: the save landed the update, the resume starts from that point

@@ -62,7 +62,7 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
             optim = 12 * (shard - host)
     param_shard = PARAM_BYTES[dtype] * shard
     cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
-    if offload_update == "delayed" and offload_optimizer != "none":
+    if offload_update != "exact" and offload_optimizer != "none":
         cpu += (4 + PARAM_BYTES[dtype]) * host
     nvme = read = written = 0
     if offload_optimizer == "nvme":
@@ -131,6 +131,6 @@ def format_tier_estimate(inp: EstimateInput) -> str:
                      offload_ratio=inp.offload_ratio, nvme_ratio=inp.nvme_ratio,
                      grad_accum_steps=inp.grad_accum_steps)
     mark = (inp.offload_optimizer, inp.offload_param) if inp.stage == tier_stage else None
-    if mark is not None and inp.offload_update == "delayed":  # the recipe's row holds its delayed-update buffers
+    if mark is not None and inp.offload_update != "exact":  # the recipe's row holds its delayed-update buffers
         rows = [input_tiers(inp) if (r.offload_optimizer, r.offload_param) == mark else r for r in rows]
     return "\n".join(format_tiers(rows, stage=tier_stage, activations=activations, mark=mark))

@@ -49,8 +49,8 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
     if zero["nvme_ratio"] != 1 and zero["offload_optimizer"] != "nvme":
         errors.append(f"recipe.zero.nvme_ratio: {zero['nvme_ratio']} needs zero.offload_optimizer 'nvme' (it is the "
                       "part of the offloaded optimizer kept in swap files; the rest stays in CPU memory)")
-    if zero["offload_update"] == "delayed" and zero["offload_optimizer"] == "none":
-        errors.append("recipe.zero.offload_update: 'delayed' overlaps the CPU optimizer step with the next step, so "
+    if zero["offload_update"] != "exact" and zero["offload_optimizer"] == "none":
+        errors.append(f"recipe.zero.offload_update: {zero['offload_update']!r} overlaps the CPU optimizer step with the next step, so "
                       "it needs zero.offload_optimizer 'cpu' or 'nvme' (it is 'none')")
     if zero["offload_param"] != "none" and zero["stage"] != 3:
         errors.append(f"recipe.zero.offload_param: {zero['offload_param']!r} needs zero.stage 3 (stage is "
@@ -132,7 +132,7 @@ def recipe_warnings(r: dict, given: dict, max_steps: int) -> list[str]:
         warnings.append(f"recipe.scheduler.warmup_max_lr: not given, so WarmupDecayLR warms up to "
                         f"{sched['warmup_max_lr']:g} (DeepSpeed's default), not optimizer.lr {lr:g}; set it")
     zero = r["zero"]
-    if zero["offload_update"] == "delayed" and sched["type"] != "constant" \
+    if zero["offload_update"] != "exact" and sched["type"] != "constant" \
             and zero["offload_update_warmup"] < sched["warmup_num_steps"]:
         # NOTE: measured (benchmarks/RESULTS.md "Delayed offload update"): on python-stdlib a delay from step 10 of
         # a 50-step lr warm-up ended 25.7% above exact offload's held-out loss after 1,000 steps

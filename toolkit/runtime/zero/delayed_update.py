@@ -52,7 +52,7 @@ class DelayedUpdate:
     """One offloaded part's CPU step, run on a background thread between two optimizer steps."""
 
     def __init__(self, layout: ShardLayout, optimizer, master: torch.Tensor | None, swap, grad_chunks: list[torch.Tensor],
-                 weights, groups: range, device: torch.device, dtype: torch.dtype):
+                 weights, groups: range, device: torch.device, dtype: torch.dtype, extrapolate: bool = False):
         self.optimizer, self.grad_chunks, self.weights, self.groups = optimizer, grad_chunks, weights, groups
         self.cuda = device.type == "cuda"
         self.grad_host = torch.empty(layout.numel, dtype=torch.float32, pin_memory=self.cuda)
@@ -63,6 +63,9 @@ class DelayedUpdate:
         self.cpu_step = (SwappedStep(layout, optimizer, swap, self.grad_views, self.new_weights, local, cpu)
                          if swap is not None else
                          OffloadedStep(layout, optimizer, master, self.grad_views, self.new_weights, local, cpu))
+        # delayed_extrapolated: the landed weights are 2 M_t - M_{t-1}, a guess at the weights the next gradient
+        # meets; evaluation and checkpoints then publish the master itself (shard_part.py ShardPart.land)
+        self.extrapolate = self.cpu_step.extrapolate = extrapolate
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.copied = torch.cuda.Event() if self.cuda else None   # the gradients reached grad_host

@@ -110,6 +110,17 @@ class OffloadedStep:
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.h2d)
 
+    # zero.offload_update delayed_extrapolated (delayed_update.py): `out` gets the master one update ahead,
+    # 2 x new - old, the weights the next gradient will be applied to, had this update's direction held
+    extrapolate = False
+
+    def _update(self, piece: Piece, master: torch.Tensor, grads, m, v, out: torch.Tensor) -> None:
+        """This step's AdamW on one piece; `out` gets the new weights (or, extrapolating, one update beyond them)."""
+        old = master.to(torch.float32, copy=True) if self.extrapolate else None
+        self.optimizer.update(piece.decay, master, grads, m, v, out, offset=piece.shard_offset)
+        if old is not None:
+            out.copy_(master.to(torch.float32, copy=True).mul_(2).sub_(old))
+
     @torch.no_grad()
     def step(self) -> None:
         """One AdamW step over every piece; on return the device's weights are the new ones (stream-ordered)."""
@@ -126,8 +137,7 @@ class OffloadedStep:
                 self._fetch(k + 1)  # its staging slot was read by piece k-1's CPU step, which has returned
             sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
             grads, out = self._arrived(k)
-            self.optimizer.update(piece.decay, self.master[sl], grads, self.optimizer.exp_avg[sl],
-                                  self.optimizer.exp_avg_sq[sl], out, offset=piece.shard_offset)
+            self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
             self._send(k, out)
         self._end()
 
@@ -174,7 +184,7 @@ class SwappedStep(OffloadedStep):
             wait(reading)
             master, m, v = self.slots[k % 3][:, :piece.numel]
             grads, out = self._arrived(k)
-            self.optimizer.update(piece.decay, master, grads, m, v, out)
+            self._update(piece, master, grads, m, v, out)
             self._write(k)
             self._send(k, out)
             reading = ahead

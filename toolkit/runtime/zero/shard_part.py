@@ -29,7 +29,7 @@ class ShardPart:
 
     def __init__(self, spec: OptimizerSpec, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
                  device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None,
-                 comm=None, delay_after: int | None = None):
+                 comm=None, delay_after: int | None = None, extrapolate: bool = False):
         self.groups = groups
         self.layout = ShardLayout([all_groups[g] for g in groups], rank)
         self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
@@ -71,7 +71,8 @@ class ShardPart:
         # zero.offload_update delayed: after `delay_after` applied steps, the CPU step runs behind the next step
         self.delay_after = delay_after
         self.delayed = (DelayedUpdate(self.layout, self.optimizer, self.master, self.swap, self.grad_chunks, weights,
-                                      groups, device, dtype) if offloaded and delay_after is not None else None)
+                                      groups, device, dtype, extrapolate=extrapolate)
+                        if offloaded and delay_after is not None else None)
 
     @property
     def tier(self) -> str:
@@ -107,8 +108,13 @@ class ShardPart:
         self.publish()
 
     def land(self) -> bool:
-        """Finish a delayed update in flight and copy its weights in; False when none was in flight."""
-        return self.delayed is not None and self.delayed.land()
+        """Finish a delayed update in flight and give the model the master itself (not an extrapolation): what
+        evaluation and checkpoints read. False when none was in flight."""
+        if self.delayed is None or not self.delayed.land():
+            return False
+        if self.delayed.extrapolate:
+            self.publish()
+        return True
 
     def publish(self) -> None:
         """Copy a separate master into the parameter chunks (after a device step, or a load)."""

@@ -124,7 +124,8 @@ class ShardedStrategy(StrategyBase):
                 f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
                 f"AdamW {' + '.join(adams)}"
                 + (f"; offload: master, moments and step of {' + '.join(where)}" if self.offload else "")
-                + (f"; update delayed one step after {self._delay_after()} exact steps (zero.offload_update)"
+                + (f"; update delayed one step after {self._delay_after()} exact steps (zero.offload_update "
+                   f"{self.zero.offload_update})"
                    if self._delay_after() is not None else ""))
 
     def describe_tiers(self) -> str:
@@ -173,7 +174,8 @@ class ShardedStrategy(StrategyBase):
         # NOTE: the CPU-memory part steps before the swapped one, so the disk's part comes last in a step
         self.parts = [ShardPart(self.optimizer_spec, groups, self.groups, self.info.rank, self.weights,
                                 self.grad_chunks, self.device, offloaded=on_cpu, dtype=self.param_dtype,
-                                swap_dir=swap, comm=self.comm, delay_after=self._delay_after())
+                                swap_dir=swap, comm=self.comm, delay_after=self._delay_after(),
+                                extrapolate=self.zero.offload_update == "delayed_extrapolated")
                       for groups, on_cpu, swap in ((kept, False, None), (in_memory, True, None),
                                                    (swapped, True, self.swap_dir)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
@@ -182,7 +184,7 @@ class ShardedStrategy(StrategyBase):
 
     def _delay_after(self) -> int | None:
         """zero.offload_update delayed: the applied steps taken exactly first; None: every step exact."""
-        return self.zero.offload_update_warmup if self.zero.offload_update == "delayed" else None
+        return self.zero.offload_update_warmup if self.zero.offload_update != "exact" else None
 
     def complete_pending_update(self) -> None:
         """Land a delayed update in flight (zero/delayed_update.py) and give every rank the new weights; every
