@@ -24,11 +24,15 @@ _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32: sign, exponent and bf16's 7 m
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """`x` (fp32) rounded to bf16 up or down with probability by distance: E[result] = x (finite x)."""
-    bits = x.contiguous().view(torch.int32)
     noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    return _add_below_the_cut(x, noise)
+
+
+def _add_below_the_cut(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`x` (fp32) plus `noise` (int32, below 2^16) under bf16's last mantissa bit, truncated to bf16."""
     # NOTE: adding below the cut carries into bit 16 with probability (low bits) / 2^16, on the magnitude (the sign
     # bit sits above), then truncation drops the rest; the low 16 bits are then zero, so .to(bf16) is exact.
-    return ((bits + noise) & _HIGH_MASK).view(torch.float32).to(torch.bfloat16)
+    return ((x.contiguous().view(torch.int32) + noise) & _HIGH_MASK).view(torch.float32).to(torch.bfloat16)
 
 
 def adam_reference_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
@@ -61,11 +65,16 @@ def bf16_adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torc
                       **settings) -> None:
     """One AdamW (Adam) step on bf16 `p`, `m`, `v` in place: the fp32 maths of `adam_reference_update_`
     (`settings`: step, lr, wd, betas, eps, l2) on fp32 copies, written back with stochastic rounding."""
-    param, exp_avg, exp_avg_sq = p.float(), m.float(), v.float()
-    adam_reference_update_(param, g.float(), exp_avg, exp_avg_sq, **settings)
-    p.copy_(stochastic_round_to_bf16(param, generator))
-    m.copy_(stochastic_round_to_bf16(exp_avg, generator))
-    v.copy_(stochastic_round_to_bf16(exp_avg_sq, generator))
+    _update_in_fp32_(p, g, m, v, lambda value, _: stochastic_round_to_bf16(value, generator), **settings)
+
+
+def _update_in_fp32_(p, g, m, v, round_to_bf16, **settings) -> None:
+    """`adam_reference_update_` on fp32 copies of bf16 `p`, `m`, `v`, written back in that order through
+    `round_to_bf16(value, index)` (index 0, 1, 2: weight, exp_avg, exp_avg_sq)."""
+    values = (p.float(), m.float(), v.float())
+    adam_reference_update_(values[0], g.float(), values[1], values[2], **settings)
+    for index, (target, value) in enumerate(zip((p, m, v), values)):
+        target.copy_(round_to_bf16(value, index))
 
 
 # -- hashed rounding bits: the CPU Adam kernel's bf16 step (kernels/cpu_adam.cpp adamw_step_bf16) in torch ops --------
@@ -93,19 +102,15 @@ def hashed_rounding_bits(seed: int, step: int, offset: int, numel: int) -> tuple
 
 def _round_with_bits(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """`x` (fp32) rounded to bf16 by adding `noise` below the cut and truncating; NaN stays NaN."""
-    rounded = ((x.contiguous().view(torch.int32) + noise) & _HIGH_MASK).view(torch.float32).to(torch.bfloat16)
-    return torch.where(torch.isnan(x), x.to(torch.bfloat16), rounded)
+    return torch.where(torch.isnan(x), x.to(torch.bfloat16), _add_below_the_cut(x, noise))
 
 
 def hashed_bf16_adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, seed: int,
                              offset: int, **settings) -> None:
     """One AdamW (Adam) step on bf16 CPU `p`, `m`, `v` in place with the kernel's hashed rounding bits (`settings`:
     step, lr, wd, betas, eps, l2): the fallback of kernels/cpu_adam.cpp adamw_step_bf16, and its reference."""
-    param, exp_avg, exp_avg_sq = p.float(), m.float(), v.float()
-    adam_reference_update_(param, g.float(), exp_avg, exp_avg_sq, **settings)
     bits = hashed_rounding_bits(seed, settings["step"], offset, p.numel())
-    for target, value, noise in zip((p, m, v), (param, exp_avg, exp_avg_sq), bits):
-        target.copy_(_round_with_bits(value, noise))
+    _update_in_fp32_(p, g, m, v, lambda value, index: _round_with_bits(value, bits[index]), **settings)
 
 
 class BF16AdamW(torch.optim.Optimizer):
