@@ -60,9 +60,10 @@ class DelayedUpdate:
         self.new_weights = HostWeightBuffer(layout, dtype, pinned=self.cuda)
         local = range(len(groups))
         cpu = torch.device("cpu")  # the thread touches host memory (and swap files) only
-        self.cpu_step = (SwappedStep(layout, optimizer, swap, self.grad_views, self.new_weights, local, cpu)
+        self.cpu_step = (SwappedStep(layout, optimizer, swap, self.grad_views, self.new_weights, local, cpu, in_place=True)
                          if swap is not None else
-                         OffloadedStep(layout, optimizer, master, self.grad_views, self.new_weights, local, cpu))
+                         OffloadedStep(layout, optimizer, master, self.grad_views, self.new_weights, local, cpu,
+                                       in_place=True))
         # delayed_extrapolated: the landed weights are 2 M_t - M_{t-1}, a guess at the weights the next gradient
         # meets; evaluation and checkpoints then publish the master itself (shard_part.py ShardPart.land)
         self.extrapolate = self.cpu_step.extrapolate = extrapolate

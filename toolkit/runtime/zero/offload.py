@@ -53,12 +53,15 @@ class OffloadedStep:
     written to `weights` (param_offload.py: the device's chunks, or the CPU / swap tier of offload_param)."""
 
     def __init__(self, layout: ShardLayout, optimizer, master: torch.Tensor | None, grad_chunks: list[torch.Tensor],
-                 weights, groups: range, device: torch.device, piece_numel: int | None = None):
+                 weights, groups: range, device: torch.device, piece_numel: int | None = None, in_place: bool = False):
         self.optimizer, self.master = optimizer, master
         self.grad_chunks, self.weights, self.groups = grad_chunks, weights, groups
         self.pieces = split_pieces(layout, piece_numel or PIECE_NUMEL)
         self.cuda = device.type == "cuda"
-        size = max((p.numel for p in self.pieces), default=0)
+        # in_place: the gradients and the weights are CPU buffers this step owns (a delayed update's,
+        # delayed_update.py), read and written where they are, with no staging copies
+        self.in_place = in_place
+        size = 0 if in_place else max((p.numel for p in self.pieces), default=0)
         dtype = weights.read(groups[0]).dtype if len(groups) else torch.float32
         # NOTE: two of each, so piece k+1 arrives and piece k-1 leaves while piece k is stepped.
         self.grad_staging = [torch.empty(size, dtype=torch.float32, pin_memory=self.cuda) for _ in range(2)]
@@ -69,6 +72,8 @@ class OffloadedStep:
             self.sent = [torch.cuda.Event() for _ in range(2)]
 
     def _fetch(self, k: int) -> None:
+        if self.in_place:
+            return
         piece, slot = self.pieces[k], k % 2
         source = self.grad_chunks[piece.group][piece.start:piece.start + piece.numel]
         target = self.grad_staging[slot][:piece.numel]
@@ -80,6 +85,8 @@ class OffloadedStep:
             self.arrived[slot].record()
 
     def _send(self, k: int, weights: torch.Tensor) -> None:
+        if self.in_place:  # `weights` is the destination itself (_arrived)
+            return
         piece = self.pieces[k]
         if not (self.cuda and self.weights.on_device):  # CPU copies, or offload_param's host / swap tier
             self.weights.write(self.groups[piece.group], piece.start, weights)
@@ -99,8 +106,12 @@ class OffloadedStep:
         return True
 
     def _arrived(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Piece k's gradients in staging and its free output slot, once their copies are done."""
-        slot, n = k % 2, self.pieces[k].numel
+        """Piece k's gradients and where its new weights go: staging slots once their copies are done, or in place."""
+        slot, piece = k % 2, self.pieces[k]
+        n = piece.numel
+        if self.in_place:
+            window = slice(piece.start, piece.start + n)
+            return self.grad_chunks[piece.group][window], self.weights.read(self.groups[piece.group])[window]
         if self.cuda:
             self.arrived[slot].synchronize()
             self.sent[slot].synchronize()  # piece k-2's weights have left this staging slot
@@ -152,8 +163,8 @@ class SwappedStep(OffloadedStep):
     """
 
     def __init__(self, layout: ShardLayout, optimizer, swap, grad_chunks, weights, groups: range,
-                 device: torch.device, piece_numel: int | None = None):
-        super().__init__(layout, optimizer, None, grad_chunks, weights, groups, device, piece_numel)
+                 device: torch.device, piece_numel: int | None = None, in_place: bool = False):
+        super().__init__(layout, optimizer, None, grad_chunks, weights, groups, device, piece_numel, in_place)
         self.swap, self.region = swap, 4 * layout.numel
         size = max((p.numel for p in self.pieces), default=0)
         self.slots = [torch.empty(3, size, dtype=torch.float32) for _ in range(3)]
