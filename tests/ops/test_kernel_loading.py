@@ -182,6 +182,66 @@ def test_doctor_lists_every_kernel_state():
         assert any(line.strip().startswith(name) for line in result.stdout.splitlines()), result.stdout
 
 
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """An empty kernel cache, a loader that has loaded nothing, and every compile recorded instead of run."""
+    from toolkit.ops import build_cache
+
+    monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path))
+    for loaded in ("_modules", "_loaded", "_failures"):
+        monkeypatch.setattr(loader, loaded, {})
+    compiles = []
+    monkeypatch.setattr(build_cache, "_compile", lambda plan, verbose: compiles.append(plan) or 1 / 0)
+    return compiles
+
+
+def kernel_line(lines, name):
+    return next(line for line in lines if line.split()[0] == name)
+
+
+def test_doctor_with_an_empty_cache_builds_nothing_and_names_the_command(fresh_loader, monkeypatch, tmp_path):
+    monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True: None)  # as on a machine with nvcc
+    lines = loader.doctor_lines()
+    assert fresh_loader == [] and list(tmp_path.iterdir()) == []  # nothing compiled, no cache folder made
+    for name in loader.KERNELS:
+        assert kernel_line(lines, name).startswith(f"{name:<14} not built:")
+        assert "(fix: run `toolkit build-kernels` ahead of time)" in kernel_line(lines, name)
+    assert kernel_line(lines, "cpu_adam").startswith("cpu_adam       not built:")
+    assert "(fix: run `toolkit build-kernels cpu_adam` ahead of time)" in kernel_line(lines, "cpu_adam")
+
+
+def test_doctor_names_the_log_of_a_build_that_failed_earlier(fresh_loader):
+    for variant in range(len(loader.EXTENSIONS["cpu_adam"].cxx_flag_sets)):  # every flag set failed
+        plan = loader.build_plan("cpu_adam", variant)
+        plan.directory.mkdir()
+        plan.log.write_text("cpu_adam.cpp:1: error: no compiler\n")
+    line = kernel_line(loader.doctor_lines(), "cpu_adam")
+    assert f"not built: the last build here failed (log: {loader.build_plan('cpu_adam', 0).log})" in line
+    assert "`toolkit build-kernels cpu_adam --verbose`" in line and fresh_loader == []
+
+
+def test_doctor_loads_a_cached_cpu_adam_without_building(monkeypatch):
+    from toolkit.ops import build_cache
+    from toolkit.ops.cpu_adam import cpu_adam_status, load_cpu_adam
+
+    if load_cpu_adam(warn=False) is None:  # builds it into the cache once, as a run would
+        pytest.skip(f"CPU Adam kernel not built here: {cpu_adam_status().reason}")
+    where = cpu_adam_status().where
+    for loaded in ("_modules", "_loaded", "_failures"):  # a new process: only the cache knows the kernel
+        monkeypatch.setattr(loader, loaded, {})
+    monkeypatch.setattr(build_cache, "_compile", lambda plan, verbose: pytest.fail("doctor compiled a kernel"))
+    line = kernel_line(loader.doctor_lines(), "cpu_adam")
+    assert line.startswith("cpu_adam       loaded: ") and f"[{where}]" in line
+    assert loader.loaded_extension("cpu_adam") is not None
+
+
+def test_build_kernels_rejects_an_unknown_kernel_in_one_line():
+    result = run_cli("build-kernels", "cpu-adam")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: build-kernels: unknown kernel 'cpu-adam'; one of adamw, layernorm, "
+                                     "rmsnorm, bias_gelu, cross_entropy, cpu_adam")
+
+
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this torch can build the kernels")
 def test_build_kernels_without_cuda_torch_exits_2_saying_how_to_fix():
     result = run_cli("build-kernels", "adamw")

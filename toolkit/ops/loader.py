@@ -189,8 +189,9 @@ def _build_failure(extension: str, errors: list[tuple[BuildPlan, str]]) -> tuple
     return f"build failed: {'; '.join(lines)}{where}", fix
 
 
-def load_extension(extension: str, verbose: bool = False):
-    """Build (if not cached) and import one extension; None on failure (the reason is kept for status)."""
+def load_extension(extension: str, verbose: bool = False, build: bool = True):
+    """Build (if not cached) and import one extension; None on failure (the reason is kept for status).
+    build=False only imports a finished build from the cache (None, and no failure kept, when there is none)."""
     if extension in _modules:
         return _modules[extension]
     with _ext_locks[extension]:
@@ -206,6 +207,8 @@ def load_extension(extension: str, verbose: bool = False):
             try:
                 plans = [build_plan(extension, v) for v in range(len(EXTENSIONS[extension].cxx_flag_sets))]
                 plans = [p for p in plans if p.finished][:1] or plans  # a finished build of any flag set first
+                if not build and not plans[0].finished:
+                    return None
                 plans[0].directory.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 problem = (f"cannot use the kernel cache ({exc})", "set TOOLKIT_KERNELS_CACHE to a writable folder")
@@ -236,6 +239,11 @@ def _in_use(name: str, extension: str) -> KernelStatus:
     return KernelStatus(name, "built" if compiled else "loaded", ", ".join(about), where=str(plan.directory))
 
 
+def build_command(name: str) -> str:
+    """The command that builds the kernel `name` ahead of time."""
+    return "toolkit build-kernels" if name in KERNELS else f"toolkit build-kernels {name}"
+
+
 def kernel_status(name: str, build: bool = False) -> KernelStatus:
     """The state of one kernel; build=True builds and loads it first when it can."""
     extension = EXTENSION_OF[name]
@@ -245,15 +253,24 @@ def kernel_status(name: str, build: bool = False) -> KernelStatus:
         return _in_use(name, extension)
     if extension in _failures:
         return KernelStatus(name, "unavailable", *_failures[extension])
+    # NOTE: the order of load_extension: a CUDA extension's toolchain first (its cache key names nvcc),
+    # a CPU extension's cache first (a cached build imports without ninja).
+    problem = _problem(extension, toolchain=EXTENSIONS[extension].cuda)
+    if problem is not None:
+        return KernelStatus(name, "unavailable", *problem)
+    plans = [build_plan(extension, v) for v in range(len(EXTENSIONS[extension].cxx_flag_sets))]
+    for plan in plans:
+        if plan.finished:
+            return KernelStatus(name, "cached", "in the cache, loads on first use", where=str(plan.directory))
     problem = _problem(extension)
     if problem is not None:
         return KernelStatus(name, "unavailable", *problem)
-    for variant in range(len(EXTENSIONS[extension].cxx_flag_sets)):
-        plan = build_plan(extension, variant)
-        if plan.finished:
-            return KernelStatus(name, "cached", "in the cache, loads on first use", where=str(plan.directory))
-    fix = "run `toolkit build-kernels` ahead of time" if name in KERNELS else ""
-    return KernelStatus(name, "not built", "builds on first use (about a minute or two)", fix)
+    logs = [plan.log for plan in plans if plan.log.is_file()]  # written when every flag set failed to build
+    if logs:
+        return KernelStatus(name, "not built", f"the last build here failed (log: {logs[0]}); a run tries again",
+                            f"run `{build_command(name)} --verbose` to see the compiler output")
+    return KernelStatus(name, "not built", "a run builds it on first use (about a minute or two)",
+                        f"run `{build_command(name)}` ahead of time")
 
 
 def fallback_detail(statuses) -> str:
@@ -341,14 +358,21 @@ def resolve(modes, device_type: str, needed) -> ActiveKernels:
 
 
 def doctor_lines() -> list[str]:
-    """`toolkit doctor`'s kernels block: the build environment, one line per CUDA kernel (not built here),
-    and the CPU Adam kernel (built here when it is not in the cache: any machine with a C++ compiler can)."""
+    """`toolkit doctor`'s kernels block: the build environment and one line per kernel. It compiles nothing:
+    a cached build is imported (the proof that a run loads it without a build), a missing one named with
+    the command that builds it."""
     import torch
 
     archs, notes = target_archs()
     lines = [f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), nvcc {nvcc_version() or 'not found'}, "
              f"targets {', '.join(map(str, archs)) or 'none'} + PTX, cache {cache_root()}"]
     lines += [f"note: {n}" for n in notes]
+    if torch.version.cuda and not torch.cuda.is_available():
+        lines.append("note: no CUDA device is visible: runs use torch's kernels; the fused ones can still be built")
+    lines.append("states: loaded (built, in the cache), not built (a run builds it; the command builds it now), "
+                 "unavailable (why); doctor builds nothing")
+    for extension in sorted({EXTENSION_OF[n] for n in (*KERNELS, "cpu_adam")}):
+        load_extension(extension, build=False)
     lines += [kernel_status(name).describe() for name in KERNELS]
-    lines.append(f"{kernel_status('cpu_adam', build=True).describe()} (ZeRO-Offload's optimizer step)")
+    lines.append(f"{kernel_status('cpu_adam').describe()} (ZeRO-Offload's optimizer step)")
     return lines
