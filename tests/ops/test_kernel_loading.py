@@ -112,6 +112,22 @@ def test_auto_with_a_failed_build_warns_once_with_reason_and_fix(monkeypatch):
     assert not chosen.active("adamw")
 
 
+def test_a_cuda_run_builds_the_kernels_it_needs_together(monkeypatch):
+    import threading
+
+    # Each build waits until all four are under way: built one after the other, the first would time out.
+    under_way = threading.Barrier(len(GPT2_NEEDS), timeout=10)
+
+    def slow_build(name, build=False):
+        assert build
+        under_way.wait()
+        return loader.KernelStatus(name, "built")
+
+    monkeypatch.setattr(loader, "kernel_status", slow_build)
+    chosen = loader.resolve(ALL_AUTO, "cuda", GPT2_NEEDS)
+    assert list(chosen.statuses) == list(GPT2_NEEDS) and all(chosen.active(n) for n in GPT2_NEEDS)
+
+
 def test_describe_names_kernels_that_share_a_reason_together():
     spec = KernelsSpec(adamw="off", layernorm="auto", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
     text = loader.resolve(spec, "cpu", GPT2_NEEDS).describe()
