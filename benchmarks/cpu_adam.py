@@ -17,6 +17,10 @@ for the device, the gradient zeroed for the next accumulation:
   torch for-loop     torch.optim.AdamW() default on the CPU (single-tensor)
 
     python -m benchmarks.cpu_adam [--steps 10] [--threads N] [--skip-forloop]
+    python -m benchmarks.cpu_adam --against OTHER.so   this build against another build of the
+        kernel (its cached library, e.g. of an older source): first whether the two give bit-identical
+        parameters, moments and bf16 copies over 5 steps, then the flat and offload steps of both,
+        interleaved, beside torch fused
 
 Prints one table (machine, threads; median and best ms per step, GB/s of optimizer
 traffic at 28 bytes per parameter, ratios to torch fused). On a shared machine the
@@ -119,12 +123,38 @@ def toolkit_per_tensor(module, shapes):
     return step
 
 
+def load_library(path: str):
+    """Another build of kernels/cpu_adam.cpp, imported from its library file (the module is named by its stem)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bit_identical(a, b, numel: int = 1_000_003) -> bool:
+    """Whether two builds leave the same bits in parameters, moments, bf16 copies and gradients over 5 steps."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(numel, generator=gen)
+    states = [(start.clone(), torch.zeros(numel), torch.zeros(numel), torch.empty(numel, dtype=torch.bfloat16),
+               torch.empty(numel)) for _ in (a, b)]
+    for step in range(1, 6):
+        grad = torch.randn(numel, generator=gen) * 10.0 ** (step - 3)
+        for module, (p, m, v, out, g) in zip((a, b), states):
+            g.copy_(grad)
+            module.adamw_step(p, g, m, v, step, LR, BETAS[0], BETAS[1], EPS, WD, out, step % 2 == 0)
+    return all(torch.equal(x, y) for x, y in zip(*states))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_adam", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     parser.add_argument("--skip-forloop", action="store_true", help="skip torch's slow single-tensor AdamW")
+    parser.add_argument("--against", metavar="OTHER.so", help="time this build against another build's library")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,6 +173,12 @@ def main() -> None:
             ("torch AdamW foreach=True", lambda: torch_adamw(shapes, foreach=True))]
     if not args.skip_forloop:
         runs.append(("torch AdamW for-loop", lambda: torch_adamw(shapes, foreach=False)))
+    if args.against:  # NOTE: only the flat runs of both builds, beside torch fused: all runs at once need ~20 GB
+        other = load_library(args.against)
+        print(f"against {args.against}: bit-identical results over 5 steps: "
+              f"{'yes' if bit_identical(module, other) else 'NO'}")
+        runs = [runs[0], ("other build (flat)", lambda: toolkit_flat(other, numel)), runs[2], runs[4],
+                ("other build offload step", lambda: offload_step(numel, other))]
     steps = {name: make() for name, make in runs}
     results = time_rounds(steps, args.steps, args.warmup)
     cpu = platform.processor() or platform.machine()

@@ -16,7 +16,10 @@
 // Built by toolkit/ops/cpu_adam.py (torch.utils.cpp_extension, -O3 -march=native -fopenmp, cached).
 // Reference it is checked against: torch.optim.AdamW (tests/ops/test_cpu_adam.py).
 
-#include <torch/extension.h>
+// NOTE: not <torch/extension.h>: it pulls in torch/all.h (the whole C++ frontend: nn, optim, data,
+// autograd), which is most of this file's cold build. The kernel needs the Tensor and pybind11 with
+// torch's type casters only (benchmarks/RESULTS.md, "CPU Adam kernel build").
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -159,9 +162,9 @@ inline void adam_range(float* p, float* g, float* m, float* v, uint16_t* out16, 
   }
 }
 
-void check(const torch::Tensor& t, const char* name, int64_t numel) {
+void check(const at::Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, expected ", numel);
 }
@@ -171,9 +174,9 @@ void check(const torch::Tensor& t, const char* name, int64_t numel) {
 // ---------------------------------------------------------------------------
 // Launcher: AdamW step `step` (1-based) on contiguous fp32 CPU tensors, in place.
 
-void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                c10::optional<torch::Tensor> param_bf16, bool zero_grad) {
+                c10::optional<at::Tensor> param_bf16, bool zero_grad) {
   const int64_t n = param.numel();
   check(param, "param", n);
   check(grad, "grad", n);
@@ -182,7 +185,7 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
   uint16_t* out16 = nullptr;
   if (param_bf16.has_value()) {
     const auto& t = *param_bf16;
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && t.numel() == n,
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == n,
                 "param_bf16 must be a contiguous CPU bfloat16 tensor of param's size");
     out16 = reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
   }

@@ -159,7 +159,7 @@ def build_or_import(plan: BuildPlan, verbose: bool = False):
         return _import_library(plan), False
     plan.directory.mkdir(parents=True, exist_ok=True)
     # NOTE: said before the lock: rank 0 may wait while another rank or run compiles.
-    # CPU Adam: 33 s on an idle 2-core VM, 56-94 s beside other work (gcc -O3, one translation unit).
+    # CPU Adam: 9.8 s on the 2-core VM beside other work (gcc -O3, one translation unit; RESULTS.md).
     _say(f"note: building the {plan.title} (kernels/{', '.join(s.name for s in plan.sources)}, {plan.flags_text()}) "
          f"into {plan.directory}: once per machine and torch version, about a minute or two; "
          "later runs load it from there")
