@@ -269,7 +269,7 @@ def kernel_status(name: str, build: bool = False) -> KernelStatus:
     if logs:
         return KernelStatus(name, "not built", f"the last build here failed (log: {logs[0]}); a run tries again",
                             f"run `{build_command(name)} --verbose` to see the compiler output")
-    return KernelStatus(name, "not built", "a run builds it on first use (about a minute or two)",
+    return KernelStatus(name, "not built", "a run builds it on first use and caches it",
                         f"run `{build_command(name)}` ahead of time")
 
 
