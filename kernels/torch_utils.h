@@ -1,7 +1,12 @@
 // torch_utils.h: helpers shared by the *_binding.cpp files (torch side only).
 #pragma once
 
-#include <torch/extension.h>
+// NOTE: not <torch/extension.h>: its torch/all.h (the whole C++ frontend) was most of each binding's
+// host compile (benchmarks/RESULTS.md, "CPU Adam kernel build"). The bindings need the Tensor, pybind11
+// with torch's casters, and the two ATen ops they call.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
