@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
+#     bash benchmarks/gpu_check.sh [firststep|recipes|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -63,9 +63,27 @@ stage_body() {
       { time python3 -m toolkit doctor; } 2>&1 | tee -a "$OUT/build.txt"  # timed: under 5 s once cached (issue 33)
       cat /tmp/toolkit-kernels/*/build.log > "$OUT/build-logs.txt" 2> /dev/null || true
       return "$build_rc" ;;
-    tests)  # TEST_TARGETS: other pytest targets; a run where no test passed (all skipped: no GPU) fails
+    firststep)  # issue 33: seconds from `toolkit run` to its first optimizer step, GPT-2 124M (benchmarks/first_step.py):
+                # with the kernel cache as this machine has it (empty on a fresh machine: put this stage first), then
+                # cached; `toolkit doctor` timed; the kernel builds' ninja logs (each compile's start and end, ms)
+      local cache=cold run=(python3 -m toolkit run recipes/gpt2-124m.json training.log_interval=1 checkpoint.save_final=false)
+      [[ -n $(ls -A /tmp/toolkit-kernels 2> /dev/null) ]] && cache="cache not empty"
+      timeout 240 python3 -m benchmarks.first_step --label "$cache, 40 steps" --markdown "$OUT/first_step.md" -- \
+        "${run[@]}" training.max_steps=40 2>&1 | tee "$OUT/firststep.txt"
+      timeout 120 python3 -m benchmarks.first_step --label "cached, 20 steps" --markdown "$OUT/first_step.md" -- \
+        "${run[@]}" training.max_steps=20 2>&1 | tee -a "$OUT/firststep.txt"
+      { time python3 -m toolkit doctor; } 2>&1 | tee -a "$OUT/firststep.txt"
+      find /tmp/toolkit-kernels -name .ninja_log -exec sh -c 'echo "== $1"; cat "$1"' _ {} \; >> "$OUT/firststep.txt" ;;
+    recipes)  # issue 33's throughput goals: the shipped recipes as `toolkit run` reports them (RECIPES: names:steps)
+      local item
+      for item in ${RECIPES:-gpt2-124m:60 gpt2-1.5b-h200:40}; do
+        timeout 300 python3 -m benchmarks.first_step --label "${item%%:*}, ${item##*:} steps" \
+          --markdown "$OUT/recipes.md" -- python3 -m toolkit run "recipes/${item%%:*}.json" \
+          "training.max_steps=${item##*:}" checkpoint.save_final=false 2>&1 | tee -a "$OUT/recipes.txt"
+      done ;;
+    tests)  # TEST_TARGETS: other pytest targets (TESTS_S: their time limit); a run where no test passed (all skipped: no GPU) fails
       # shellcheck disable=SC2086  # the targets are words
-      timeout 200 python3 -m pytest -q -p no:nbval -p no:cacheprovider -rfE --durations=10 \
+      timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:nbval -p no:cacheprovider -rfE --durations=10 \
         ${TEST_TARGETS:-tests/ops/test_kernels_cuda.py tests/runtime/test_zero_cuda.py \
           tests/train/test_cuda_training.py::test_the_engine_never_waits_for_the_gpu_in_a_bf16_step} \
         2>&1 | tee "$OUT/tests.txt" | tail -60

@@ -20,12 +20,12 @@ WARMUP = 3
 DELAYED = ["zero.offload_optimizer=cpu", "zero.offload_update=delayed", f"zero.offload_update_warmup={WARMUP}"]
 
 
-def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None, extrapolate: bool = False):
-    """(losses, final master weights by name) of the hand-written delayed rule on a stage-0 engine; only the
-    parameters in `delayed_names` are delayed (None: all). `extrapolate` (delayed_extrapolated): a forward whose
-    previous update was delayed sees 2 M_{t-1} - M_{t-2} instead of M_{t-1}."""
+def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None, extrapolate: bool = False, base=()):
+    """(losses, final master weights by name) of the hand-written delayed rule on a stage-0 engine of `base`
+    overrides; only the parameters in `delayed_names` are delayed (None: all). `extrapolate`
+    (delayed_extrapolated): a forward whose previous update was delayed sees 2 M_{t-1} - M_{t-2}, not M_{t-1}."""
     previous = None
-    _, engine, stream = tiny_engine(1, ["zero.stage=0"])
+    _, engine, stream = tiny_engine(1, ["zero.stage=0", *base])
     params = dict(engine.model.named_parameters())
     master = {n: p.detach().clone() for n, p in params.items()}
     losses = []

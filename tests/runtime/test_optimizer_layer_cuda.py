@@ -1,0 +1,66 @@
+"""GPU: the optimizer layer's newer paths on CUDA (issues 35 and 36), on the tiny GPT-2 of
+tests/runtime/zero_helpers.py in one process, fp32 compute with TF32 off:
+
+- bf16 states (drawn stochastic-rounding bits on the device) and int8 blockwise moments: ZeRO 1-3 track
+  stage 0 within the CPU tests' tolerances (rounding noise: 2e-4 and 1e-4 relative on the losses);
+- bf16 states offloaded to the CPU Adam kernel (hashed bits) track the device's within the same 2e-4;
+- Muon (fp32 Newton-Schulz) at ZeRO 2 and 3 ends within 1e-5 of stage 0;
+- the delayed offloaded update, whose background step waits on CUDA events, follows the delayed rule
+  written out by hand around a stage-0 CUDA engine (tests/runtime/test_delayed_offload.py), within 1e-5.
+"""
+import pytest
+import torch
+
+from tests.runtime.test_delayed_offload import DELAYED, WARMUP, delayed_reference
+from tests.runtime.zero_helpers import RTOL, SMALL_BUCKETS, assert_params_close, assert_stages_1_to_3_track_stage_0, train
+
+pytestmark = pytest.mark.cuda
+
+CUDA = ["training.device=cuda"]
+BF16 = ["precision.dtype=bf16", "optimizer.state_dtype=bf16"]
+MUON = ["optimizer.type=muon", "optimizer.muon_lr=0.02", "optimizer.muon_weight_decay=0.1",
+        "optimizer.muon_ns_dtype=fp32"]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def on_cpu(params: dict) -> dict:
+    return {name: p.detach().float().cpu() for name, p in params.items()}
+
+
+def test_bf16_states_at_zero_1_to_3_track_stage_0():
+    assert_stages_1_to_3_track_stage_0([*CUDA, *BF16], torch.bfloat16, rel=2e-4)
+
+
+def test_int8_moments_at_zero_1_to_3_track_stage_0():
+    assert_stages_1_to_3_track_stage_0([*CUDA, "optimizer.state_dtype=int8"], torch.uint8, rel=1e-4)
+
+
+def test_offloaded_bf16_states_track_the_devices():
+    device = train(1, [*CUDA, "zero.stage=2", SMALL_BUCKETS, *BF16])[2]
+    engine, _, losses, _ = train(1, [*CUDA, "zero.stage=2", SMALL_BUCKETS, *BF16, "zero.offload_optimizer=cpu"])
+    assert engine.device.type == "cuda" and engine.strategy.parts[-1].offloaded
+    assert losses == pytest.approx(device, rel=2e-4)
+
+
+def test_muon_at_zero_2_and_3_ends_within_1e_5_of_stage_0():
+    reference = train(1, [*CUDA, *MUON, "zero.stage=0"])[0]
+    for stage in (2, 3):
+        engine = train(1, [*CUDA, *MUON, f"zero.stage={stage}"])[0]
+        assert_params_close(on_cpu(engine.strategy.full_parameters()), on_cpu(reference.strategy.full_parameters()))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_delayed_update_follows_the_hand_written_rule(stage):
+    ref_losses, ref_master = delayed_reference(WARMUP, base=CUDA)
+    engine, _, losses, _ = train(1, [*CUDA, f"zero.stage={stage}", SMALL_BUCKETS, *DELAYED])
+    assert engine.device.type == "cuda" and engine.strategy.parts[-1].delayed.in_flight
+    engine.strategy.complete_pending_update()
+    assert losses == pytest.approx(ref_losses, rel=RTOL)
+    assert_params_close(on_cpu(engine.strategy.full_parameters()), on_cpu(ref_master))
