@@ -73,13 +73,20 @@ stage_body() {
       timeout 120 python3 -m benchmarks.first_step --label "cached, 20 steps" --markdown "$OUT/first_step.md" -- \
         "${run[@]}" training.max_steps=20 2>&1 | tee -a "$OUT/firststep.txt"
       { time python3 -m toolkit doctor; } 2>&1 | tee -a "$OUT/firststep.txt"
+      # where a cached start's seconds go: cProfile of a 2-step run, its top entries by cumulative time
+      timeout 120 python3 -m cProfile -o "$OUT/startup.prof" -m toolkit run recipes/gpt2-124m.json \
+        training.max_steps=2 training.log_interval=1 checkpoint.save_final=false > /dev/null 2>&1
+      python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(60)" \
+        "$OUT/startup.prof" > "$OUT/startup_profile.txt" 2>&1
       find /tmp/toolkit-kernels -name .ninja_log -exec sh -c 'echo "== $1"; cat "$1"' _ {} \; >> "$OUT/firststep.txt" ;;
-    recipes)  # issue 33's throughput goals: the shipped recipes as `toolkit run` reports them (RECIPES: names:steps)
-      local item
+    recipes)  # the shipped recipes' tokens/s as `toolkit run` reports them (issue 33's goals). RECIPES: words
+              # name:steps[:override,override...], e.g. gpt2-1.5b-h200:20:zero.stage=2,zero.offload_optimizer=cpu
+      local item name steps extra
       for item in ${RECIPES:-gpt2-124m:60 gpt2-1.5b-h200:40}; do
-        timeout 300 python3 -m benchmarks.first_step --label "${item%%:*}, ${item##*:} steps" \
-          --markdown "$OUT/recipes.md" -- python3 -m toolkit run "recipes/${item%%:*}.json" \
-          "training.max_steps=${item##*:}" checkpoint.save_final=false 2>&1 | tee -a "$OUT/recipes.txt"
+        IFS=: read -r name steps extra <<< "$item"
+        timeout 300 python3 -m benchmarks.first_step --label "$name, $steps steps${extra:+, ${extra//,/ }}" \
+          --markdown "$OUT/recipes.md" -- python3 -m toolkit run "recipes/$name.json" "training.max_steps=$steps" \
+          checkpoint.save_final=false ${extra//,/ } 2>&1 | tee -a "$OUT/recipes.txt"
       done ;;
     tests)  # TEST_TARGETS: other pytest targets (TESTS_S: their time limit); a run where no test passed (all skipped: no GPU) fails
       # shellcheck disable=SC2086  # the targets are words

@@ -128,6 +128,48 @@ def test_a_cuda_run_builds_the_kernels_it_needs_together(monkeypatch):
     assert list(chosen.statuses) == list(GPT2_NEEDS) and all(chosen.active(n) for n in GPT2_NEEDS)
 
 
+def test_builds_started_in_the_background_are_what_the_engine_then_waits_for(monkeypatch, fresh_loader):
+    import threading
+
+    # The run starts the builds before it makes the model; resolve, called meanwhile, waits on the same
+    # per-extension lock and takes the module the background build made, without a second build.
+    release, builds = threading.Event(), []
+
+    def slow_build(plan, verbose=False):
+        builds.append(plan.extension)
+        assert release.wait(10)
+        return object(), True
+
+    monkeypatch.setattr(loader, "_problem", lambda extension, toolchain=False: None)
+    monkeypatch.setattr(loader, "build_or_import", slow_build)
+    loader.build_in_background(GPT2_NEEDS)
+    threading.Timer(0.3, release.set).start()
+    chosen = loader.resolve(ALL_AUTO, "cuda", GPT2_NEEDS)
+    assert all(chosen.active(n) for n in GPT2_NEEDS)
+    assert sorted(builds) == sorted({loader.EXTENSION_OF[n] for n in GPT2_NEEDS})  # each once
+
+
+def test_a_run_starts_builds_only_on_cuda_and_only_of_kernels_not_off(monkeypatch):
+    from toolkit.recipe.load import load_recipe
+    from toolkit.runtime import engine
+
+    started = []
+    monkeypatch.setattr(loader, "build_in_background", lambda names: started.append(list(names)))
+    recipe = load_recipe("gpt2-124m", ["kernels.bias_gelu=off"])
+    engine.start_kernel_builds(recipe, torch.device("cpu"))
+    assert started == []
+    engine.start_kernel_builds(recipe, torch.device("cuda"))
+    assert started == [["layernorm", "cross_entropy", "adamw"]]
+    engine.start_kernel_builds(load_recipe("gpt2-124m", ["zero.stage=2"]), torch.device("cuda"))
+    assert started[-1] == ["layernorm", "bias_gelu", "cross_entropy"]  # stage 2 steps its shards without it
+
+
+def test_nvcc_runs_its_two_compilations_and_their_passes_in_parallel_where_it_can():
+    assert toolchain.nvcc_parallel_flags("13.0") == ("--threads=0", "--split-compile=0")
+    assert toolchain.nvcc_parallel_flags("12.1") == ("--threads=0", "--split-compile=0")
+    assert toolchain.nvcc_parallel_flags("12.0") == () and toolchain.nvcc_parallel_flags(None) == ()
+
+
 def test_describe_names_kernels_that_share_a_reason_together():
     spec = KernelsSpec(adamw="off", layernorm="auto", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
     text = loader.resolve(spec, "cpu", GPT2_NEEDS).describe()
@@ -278,7 +320,7 @@ def test_cuda_source_compiles_for_sm90(source, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
     command = [NVCC, "-c", str(REPO / "kernels" / source), "-o", str(tmp_path / "out.o"), *loader.NVCC_FLAGS,
-               *toolchain.gencode_flags([toolchain.CudaArch(9, 0)]), *COMMON_NVCC_FLAGS, f"-I{REPO / 'kernels'}"]
+               *toolchain.nvcc_parallel_flags(toolchain.nvcc_version()), *toolchain.gencode_flags([toolchain.CudaArch(9, 0)]), *COMMON_NVCC_FLAGS, f"-I{REPO / 'kernels'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warning" not in result.stderr.lower(), result.stderr[-3000:]

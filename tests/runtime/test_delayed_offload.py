@@ -13,39 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import become_rank, free_port, leave_rank
-from tests.runtime.zero_helpers import (RTOL, SMALL_BUCKETS, STEPS, assert_params_close, owned_states,
-                                        save_and_resume, tiny_engine, train)
-
-WARMUP = 3
-DELAYED = ["zero.offload_optimizer=cpu", "zero.offload_update=delayed", f"zero.offload_update_warmup={WARMUP}"]
-
-
-def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None, extrapolate: bool = False, base=()):
-    """(losses, final master weights by name) of the hand-written delayed rule on a stage-0 engine of `base`
-    overrides; only the parameters in `delayed_names` are delayed (None: all). `extrapolate`
-    (delayed_extrapolated): a forward whose previous update was delayed sees 2 M_{t-1} - M_{t-2}, not M_{t-1}."""
-    previous = None
-    _, engine, stream = tiny_engine(1, ["zero.stage=0", *base])
-    params = dict(engine.model.named_parameters())
-    master = {n: p.detach().clone() for n, p in params.items()}
-    losses = []
-    for t in range(1, steps + 1):
-        for batch in stream.next_step():  # gradients at the weights the model holds: W
-            engine.backward(engine(batch))
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(master[n])  # the optimizer steps the master
-        losses.append(engine.step().loss)
-        stepped = {n: p.detach().clone() for n, p in params.items()}
-        if t > warmup:  # delayed: the next forward sees the master before this update
-            with torch.no_grad():
-                for n, p in params.items():
-                    if delayed_names is None or n in delayed_names:
-                        ahead = extrapolate and t - 1 > warmup  # the update that lands now was delayed
-                        p.copy_(2 * master[n].double() - previous[n].double() if ahead else master[n])
-        previous, master = master, stepped
-    return losses, master
-
+from tests.runtime.zero_helpers import (DELAYED, RTOL, SMALL_BUCKETS, STEPS, WARMUP, assert_params_close,
+                                        delayed_reference, owned_states, save_and_resume, tiny_engine, train)
 
 @pytest.fixture(scope="module")
 def reference():

@@ -11,8 +11,8 @@ tests/runtime/zero_helpers.py in one process, fp32 compute with TF32 off:
 import pytest
 import torch
 
-from tests.runtime.test_delayed_offload import DELAYED, WARMUP, delayed_reference
-from tests.runtime.zero_helpers import RTOL, SMALL_BUCKETS, assert_params_close, assert_stages_1_to_3_track_stage_0, train
+from tests.runtime.zero_helpers import (DELAYED, RTOL, SMALL_BUCKETS, WARMUP, assert_params_close,
+                                        assert_stages_1_to_3_track_stage_0, delayed_reference, train)
 
 pytestmark = pytest.mark.cuda
 

@@ -100,3 +100,35 @@ def save_and_resume(run_dir, saved_overrides, resumed_overrides, save_after=4):
     restored = owned_states(engine)
     resumed = [engine.train_batch(stream.next_step()).loss for _ in range(STEPS - ckpt.step)]
     return saved, restored, uninterrupted[ckpt.step:], resumed, engine
+
+
+# The delayed offloaded update (tests/runtime/test_delayed_offload.py, and on CUDA test_optimizer_layer_cuda.py)
+WARMUP = 3
+DELAYED = ["zero.offload_optimizer=cpu", "zero.offload_update=delayed", f"zero.offload_update_warmup={WARMUP}"]
+
+
+def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None, extrapolate: bool = False, base=()):
+    """(losses, final master weights by name) of the hand-written delayed rule on a stage-0 engine of `base`
+    overrides; only the parameters in `delayed_names` are delayed (None: all). `extrapolate`
+    (delayed_extrapolated): a forward whose previous update was delayed sees 2 M_{t-1} - M_{t-2}, not M_{t-1}."""
+    previous = None
+    _, engine, stream = tiny_engine(1, ["zero.stage=0", *base])
+    params = dict(engine.model.named_parameters())
+    master = {n: p.detach().clone() for n, p in params.items()}
+    losses = []
+    for t in range(1, steps + 1):
+        for batch in stream.next_step():  # gradients at the weights the model holds: W
+            engine.backward(engine(batch))
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(master[n])  # the optimizer steps the master
+        losses.append(engine.step().loss)
+        stepped = {n: p.detach().clone() for n, p in params.items()}
+        if t > warmup:  # delayed: the next forward sees the master before this update
+            with torch.no_grad():
+                for n, p in params.items():
+                    if delayed_names is None or n in delayed_names:
+                        ahead = extrapolate and t - 1 > warmup  # the update that lands now was delayed
+                        p.copy_(2 * master[n].double() - previous[n].double() if ahead else master[n])
+        previous, master = master, stepped
+    return losses, master

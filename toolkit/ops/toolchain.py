@@ -162,6 +162,16 @@ def nvcc_version() -> str | None:
     return match.group(1) if match else None
 
 
+def nvcc_parallel_flags(version: str | None) -> tuple[str, ...]:
+    """nvcc's own parallelism, for an nvcc that has it (12.1 and later): the two compilations of a file (machine
+    code for the GPU's arch and the PTX for newer ones) side by side, and each one's optimisation passes
+    over the file's kernels on all cores. Same code out; the norm forward's nvcc took 20.5 s wall alone,
+    12.1 s with both on the 2-core VM (benchmarks/RESULTS.md, "Kernels ready in seconds")."""
+    if version is None or tuple(int(p) for p in version.split(".")[:2]) < (12, 1):
+        return ()
+    return ("--threads=0", "--split-compile=0")
+
+
 def _nvcc_output(flag: str) -> str | None:
     """What `nvcc <flag>` prints, or None when there is no nvcc or it cannot run."""
     nvcc = find_nvcc()

@@ -55,6 +55,22 @@ def check_device(recipe: Recipe) -> torch.device:
     return device
 
 
+def kernels_of(recipe: Recipe) -> tuple[str, ...]:
+    """The fused kernels a run of `recipe` considers: its model family's, and AdamW's only where stage 0's
+    optimizer can step with it (optim.adamw_kernel_applies)."""
+    use_adamw_kernel = adamw_kernel_applies(adamw_implementation(recipe.optimizer, recipe.kernels),
+                                            recipe.zero.stage, recipe.parallel.active, recipe.optimizer.type,
+                                            recipe.optimizer.state_dtype)
+    return loader.needed_kernels(recipe.model.family, use_adamw_kernel)
+
+
+def start_kernel_builds(recipe: Recipe, device: torch.device) -> None:
+    """On a CUDA device, build the run's fused kernels (those not `off`) in the background from now on, while
+    the model and the data are made; the engine's kernel choice waits for them. Nothing on the CPU."""
+    if device.type == "cuda":
+        loader.build_in_background([n for n in kernels_of(recipe) if getattr(recipe.kernels, n) != "off"])
+
+
 class StepResult:
     """What one optimizer step did.
 
@@ -123,12 +139,7 @@ class Engine:
 
     def _choose_kernels(self, recipe: Recipe) -> None:
         """recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)."""
-        # NOTE: the AdamW kernel only where stage 0's optimizer can step with it (optim.adamw_kernel_applies).
-        use_adamw_kernel = adamw_kernel_applies(adamw_implementation(recipe.optimizer, recipe.kernels),
-                                                recipe.zero.stage, recipe.parallel.active, recipe.optimizer.type,
-                                                recipe.optimizer.state_dtype)
-        self.kernels = loader.resolve(recipe.kernels, self.device.type,
-                                      loader.needed_kernels(recipe.model.family, use_adamw_kernel))
+        self.kernels = loader.resolve(recipe.kernels, self.device.type, kernels_of(recipe))
 
     def _choose_adamw(self, recipe: Recipe) -> str | None:
         """The AdamW of stage 0 and the mesh, from optimizer.implementation and the kernels just chosen
