@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [firststep|recipes|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
+#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -79,6 +79,16 @@ stage_body() {
       python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(60)" \
         "$OUT/startup.prof" > "$OUT/startup_profile.txt" 2>&1
       find /tmp/toolkit-kernels -name .ninja_log -exec sh -c 'echo "== $1"; cat "$1"' _ {} \; >> "$OUT/firststep.txt" ;;
+    pycache)  # a cached start where Python may keep bytecode (PYTHONPYCACHEPREFIX): this image writes no .pyc beside
+              # its packages, so every process compiles ~1,900 modules (6.1 s of the cProfile'd start); the first run
+              # fills the prefix, the second is timed
+      local i run=(python3 -m toolkit run recipes/gpt2-124m.json training.log_interval=1 checkpoint.save_final=false
+                   training.max_steps=20)
+      for i in 1 2; do
+        PYTHONPYCACHEPREFIX=/tmp/pycache timeout 120 python3 -m benchmarks.first_step \
+          --label "cached, bytecode kept (run $i)" --markdown "$OUT/first_step.md" -- "${run[@]}" 2>&1 \
+          | tee -a "$OUT/pycache.txt"
+      done ;;
     recipes)  # the shipped recipes' tokens/s as `toolkit run` reports them (issue 33's goals). RECIPES: words
               # name:steps[:override,override...], e.g. gpt2-1.5b-h200:20:zero.stage=2,zero.offload_optimizer=cpu
       local item name steps extra

@@ -128,6 +128,21 @@ def test_a_cuda_run_builds_the_kernels_it_needs_together(monkeypatch):
     assert list(chosen.statuses) == list(GPT2_NEEDS) and all(chosen.active(n) for n in GPT2_NEEDS)
 
 
+def test_nvcc_is_asked_once_per_binary_and_the_answer_kept_in_the_cache(monkeypatch, tmp_path):
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\necho \"$1\" >> " + str(tmp_path / "asked") + "\necho 'Cuda compilation tools, release 13.0'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path / "cache"))
+    for _ in range(3):  # three runs' questions: nvcc answers the first
+        assert "release 13.0" in toolchain._nvcc_output("--version")
+    assert (tmp_path / "asked").read_text() == "--version\n"
+    nvcc.write_text(nvcc.read_text() + "# another build\n")  # a new binary is asked again
+    assert "release 13.0" in toolchain._nvcc_output("--version")
+    assert (tmp_path / "asked").read_text() == "--version\n--version\n"
+
+
 def test_builds_started_in_the_background_are_what_the_engine_then_waits_for(monkeypatch, fresh_loader):
     import threading
 

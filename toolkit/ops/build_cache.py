@@ -31,17 +31,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.ops.toolchain import CudaArch
+from toolkit.ops.toolchain import CudaArch, cache_root
 
 DONE_FILE = "built.json"  # written after a build imported successfully: the library in the folder is whole
-
-
-def cache_root() -> Path:
-    """TOOLKIT_KERNELS_CACHE, else $XDG_CACHE_HOME/toolkit/kernels (~/.cache/toolkit/kernels)."""
-    if os.environ.get("TOOLKIT_KERNELS_CACHE"):
-        return Path(os.environ["TOOLKIT_KERNELS_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "toolkit" / "kernels"
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from toolkit.ops.build_cache import BuildPlan, build_or_import, cache_root, cpu_features
-from toolkit.ops.toolchain import build_problem, gencode_flags, nvcc_parallel_flags, nvcc_version, target_archs
+from toolkit.ops.build_cache import BuildPlan, build_or_import, cpu_features
+from toolkit.ops.toolchain import (build_problem, cache_root, gencode_flags, nvcc_parallel_flags, nvcc_version,
+                                   target_archs)
 from toolkit.errors import UserError
 from toolkit.resources import shipped_dir
 
