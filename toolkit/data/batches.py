@@ -55,12 +55,16 @@ def markov_chain_tokens(spec: DataSpec, num_samples: int, stream: int) -> torch.
     chain_gen = torch.Generator().manual_seed(spec.seed)
     successors = torch.randint(0, spec.vocab_size, (spec.vocab_size, spec.branching), generator=chain_gen)
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + 7919 * (stream + 1))
-    tokens = torch.empty(num_samples, spec.seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, spec.vocab_size, (num_samples,), generator=gen)
-    choices = torch.randint(0, spec.branching, (num_samples, spec.seq_len), generator=gen)
+    first = torch.randint(0, spec.vocab_size, (num_samples,), generator=gen)
+    choices = torch.randint(0, spec.branching, (num_samples, spec.seq_len), generator=gen).T.contiguous()
+    # NOTE: built position by position in a [seq_len + 1, num_samples] layout, whose rows are contiguous: the
+    # same tokens as column by column in [num_samples, seq_len + 1], in half the time (1.56 -> 0.76 s, 124M's data)
+    flat_successors = successors.reshape(-1)
+    columns = torch.empty(spec.seq_len + 1, num_samples, dtype=torch.long)
+    columns[0] = first
     for t in range(spec.seq_len):
-        tokens[:, t + 1] = successors[tokens[:, t], choices[:, t]]
-    return tokens
+        torch.index_select(flat_successors, 0, columns[t] * spec.branching + choices[t], out=columns[t + 1])
+    return columns.T.contiguous()
 
 
 # ---------------------------------------------------------------------------
