@@ -166,16 +166,18 @@ def test_builds_started_in_the_background_are_what_the_engine_then_waits_for(mon
 
 def test_a_run_starts_builds_only_on_cuda_and_only_of_kernels_not_off(monkeypatch):
     from toolkit.recipe.load import load_recipe
-    from toolkit.runtime import engine
+    from toolkit.runtime.engine import kernels_of_recipe
+    from toolkit.runtime.kernel_choice import start_kernel_builds
 
     started = []
     monkeypatch.setattr(loader, "build_in_background", lambda names: started.append(list(names)))
     recipe = load_recipe("gpt2-124m", ["kernels.bias_gelu=off"])
-    engine.start_kernel_builds(recipe, torch.device("cpu"))
+    start_kernel_builds(kernels_of_recipe(recipe), recipe.kernels, torch.device("cpu"))
     assert started == []
-    engine.start_kernel_builds(recipe, torch.device("cuda"))
+    start_kernel_builds(kernels_of_recipe(recipe), recipe.kernels, torch.device("cuda"))
     assert started == [["layernorm", "cross_entropy", "adamw"]]
-    engine.start_kernel_builds(load_recipe("gpt2-124m", ["zero.stage=2"]), torch.device("cuda"))
+    stage2 = load_recipe("gpt2-124m", ["zero.stage=2"])
+    start_kernel_builds(kernels_of_recipe(stage2), stage2.kernels, torch.device("cuda"))
     assert started[-1] == ["layernorm", "bias_gelu", "cross_entropy"]  # stage 2 steps its shards without it
 
 

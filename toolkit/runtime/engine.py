@@ -27,9 +27,10 @@ from toolkit.errors import UserError
 from toolkit.ops.fused_modules import pad_lm_head, swap_fused_modules
 from toolkit.models.forward import IGNORE_INDEX, call_model, check_labels, read_output
 from toolkit.models.build import build_model, count_parameters
-from toolkit.runtime.optim import (Schedule, adamw_implementation, adamw_kernel_applies, adamw_param_names,
+from toolkit.runtime.optim import (Schedule, adamw_implementation, adamw_param_names,
                                    choose_adamw)
 from toolkit.runtime.cpu_threads import apply_threads, choose_threads
+from toolkit.runtime.kernel_choice import kernels_of
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.specs import Recipe
 from toolkit.runtime.strategy import backward_scaled
@@ -55,20 +56,9 @@ def check_device(recipe: Recipe) -> torch.device:
     return device
 
 
-def kernels_of(recipe: Recipe) -> tuple[str, ...]:
-    """The fused kernels a run of `recipe` considers: its model family's, and AdamW's only where stage 0's
-    optimizer can step with it (optim.adamw_kernel_applies)."""
-    use_adamw_kernel = adamw_kernel_applies(adamw_implementation(recipe.optimizer, recipe.kernels),
-                                            recipe.zero.stage, recipe.parallel.active, recipe.optimizer.type,
-                                            recipe.optimizer.state_dtype)
-    return loader.needed_kernels(recipe.model.family, use_adamw_kernel)
-
-
-def start_kernel_builds(recipe: Recipe, device: torch.device) -> None:
-    """On a CUDA device, build the run's fused kernels (those not `off`) in the background from now on, while
-    the model and the data are made; the engine's kernel choice waits for them. Nothing on the CPU."""
-    if device.type == "cuda":
-        loader.build_in_background([n for n in kernels_of(recipe) if getattr(recipe.kernels, n) != "off"])
+def kernels_of_recipe(recipe: Recipe) -> tuple[str, ...]:
+    """The fused kernels a run of `recipe` considers (runtime/kernel_choice.py), from its specs."""
+    return kernels_of(recipe.model.family, recipe.optimizer, recipe.kernels, recipe.zero.stage, recipe.parallel.active)
 
 
 class StepResult:
@@ -139,7 +129,7 @@ class Engine:
 
     def _choose_kernels(self, recipe: Recipe) -> None:
         """recipe.kernels -> fused kernel or torch, per kernel (builds on first use; `on` that fails is an error)."""
-        self.kernels = loader.resolve(recipe.kernels, self.device.type, kernels_of(recipe))
+        self.kernels = loader.resolve(recipe.kernels, self.device.type, kernels_of_recipe(recipe))
 
     def _choose_adamw(self, recipe: Recipe) -> str | None:
         """The AdamW of stage 0 and the mesh, from optimizer.implementation and the kernels just chosen

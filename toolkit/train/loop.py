@@ -25,7 +25,8 @@ from toolkit.checkpoint.resume import truncate_metrics
 from toolkit.checkpoint.state import restore_rng_state
 from toolkit.train.recipe_threads import apply_cpu_threads
 from toolkit.data.batches import BatchStream, Dataset, eval_batches
-from toolkit.runtime.engine import Engine, check_device, pick_device, start_kernel_builds
+from toolkit.runtime.engine import Engine, check_device, kernels_of_recipe, pick_device
+from toolkit.runtime.kernel_choice import start_kernel_builds
 from toolkit.errors import UserError, write_failure
 from toolkit.observe.flops import MfuBasis, mfu_basis, unknown_peak_warning
 from toolkit.observe.comm_ledger import per_step
@@ -101,7 +102,7 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     info = start_process_group(recipe.world_size, recipe.training.device)
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
     num_parameters = _preflight_every_rank(recipe, run_dir, info)  # before anything slow or the run dir
-    start_kernel_builds(recipe, device)  # nvcc works while the engine, the model and the data are made
+    start_kernel_builds(kernels_of_recipe(recipe), recipe.kernels, device)  # nvcc works while the model is made
     apply_cpu_threads(recipe)
     lock = _agree(lambda: claim_run_dir(run_dir), info)  # rank 0 holds it (or the --nproc launcher does)
     stop = StopSignals(under_elastic_launcher()).install(run_dir, recipe.training.max_steps)
