@@ -84,6 +84,10 @@ stage_body() {
               # fills the prefix, the second is timed
       local i run=(python3 -m toolkit run recipes/gpt2-124m.json training.log_interval=1 checkpoint.save_final=false
                    training.max_steps=20)
+      { env | grep '^PYTHON' || true
+        python3 -c "import sys, os, torch; d = os.path.join(os.path.dirname(torch.__file__), '__pycache__')
+print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pycache_prefix, d, 'exists',
+      os.path.isdir(d), 'writable', os.access(os.path.dirname(d), os.W_OK))"; } 2>&1 | tee -a "$OUT/pycache.txt"
       for i in 1 2; do
         PYTHONPYCACHEPREFIX=/tmp/pycache timeout 120 python3 -m benchmarks.first_step \
           --label "cached, bytecode kept (run $i)" --markdown "$OUT/first_step.md" -- "${run[@]}" 2>&1 \
