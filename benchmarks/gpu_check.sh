@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
+#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|offloadprofile|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -93,6 +93,9 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
           --label "cached, bytecode kept (run $i)" --markdown "$OUT/first_step.md" -- "${run[@]}" 2>&1 \
           | tee -a "$OUT/pycache.txt"
       done ;;
+    offloadprofile)  # issue 36 item 1: where GPT-2 1.5B's ZeRO-2 + CPU offload step goes (benchmarks/offload_profile.py)
+      timeout 240 python3 -m benchmarks.offload_profile --markdown "$OUT/offload_profile.md" 2>&1 \
+        | tee "$OUT/offload_profile.txt" ;;
     recipes)  # the shipped recipes' tokens/s as `toolkit run` reports them (issue 33's goals). RECIPES: words
               # name:steps[:override,override...], e.g. gpt2-1.5b-h200:20:zero.stage=2,zero.offload_optimizer=cpu
       local item name steps extra

@@ -18,6 +18,7 @@ On a CPU-only run the device is the CPU: the same pieces, plain copies.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -152,14 +153,20 @@ class OffloadedStep:
         """The step's pieces, after the optimizer's `begin_step` (a delayed update runs them on its thread)."""
         if not self._begin():
             return
+        waited = stepped = 0.0
         for k, piece in enumerate(self.pieces):
             if k + 1 < len(self.pieces):
                 self._fetch(k + 1)  # its staging slot was read by piece k-1's CPU step, which has returned
             sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
+            start = time.perf_counter()
             grads, out = self._arrived(k)
+            arrived = time.perf_counter()
             self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
+            waited, stepped = waited + arrived - start, stepped + time.perf_counter() - arrived
             self._send(k, out)
         self._end()
+        # the last step's CPU seconds: blocked on a piece's transfers, and in its AdamW (benchmarks/offload_profile.py)
+        self.last_seconds = {"waited": waited, "stepped": stepped}
 
 
 class SwappedStep(OffloadedStep):

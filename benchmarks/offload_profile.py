@@ -1,0 +1,93 @@
+"""Where ZeRO-Offload's step goes on one GPU (issue 36 item 1): a recipe's step split into the forward and
+backward, the optimizer step's CPU seconds blocked on a piece's transfers and those in its CPU AdamW
+(`OffloadedStep.last_seconds`), and the GPU's copy time each way (torch.profiler's Memcpy rows, one step).
+
+    python -m benchmarks.offload_profile [--recipe gpt2-1.5b-h200] [--steps 5] [--markdown FILE] [OVERRIDES ...]
+
+Default overrides: ZeRO stage 2, zero.offload_optimizer cpu, micro 16 x 1024, accumulation 1 (the issue's setting).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT = ["zero.stage=2", "zero.offload_optimizer=cpu", "batch.grad_accum_steps=1", "batch.global_batch=16",
+           "checkpoint.save_final=false", "logging.tensorboard=false"]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_step(engine, stream) -> dict:
+    """One optimizer step: wall seconds of the forward+backward and of the step (each ended by a sync)."""
+    start = time.perf_counter()
+    for batch in stream.next_step():
+        engine.backward(engine(batch))
+    sync()
+    backward_end = time.perf_counter()
+    engine.step()
+    sync()
+    parts = [p.offloaded_step.last_seconds for p in engine.strategy.parts if getattr(p, "offloaded_step", None)]
+    return {"fwd_bwd": backward_end - start, "step": time.perf_counter() - backward_end,
+            "waited": sum(p["waited"] for p in parts), "stepped": sum(p["stepped"] for p in parts)}
+
+
+def copy_ms(engine, stream) -> dict:
+    """GPU milliseconds of device-to-host and host-to-device copies in one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with profile(activities=activities) as prof:
+        timed_step(engine, stream)
+    totals = {"DtoH": 0.0, "HtoD": 0.0}
+    for event in prof.key_averages():
+        for way in totals:
+            if "Memcpy" in event.key and way in event.key:
+                device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+                totals[way] += device_us / 1e3
+    return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="gpt2-1.5b-h200")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps, after 3 warm-up steps")
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    from toolkit.data.batches import BatchStream, Dataset
+    from toolkit.recipe.load import load_recipe
+    from toolkit.runtime.engine import Engine
+
+    recipe = load_recipe(args.recipe, [*DEFAULT, *args.overrides])
+    engine = Engine(recipe)
+    stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=0, seed=recipe.training.seed)
+    for _ in range(3):
+        timed_step(engine, stream)
+    rows = [timed_step(engine, stream) for _ in range(args.steps)]
+    copies = copy_ms(engine, stream)
+    median = {key: 1e3 * statistics.median(r[key] for r in rows) for key in rows[0]}
+    tokens = recipe.batch.global_batch * recipe.data.seq_len
+    total = median["fwd_bwd"] + median["step"]
+    lines = [f"{args.recipe} {' '.join(args.overrides)}: {tokens:,} tokens a step, {args.steps} steps (median ms), "
+             f"{tokens / total * 1e3:,.0f} tokens/s; {engine.device}, torch {torch.__version__}", "",
+             "| forward + backward | optimizer step | of which CPU blocked on transfers | of which CPU AdamW | "
+             "D2H GPU ms (one step) | H2D GPU ms (one step) |", "| --- | --- | --- | --- | --- | --- |",
+             f"| {median['fwd_bwd']:.0f} | {median['step']:.0f} | {median['waited']:.0f} | {median['stepped']:.0f} | "
+             f"{copies['DtoH']:.0f} | {copies['HtoD']:.0f} |"]
+    print("\n".join(lines))
+    if args.markdown:
+        with args.markdown.open("a") as out:
+            out.write("\n".join(lines) + "\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
