@@ -112,6 +112,24 @@ def offload_step(numel: int, module=None):
     return toolkit if module is not None else torch_steps
 
 
+def extrapolated_step(numel: int, kernel: bool):
+    """delayed_extrapolated's offload step of one piece through ShardedAdamW.update: the bf16 copy is the weights
+    one update ahead, written by the kernel in its pass (kernel) or by torch ops through a scratch (not)."""
+    from toolkit.recipe.load import load_recipe
+    from toolkit.runtime.zero.adamw import ShardedAdamW
+
+    optimizer = ShardedAdamW(load_recipe("quickstart").optimizer, numel, torch.device("cpu"), offload=True)
+    if not kernel:
+        optimizer.kernel, optimizer.mode = None, "fused"
+    p, g = torch.randn(numel), torch.randn(numel)
+    out = torch.empty(numel, dtype=torch.bfloat16)
+
+    def step():
+        optimizer.begin_step()
+        optimizer.update(True, p, g, optimizer.exp_avg, optimizer.exp_avg_sq, out, extrapolate=True)
+    return step
+
+
 def toolkit_per_tensor(module, shapes):
     tensors = [(torch.randn(s), torch.randn(s), torch.zeros(s), torch.zeros(s)) for s in shapes]
     count = [0]
@@ -170,6 +188,8 @@ def main() -> None:
             ("torch _fused_adamw_ (flat)", lambda: torch_fused_flat(numel)),
             ("toolkit offload step (1 pass)", lambda: offload_step(numel, module)),
             ("torch offload step (3 passes)", lambda: offload_step(numel)),
+            ("extrapolated, kernel (1 pass)", lambda: extrapolated_step(numel, kernel=True)),
+            ("extrapolated, torch ops", lambda: extrapolated_step(numel, kernel=False)),
             ("torch AdamW foreach=True", lambda: torch_adamw(shapes, foreach=True))]
     if not args.skip_forloop:
         runs.append(("torch AdamW for-loop", lambda: torch_adamw(shapes, foreach=False)))

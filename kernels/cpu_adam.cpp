@@ -150,13 +150,19 @@ inline void adam_vector(float* p, const float* g, float* m, float* v, int64_t be
 
 // One pass over [begin, end) in tiles that stay in L1/L2: the AdamW update, then, while the tile is
 // still cached, the bf16 copy of the new weights and the zeroing of the consumed gradient.
-inline void adam_range(float* p, float* g, float* m, float* v, uint16_t* out16, bool zero_grad, int64_t begin,
-                       int64_t end, const AdamScalars& s) {
+// `extrapolate` (zero.offload_update delayed_extrapolated): the bf16 copy is new + (new - old), the
+// weights one update ahead, from the tile's old weights kept on the stack; as torch's add(p, p - old).
+inline void adam_range(float* p, float* g, float* m, float* v, uint16_t* out16, bool zero_grad, bool extrapolate,
+                       int64_t begin, int64_t end, const AdamScalars& s) {
   constexpr int64_t kTile = 2048;  // 4 arrays x 8 KiB
+  float old[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t stop = std::min(end, t + kTile);
+    if (extrapolate) std::memcpy(old, p + t, sizeof(float) * (stop - t));
     adam_vector(p, g, m, v, t, stop, s);
-    if (out16 != nullptr)
+    if (out16 != nullptr && extrapolate)
+      for (int64_t i = t; i < stop; ++i) out16[i] = to_bf16(p[i] + (p[i] - old[i - t]));
+    else if (out16 != nullptr)
       for (int64_t i = t; i < stop; ++i) out16[i] = to_bf16(p[i]);
     if (zero_grad) std::memset(g + t, 0, sizeof(float) * (stop - t));
   }
@@ -247,7 +253,7 @@ void check_bf16(const at::Tensor& t, const char* name, int64_t numel) {
 
 void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                c10::optional<at::Tensor> param_bf16, bool zero_grad) {
+                c10::optional<at::Tensor> param_bf16, bool zero_grad, bool extrapolate) {
   const int64_t n = param.numel();
   check(param, "param", n);
   check(grad, "grad", n);
@@ -260,6 +266,7 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
                 "param_bf16 must be a contiguous CPU bfloat16 tensor of param's size");
     out16 = reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
   }
+  TORCH_CHECK(!extrapolate || out16 != nullptr, "extrapolate writes the bf16 copy: pass param_bf16");
   const AdamScalars s = adam_scalars(step, lr, beta1, beta2, eps, weight_decay);
   float* p = param.data_ptr<float>();
   float* g = grad.data_ptr<float>();
@@ -270,14 +277,14 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   // making the others wait at the end, which a static split into one block per thread would.
   constexpr int64_t kBlock = 1 << 16;
   if (n <= kBlock) {
-    adam_range(p, g, m, v, out16, zero_grad, 0, n, s);
+    adam_range(p, g, m, v, out16, zero_grad, extrapolate, 0, n, s);
     return;
   }
   const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
-    adam_range(p, g, m, v, out16, zero_grad, begin, end, s);
+    adam_range(p, g, m, v, out16, zero_grad, extrapolate, begin, end, s);
   }
 }
 
@@ -331,7 +338,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step, "AdamW step in place on contiguous fp32 CPU tensors",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("param_bf16") = py::none(), py::arg("zero_grad") = false,
+        py::arg("param_bf16") = py::none(), py::arg("zero_grad") = false, py::arg("extrapolate") = false,
         // NOTE: the GIL is released for the pass, so a delayed offload update (toolkit/runtime/zero/
         // delayed_update.py) steps on its thread while the main thread runs the next forward and backward
         py::call_guard<py::gil_scoped_release>());

@@ -58,6 +58,25 @@ def test_cpu_adam_writes_bf16_params_in_the_same_pass(kernel):
     assert torch.equal(out, p.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("numel", [17, 300_007])  # one tile's tail; many threads' blocks
+def test_cpu_adam_extrapolates_the_bf16_copy_as_torch_adds_it_bit_for_bit(kernel, numel):
+    # zero.offload_update delayed_extrapolated: the copy is new + (new - old), written in the update's pass;
+    # the weights and moments are the plain step's, and the copy is torch's add(new, new - old) rounded to bf16
+    gen = torch.Generator().manual_seed(numel)
+    p, g, m, v = (torch.randn(numel, generator=gen) for _ in range(4))
+    m, v = m * 0.1, v.abs() * 0.01
+    old = p.clone()
+    plain = [t.clone() for t in (p, g, m, v)]
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    kernel.adamw_step(p, g, m, v, 3, LR, *BETAS, EPS, WD, out, False, True)
+    kernel.adamw_step(*plain, 3, LR, *BETAS, EPS, WD)
+    assert all(torch.equal(a, b) for a, b in zip((p, m, v), (plain[0], plain[2], plain[3])))
+    assert torch.equal(out, torch.add(plain[0], plain[0] - old).to(torch.bfloat16))
+    assert not torch.equal(out, p.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="param_bf16"):
+        kernel.adamw_step(p, g, m, v, 4, LR, *BETAS, EPS, WD, None, False, True)
+
+
 def test_cpu_adam_zeroes_the_consumed_gradient_when_asked(kernel):
     p, g = torch.randn(70_001), torch.randn(70_001)
     want = p.clone()

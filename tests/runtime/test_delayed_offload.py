@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import become_rank, free_port, leave_rank
-from tests.runtime.zero_helpers import (DELAYED, RTOL, SMALL_BUCKETS, STEPS, WARMUP, assert_params_close,
+from tests.runtime.zero_helpers import (BASE, DELAYED, RTOL, SMALL_BUCKETS, STEPS, WARMUP, assert_params_close,
                                         delayed_reference, owned_states, save_and_resume, tiny_engine, train)
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,25 @@ def test_delayed_extrapolated_follows_its_hand_written_rule_and_lands_the_master
     assert losses == pytest.approx(ref_losses, rel=RTOL)
     assert losses != pytest.approx(delayed_reference(WARMUP)[0], rel=100 * RTOL)  # not plain delayed
     assert_params_close(finished(engine), ref_master)  # what lands at the end is the master, not an extrapolation
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu_adam kernel", "torch ops"])
+def test_extrapolated_weights_are_the_new_ones_plus_the_update_on_either_path(kernel):
+    from toolkit.recipe.load import recipe_from_dict
+    from toolkit.runtime.zero.adamw import ShardedAdamW
+
+    optimizer = ShardedAdamW(recipe_from_dict(BASE, []).optimizer, 5000, torch.device("cpu"), offload=True)
+    if kernel and optimizer.kernel is None:
+        pytest.skip("the CPU Adam kernel is not built here")
+    if not kernel:
+        optimizer.kernel, optimizer.mode = None, "fused"
+    gen = torch.Generator().manual_seed(0)
+    p, g = torch.randn(5000, generator=gen), torch.randn(5000, generator=gen)
+    m, v, out, old = torch.zeros(5000), torch.zeros(5000), torch.empty(5000, dtype=torch.bfloat16), p.clone()
+    optimizer.begin_step()
+    optimizer.update(True, p, g, m, v, out, extrapolate=True)
+    assert not torch.equal(p, old)  # the master took the plain update
+    assert torch.equal(out, torch.add(p, p - old).to(torch.bfloat16))
 
 
 def test_the_rule_is_not_the_exact_one():

@@ -48,6 +48,7 @@ class ShardedAdamW:
         self.param_groups = [{"lr": spec.lr, "weight_decay": spec.weight_decay, "decay": True, "betas": betas},
                              {"lr": spec.lr, "weight_decay": 0.0, "decay": False, "betas": betas}]
         self.kernel = None
+        self._scratch = None  # fp32, a piece long: delayed_extrapolated's old weights where the kernel cannot extrapolate
         if offload:
             from toolkit.ops.cpu_adam import load_cpu_adam
 
@@ -98,12 +99,22 @@ class ShardedAdamW:
         blockwise_adam_step(self.moments, pieces, step=self.step_count, betas=self.betas, eps=self.eps, l2=self.l2)
 
     def update(self, decay: bool, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor, offset: int = 0) -> None:
+               out: torch.Tensor, offset: int = 0, extrapolate: bool = False) -> None:
         """This step's AdamW on one contiguous piece (after `begin_step`) starting at element `offset` of the shard;
-        `out` gets the new weights in its dtype."""
+        `out` gets the new weights in its dtype (`extrapolate`, delayed_extrapolated: new + (new - old))."""
         lr, wd = self.step_settings[0 if decay else 1]
         beta1, beta2 = self.step_betas
         bf16_out = out.dtype == torch.bfloat16
+        kernel_extrapolates = self.mode == "cpu_adam" and bf16_out and p.dtype == torch.float32
+        if extrapolate and not kernel_extrapolates:  # torch ops: three passes through a scratch kept across steps
+            if self._scratch is None or self._scratch.numel() < p.numel():
+                self._scratch = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+            delta = self._scratch[:p.numel()]
+            delta.copy_(p)  # the weights before the update
+            self.update(decay, p, g, m, v, out, offset)
+            torch.sub(p, delta, out=delta)
+            torch.add(p, delta, out=out)
+            return
         if self.l2 and wd != 0:  # the staged gradient is this step's own copy: L2 decay into it, then plain Adam
             g.add_(p, alpha=wd)
             wd = 0.0
@@ -111,7 +122,7 @@ class ShardedAdamW:
             self._update_bf16(p, g, m, v, lr, wd, (beta1, beta2), offset)
         elif self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
             self.kernel.adamw_step(p, g, m, v, self.step_count, lr, beta1, beta2, self.eps, wd,
-                                   out if bf16_out else None, False)
+                                   out if bf16_out else None, False, extrapolate)
         else:
             self._fused([p], [g], [m], [v], lr, wd, (beta1, beta2))
         if p.dtype == torch.bfloat16 or not (bf16_out and self.mode == "cpu_adam"):  # else the kernel wrote `out`
