@@ -29,6 +29,7 @@ GiB = 2**30  # what GPUs and the table below are measured in
 ADAM_K = {"fp16": 12, "bf16": 12, "fp32": 8}
 BF16_STATE_K = 4  # optimizer.state_dtype bf16: two bf16 moments (the bf16 weights are the master)
 BF16_OFFLOAD_K = 6  # ... offloaded: a bf16 master and two bf16 moments in CPU memory
+OFFLOAD_K = 12  # offloaded fp32 states: the master is a separate fp32 copy whatever the precision, 4 + 4 + 4
 INT8_BLOCK = 256  # optimizer.state_dtype int8: elements per fp32 absmax scale (toolkit/runtime/int8_moments.py BLOCK)
 
 
@@ -163,10 +164,11 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         optim += int8_moment_bytes(share) - 8 * share
     if offload in ("cpu", "nvme"):  # nvme: the same bytes in swap files, streamed through bounded buffers
         host = round(offload_ratio * shard)
-        # NOTE: under nvme the 12 * host bytes sit in swap files, in neither column (swap.py checks the disk)
+        # NOTE: under nvme the OFFLOAD_K * host bytes sit in swap files, in neither column (swap.py checks the disk)
         if state_dtype == "bf16":
             return ModelStateBytes(params, grads, BF16_STATE_K * (shard - host), BF16_OFFLOAD_K * host)
-        return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host), 12 * host if offload == "cpu" else 0)
+        return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host),
+                               OFFLOAD_K * host if offload == "cpu" else 0)
     return ModelStateBytes(params, grads, optim, 0)
 
 

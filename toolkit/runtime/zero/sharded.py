@@ -34,6 +34,7 @@ from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, split_groups, state_dtype
 from toolkit.runtime.zero.swap import SwapDir
 from toolkit.observe.disk_fit import check_nvme_path
+from toolkit.observe.estimate import BF16_OFFLOAD_K, OFFLOAD_K
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
@@ -83,7 +84,7 @@ class ShardedStrategy(StrategyBase):
         zero = self.zero
         need = 0
         if zero.offload_optimizer == "nvme":
-            need += 12 * sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
+            need += OFFLOAD_K * sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
         if zero.offload_param == "nvme":
             need += self.layout.numel * torch.empty(0, dtype=self.param_dtype).element_size()
         return need * int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size))
@@ -146,7 +147,7 @@ class ShardedStrategy(StrategyBase):
             tier = part.tier
             numel = part.layout.numel
             share = f" {numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
-            per_element = 6 if self.bf16_states else 12  # master + two moments, bf16 or fp32
+            per_element = BF16_OFFLOAD_K if self.bf16_states else OFFLOAD_K  # master + two moments, bf16 or fp32
             nbytes = per_element * numel if tier != "none" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
             states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
         delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
@@ -155,7 +156,7 @@ class ShardedStrategy(StrategyBase):
         text = "; ".join(states)
         if self.swap_dir is None:
             return text
-        optim = sum(12 * p.layout.numel for p in self.parts if p.swap is not None)
+        optim = sum(OFFLOAD_K * p.layout.numel for p in self.parts if p.swap is not None)
         param_bytes = self.layout.numel * elem if param_tier == "nvme" else 0
         # NOTE: parameters are read at every gather (forward and backward: twice per micro-step)
         reads = optim + 2 * self.grad_accum_steps * param_bytes
