@@ -145,6 +145,7 @@ def test_cli_check_exits_2_naming_the_stale_notebook(tmp_path, monkeypatch):
 
 
 def test_an_executed_notebook_keeps_its_outputs_and_is_not_stale(tmp_path, monkeypatch):
+    import toolkit.cli.notebook_runner as notebook_runner
     import toolkit.cli.tutorials as tutorials
 
     (tmp_path / "templates").mkdir()
@@ -152,7 +153,7 @@ def test_an_executed_notebook_keeps_its_outputs_and_is_not_stale(tmp_path, monke
     monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
     monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
     build_all()
-    [(path, _, error)] = tutorials.execute_notebooks([tmp_path / "01_demo.ipynb"], timeout_s=120)
+    [(path, _, error)] = notebook_runner.execute_notebooks([tmp_path / "01_demo.ipynb"], timeout_s=120)
     assert path.name == "01_demo.ipynb" and error is None
     nb = json.loads((tmp_path / "01_demo.ipynb").read_text())
     assert "".join(nb["cells"][0]["outputs"][0]["text"]) == "42\n"
@@ -160,6 +161,7 @@ def test_an_executed_notebook_keeps_its_outputs_and_is_not_stale(tmp_path, monke
 
 
 def test_a_rebuild_keeps_outputs_up_to_the_first_changed_code_cell(tmp_path, monkeypatch):
+    import toolkit.cli.notebook_runner as notebook_runner
     import toolkit.cli.tutorials as tutorials
 
     (tmp_path / "templates").mkdir()
@@ -168,7 +170,7 @@ def test_a_rebuild_keeps_outputs_up_to_the_first_changed_code_cell(tmp_path, mon
     monkeypatch.setattr(tutorials, "TUTORIALS_DIR", tmp_path)
     monkeypatch.setattr(tutorials, "TEMPLATES_DIR", tmp_path / "templates")
     build_all()
-    list(tutorials.execute_notebooks([tmp_path / "01_demo.ipynb"], timeout_s=120))
+    list(notebook_runner.execute_notebooks([tmp_path / "01_demo.ipynb"], timeout_s=120))
 
     def outputs():
         cells = json.loads((tmp_path / "01_demo.ipynb").read_text())["cells"]

@@ -158,8 +158,9 @@ def _cmd_recipes(args) -> int:
 
 def _cmd_tutorials(args) -> int:
     from toolkit.optional_packages import check_command_packages
-    from toolkit.cli.tutorials import (BUILD_COMMAND, GPU_SUBDIR, TUTORIALS_DIR, build_all, execute_notebooks,
-                                       build_index, notebook_name, record_run_time, template_paths)
+    from toolkit.cli.notebook_runner import execute_notebooks
+    from toolkit.cli.tutorials import (BUILD_COMMAND, GPU_SUBDIR, TUTORIALS_DIR, build_all, build_index,
+                                       notebook_name, record_run_time, template_paths)
 
     check_command_packages(BUILD_COMMAND)
     if (args.gpu or args.names) and not args.execute:
@@ -187,7 +188,7 @@ def _cmd_tutorials(args) -> int:
         if args.names:  # in the order given: a device call that may be cut short runs the sure ones first
             chosen.sort(key=lambda p: args.names.index(p.stem))
         failed = 0
-        for path, seconds, error in execute_notebooks(chosen):
+        for path, seconds, error in execute_notebooks(chosen, root=TUTORIALS_DIR.parent):
             where = path.relative_to(TUTORIALS_DIR.parent)
             print(f"{where}: executed in {seconds:.1f} s" + (f"; FAILED: {error}" if error else ""), flush=True)
             failed += error is not None
