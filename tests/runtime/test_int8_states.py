@@ -5,7 +5,8 @@ Two and four gloo ranks: tests/runtime/test_int8_states_dist.py."""
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import SMALL_BUCKETS, assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine
+from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine,
+                                        train)
 from toolkit.runtime.int8_adamw import Int8AdamW
 from toolkit.runtime.int8_moments import (BLOCK, SIGNED_MAP, UNSIGNED_MAP, dequantize_blockwise,
                                           quantize_blockwise)
@@ -162,7 +163,7 @@ def test_optimizer_bytes_the_engine_holds_equal_the_estimate(stage, precision):
 
 
 @pytest.mark.parametrize("overrides, what", [
-    (["zero.stage=2", "zero.offload_optimizer=cpu"], "zero.offload_optimizer 'cpu'"),
+    (["zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/tmp"], "zero.offload_optimizer 'nvme'"),
     (["zero.stage=3", "zero.offload_param=cpu"], "zero.offload_param 'cpu'"),
     (["optimizer.type=muon"], "not 'muon'"),
     (["optimizer.type=onebit_adam"], "not 'onebit_adam'"),
@@ -176,12 +177,52 @@ def test_int8_moments_with_an_unbuilt_combination_are_refused_in_one_line(overri
     assert caught.value.lines[0].startswith("recipe.optimizer.state_dtype: 'int8'") and what in caught.value.lines[0]
 
 
-def test_the_cli_refuses_int8_moments_with_offload_with_exit_code_2(capsys, monkeypatch):
+def test_the_cli_refuses_int8_moments_with_swap_files_with_exit_code_2(capsys, monkeypatch, tmp_path):
     from toolkit.cli.main import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    code = main(["validate", "quickstart", *INT8, "zero.stage=2", "zero.offload_optimizer=cpu"])
+    code = main(["validate", "quickstart", *INT8, "zero.stage=2", "zero.offload_optimizer=nvme",
+                 f"zero.nvme_path={tmp_path}"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: recipe.optimizer.state_dtype: 'int8'"), err
+
+
+# ---------------------------------------------------------------------------
+# Offloaded to CPU memory: an fp32 master and the 8-bit moments there, stepped a piece at a time
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_int8_moments_step_as_on_the_device_bit_for_bit(stage, monkeypatch):
+    """zero.offload_optimizer cpu: the offloaded step's pieces (cut small here, so blocks straddle pieces) open each
+    block once a step and quantize it back once, as the device's windows do: the same losses, weights and codes."""
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 1000)  # not a multiple of the 256-element block
+    device, _, device_losses, _ = train(1, [f"zero.stage={stage}", SMALL_BUCKETS, *INT8])
+    offloaded, _, losses, _ = train(1, [f"zero.stage={stage}", SMALL_BUCKETS, *INT8, "zero.offload_optimizer=cpu"])
+    assert offloaded.strategy.parts[-1].offloaded and offloaded.strategy.parts[-1].optimizer.exp_avg.dtype == torch.uint8
+    assert losses == device_losses
+    for got, want in zip(offloaded.strategy.parts[-1].moment_tensors(), device.strategy.parts[-1].moment_tensors()):
+        assert torch.equal(got, want)
+
+
+def test_offloaded_int8_moments_hold_what_the_estimate_says_and_resume_bit_exactly(tmp_path):
+    from toolkit.observe.estimate import estimate_model_state_bytes
+
+    overrides = ["zero.stage=2", SMALL_BUCKETS, *INT8, "zero.offload_optimizer=cpu"]
+    n, live = _held(overrides)
+    want = estimate_model_state_bytes(n, stage=2, world_size=1, dtype="fp32", offload="cpu", state_dtype="int8")
+    assert live["mem_offload_bytes"] == want.cpu_optim == 4 * n + 2 * n + 8 * -(-n // 256)
+    assert live["mem_optim_bytes"] == want.optim == 0
+    saved, restored, uninterrupted, resumed, _ = save_and_resume(tmp_path / "run", overrides, overrides)
+    assert all(torch.equal(restored[key], saved[key]) for key in saved)
+    assert len(resumed) == 5 and resumed == uninterrupted
+
+
+def test_offloaded_int8_moments_take_the_delayed_update_too():
+    """With a warm-up as long as the run the delayed mode is the exact one; after it, the update lands a step late."""
+    base = ["zero.stage=2", SMALL_BUCKETS, *INT8, "zero.offload_optimizer=cpu", "zero.offload_update=delayed"]
+    exact = train(1, base[:-1])[2]
+    assert train(1, [*base, "zero.offload_update_warmup=10"])[2] == exact
+    delayed = train(1, [*base, "zero.offload_update_warmup=3"])[2]
+    assert delayed[:4] == exact[:4] and delayed[4:] != exact[4:]

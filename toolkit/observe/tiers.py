@@ -131,6 +131,9 @@ def format_tier_estimate(inp: EstimateInput) -> str:
                      offload_ratio=inp.offload_ratio, nvme_ratio=inp.nvme_ratio,
                      grad_accum_steps=inp.grad_accum_steps)
     mark = (inp.offload_optimizer, inp.offload_param) if inp.stage == tier_stage else None
-    if mark is not None and inp.offload_update != "exact":  # the recipe's row holds its delayed-update buffers
+    if mark is not None:  # the recipe's row as the recipe holds it: its state dtype, its delayed-update buffers
         rows = [input_tiers(inp) if (r.offload_optimizer, r.offload_param) == mark else r for r in rows]
-    return "\n".join(format_tiers(rows, stage=tier_stage, activations=activations, mark=mark))
+    lines = format_tiers(rows, stage=tier_stage, activations=activations, mark=mark)
+    if inp.state_dtype != "fp32":
+        lines.append(f"the rows other than the recipe's hold fp32 optimizer states, not {inp.state_dtype}")
+    return "\n".join(lines)

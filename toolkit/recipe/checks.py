@@ -89,17 +89,18 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
 
 
 def state_dtype_errors(r: dict, mesh: bool) -> list[str]:
-    """optimizer.state_dtype bf16 and int8 are built for zero.stage 0-3 on the device and AdamW/Adam (bf16 also needs
-    bf16 precision, and is built offloaded to CPU memory too): one line per combination refused."""
+    """optimizer.state_dtype bf16 and int8 are built for zero.stage 0-3 with AdamW/Adam, the states on the device or
+    offloaded to CPU memory (bf16 also needs bf16 precision): one line per combination refused."""
     opt, zero = r["optimizer"], r["zero"]
     dtype = opt["state_dtype"]
     if dtype == "fp32":
         return []
     errors = []
-    offload_built = dtype == "bf16" and zero["offload_optimizer"] != "nvme"  # bf16: the CPU Adam kernel's bf16 step
+    # offloaded to CPU memory: bf16 through the CPU Adam kernel's bf16 step, int8 moments through torch ops
+    offload_built = zero["offload_optimizer"] == "cpu"
     if (zero["offload_optimizer"] != "none" and not offload_built) or zero["offload_param"] != "none":
         key = "offload_optimizer" if zero["offload_optimizer"] != "none" and not offload_built else "offload_param"
-        where = "on the device or in CPU memory (zero.offload_optimizer 'cpu')" if dtype == "bf16" else "on the device"
+        where = "on the device or in CPU memory (zero.offload_optimizer 'cpu')"
         errors.append(f"recipe.optimizer.state_dtype: {dtype!r} runs with the states {where}, not with zero.{key} "
                       f"{zero[key]!r} (not built yet); use 'fp32'")
     if opt["type"] in ("muon", "onebit_adam"):

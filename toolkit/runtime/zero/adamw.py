@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.runtime.int8_moments import BlockwiseMoments, Piece, blockwise_adam_step
+from toolkit.runtime.int8_moments import BLOCK, BlockwiseMoments, Piece, blockwise_adam_step
 from toolkit.runtime.low_precision_adamw import (adam_reference_update_, bf16_adam_update_, hashed_bf16_adam_update_,
                                                  rounding_generator)
 from toolkit.specs import OptimizerSpec
@@ -49,7 +49,8 @@ class ShardedAdamW:
                              {"lr": spec.lr, "weight_decay": 0.0, "decay": False, "betas": betas}]
         self.kernel = None
         self._scratch = None  # fp32, a piece long: delayed_extrapolated's old weights where the kernel cannot extrapolate
-        if offload:
+        self._window = None  # int8 offloaded: (start, exp_avg, exp_avg_sq), fp32 moments of the blocks open this step
+        if offload and self.moments is None:  # the kernel steps fp32 and bf16 states; int8 moments step in torch ops
             from toolkit.ops.cpu_adam import load_cpu_adam
 
             self.kernel = load_cpu_adam()
@@ -118,7 +119,11 @@ class ShardedAdamW:
         if self.l2 and wd != 0:  # the staged gradient is this step's own copy: L2 decay into it, then plain Adam
             g.add_(p, alpha=wd)
             wd = 0.0
-        if p.dtype == torch.bfloat16:  # offloaded bf16 states: the rounding bits keyed by the element's index
+        if self.moments is not None:  # int8 moments offloaded: the piece's part of the blocks open this step
+            exp_avg, exp_avg_sq = self._open_window(offset, offset + p.numel())
+            adam_reference_update_(p, g, exp_avg, exp_avg_sq, step=self.step_count, lr=lr, wd=wd,
+                                   betas=(beta1, beta2), eps=self.eps, l2=False)
+        elif p.dtype == torch.bfloat16:  # offloaded bf16 states: the rounding bits keyed by the element's index
             self._update_bf16(p, g, m, v, lr, wd, (beta1, beta2), offset)
         elif self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
             self.kernel.adamw_step(p, g, m, v, self.step_count, lr, beta1, beta2, self.eps, wd,
@@ -127,6 +132,35 @@ class ShardedAdamW:
             self._fused([p], [g], [m], [v], lr, wd, (beta1, beta2))
         if p.dtype == torch.bfloat16 or not (bf16_out and self.mode == "cpu_adam"):  # else the kernel wrote `out`
             out.copy_(p)
+
+    def _open_window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 moments of elements [start, stop) for an offloaded int8 step, whose pieces come in shard order: the
+        blocks before `start`'s are done and quantized back; the blocks up to `stop` are read once and stay open
+        (the next piece may share the last one), so each block is quantized once a step, as on the device."""
+        first = start // BLOCK * BLOCK
+        last = min(-(-stop // BLOCK) * BLOCK, self.moments.numel)
+        if self._window is not None and first >= self._window[0] + self._window[1].numel():
+            self.end_pieces()
+        if self._window is not None:
+            open_at, exp_avg, exp_avg_sq = self._window
+            assert first >= open_at, (first, open_at)  # pieces in shard order
+            if first > open_at:  # blocks no later piece touches
+                self.moments.write(open_at, exp_avg[:first - open_at], exp_avg_sq[:first - open_at])
+                exp_avg, exp_avg_sq = exp_avg[first - open_at:], exp_avg_sq[first - open_at:]
+            opened = first + exp_avg.numel()
+            if last > opened:
+                more = self.moments.read(opened, last)
+                exp_avg, exp_avg_sq = torch.cat([exp_avg, more[0]]), torch.cat([exp_avg_sq, more[1]])
+        else:
+            exp_avg, exp_avg_sq = self.moments.read(first, last)
+        self._window = (first, exp_avg, exp_avg_sq)
+        return exp_avg[start - first:stop - first], exp_avg_sq[start - first:stop - first]
+
+    def end_pieces(self) -> None:
+        """After the last `update` of a step: quantize the int8 moments' open blocks back (else nothing)."""
+        if self._window is not None:
+            self.moments.write(*self._window)
+            self._window = None
 
     def _update_bf16(self, p, g, m, v, lr: float, wd: float, betas: tuple[float, float], offset: int) -> None:
         if self.kernel is not None:

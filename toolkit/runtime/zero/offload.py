@@ -153,6 +153,7 @@ class OffloadedStep:
             self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
             waited, stepped = waited + arrived - start, stepped + time.perf_counter() - arrived
             self._send(k, out)
+        self.optimizer.end_pieces()
         self._end()
         # the last step's CPU seconds: blocked on a piece's transfers, and in its AdamW (benchmarks/offload_profile.py)
         self.last_seconds = {"waited": waited, "stepped": stepped}

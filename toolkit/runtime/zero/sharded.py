@@ -34,7 +34,7 @@ from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, split_groups, state_dtype
 from toolkit.runtime.zero.swap import SwapDir
 from toolkit.observe.disk_fit import check_nvme_path
-from toolkit.observe.estimate import BF16_OFFLOAD_K, OFFLOAD_K
+from toolkit.observe.estimate import OFFLOAD_K
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
@@ -110,7 +110,9 @@ class ShardedStrategy(StrategyBase):
                   if self.param_dtype == torch.bfloat16 else "fp32 weights are the master")
         adams = []
         for part in self.parts:
-            if part.offloaded:
+            if part.offloaded and part.int8 is not None:
+                where = f"on the CPU: {part.optimizer.mode} (torch ops)"
+            elif part.offloaded:
                 from toolkit.ops.cpu_adam import cpu_adam_status
 
                 status = cpu_adam_status()
@@ -147,8 +149,10 @@ class ShardedStrategy(StrategyBase):
             tier = part.tier
             numel = part.layout.numel
             share = f" {numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
-            per_element = BF16_OFFLOAD_K if self.bf16_states else OFFLOAD_K  # master + two moments, bf16 or fp32
-            nbytes = per_element * numel if tier != "none" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
+            if tier == "cpu":  # the live master and moments: fp32 12 bytes an element, bf16 6, int8 moments 4 + 2.03
+                nbytes = tensor_bytes([*part.moment_tensors(), part.master])
+            else:  # a swapped part holds its fp32 states in the file
+                nbytes = OFFLOAD_K * numel if tier == "nvme" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
             states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
         delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
         if delayed:
