@@ -10,10 +10,9 @@ the world 4 resume against world 2's own run within 2.7e-6. A 10% lr error moves
 """
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import become_rank, free_port, leave_rank
-from tests.runtime.zero_helpers import SMALL_BUCKETS, STEPS, tiny_engine, train
+from tests.conftest import become_rank, leave_rank
+from tests.runtime.zero_helpers import SMALL_BUCKETS, STEPS, spawn_ranks, tiny_engine, train
 
 pytestmark = pytest.mark.dist
 
@@ -55,8 +54,7 @@ def _rank_main(rank, world, port, out_dir):
 
 
 def launch(world, out_dir):
-    mp.spawn(_rank_main, args=(world, free_port(), out_dir), nprocs=world, join=True)
-    return [torch.load(out_dir / f"rank{r}-of-{world}.pt", weights_only=False) for r in range(world)]
+    return spawn_ranks(_rank_main, world, lambda r: out_dir / f"rank{r}-of-{world}.pt", out_dir)
 
 
 @pytest.fixture(scope="module")

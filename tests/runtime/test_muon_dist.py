@@ -10,10 +10,9 @@ gather, a wrong slice: ~lr = 0.02 per step) exceeds.
 """
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import become_rank, free_port, leave_rank
-from tests.runtime.zero_helpers import STEPS, assert_params_close, tiny_engine, train
+from tests.conftest import become_rank, leave_rank
+from tests.runtime.zero_helpers import STEPS, assert_params_close, spawn_ranks, tiny_engine, train, train_and_save
 
 pytestmark = pytest.mark.dist
 
@@ -34,20 +33,14 @@ def _steps_with_bytes(world, overrides):
 def _save_and_resume(world, out_dir):
     """World 2 (stage 2): 10 steps saving after 5, then resume its own checkpoint. World 4 (stage 3): resume
     world 2's checkpoint. Each resumed run continues to step 10."""
-    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
+    from toolkit.checkpoint.checkpointer import restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
 
     overrides = [*FP32, "zero.stage=2" if world == 2 else "zero.stage=3"]
     results = {}
     if world == 2:
-        recipe, engine, stream = tiny_engine(world, overrides)
-        checkpointer = Checkpointer(recipe, out_dir, engine, stream)
-        losses = []
-        for step in range(STEPS):
-            losses.append(engine.train_batch(stream.next_step()).loss)
-            if step == SAVE_AT:
-                checkpointer.save()
+        engine, losses, _ = train_and_save(world, overrides, out_dir, SAVE_AT)
         results["uninterrupted"] = {"losses": losses, "params": engine.strategy.full_parameters()}
     ckpt = load_checkpoint(find_checkpoint(out_dir))
     _, engine, stream = tiny_engine(world, overrides)
@@ -82,8 +75,7 @@ def _rank_main(rank, world, port, out_dir):
 
 
 def launch(world, out_dir):
-    mp.spawn(_rank_main, args=(world, free_port(), out_dir), nprocs=world, join=True)
-    return [torch.load(out_dir.parent / f"muon-rank{r}-of-{world}.pt", weights_only=False) for r in range(world)]
+    return spawn_ranks(_rank_main, world, lambda r: out_dir.parent / f"muon-rank{r}-of-{world}.pt", out_dir)
 
 
 @pytest.fixture(scope="module")

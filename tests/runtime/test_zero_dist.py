@@ -10,10 +10,10 @@ Tolerance: tests/runtime/zero_helpers.py says which and why.
 """
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import become_rank, free_port, leave_rank
-from tests.runtime.zero_helpers import BASE, SMALL_BUCKETS, STEPS, assert_params_close, tiny_engine, train
+from tests.conftest import become_rank, leave_rank
+from tests.runtime.zero_helpers import (BASE, SMALL_BUCKETS, STEPS, assert_params_close, spawn_ranks, tiny_engine,
+                                        train)
 
 pytestmark = pytest.mark.dist
 
@@ -133,8 +133,7 @@ def _rank_main(rank, world, port, out_dir, mode):
 
 
 def launch(world, out_dir, mode):
-    mp.spawn(_rank_main, args=(world, free_port(), out_dir, mode), nprocs=world, join=True)
-    return [torch.load(out_dir / f"rank{r}-of-{world}-{mode}.pt", weights_only=False) for r in range(world)]
+    return spawn_ranks(_rank_main, world, lambda r: out_dir / f"rank{r}-of-{world}-{mode}.pt", out_dir, mode)
 
 
 # ---------------------------------------------------------------------------

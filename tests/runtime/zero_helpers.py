@@ -78,22 +78,42 @@ def owned_states(engine):
             for kind, view in views.items()}
 
 
+def train_and_save(world, overrides, run_dir, save_after):
+    """STEPS optimizer steps of a fresh engine on this rank, a checkpoint into `run_dir` after step `save_after + 1`:
+    (engine, losses, the states it owned when it saved)."""
+    from toolkit.checkpoint.checkpointer import Checkpointer
+
+    recipe, engine, stream = tiny_engine(world, overrides)
+    checkpointer = Checkpointer(recipe, run_dir, engine, stream)
+    losses, saved = [], None
+    for step in range(STEPS):
+        losses.append(engine.train_batch(stream.next_step()).loss)
+        if step == save_after:
+            checkpointer.save()
+            saved = owned_states(engine)
+    return engine, losses, saved
+
+
+def spawn_ranks(rank_main, world: int, result_file, *args) -> list:
+    """`rank_main(rank, world, port, *args)` on `world` spawned gloo ranks; then what each rank saved at
+    `result_file(rank)`."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    mp.spawn(rank_main, args=(world, free_port(), *args), nprocs=world, join=True)
+    return [torch.load(result_file(r), weights_only=False) for r in range(world)]
+
+
 def save_and_resume(run_dir, saved_overrides, resumed_overrides, save_after=4):
     """Train STEPS steps saving after step `save_after + 1`; restore that checkpoint into a fresh engine of
     `resumed_overrides` and train to STEPS: (saved states, restored states, uninterrupted losses after the save,
     resumed losses, the fresh engine)."""
-    from toolkit.checkpoint.checkpointer import Checkpointer, restore_engine_and_stream
+    from toolkit.checkpoint.checkpointer import restore_engine_and_stream
     from toolkit.checkpoint.files import find_checkpoint
     from toolkit.checkpoint.io import load_checkpoint
 
-    recipe, engine, stream = tiny_engine(1, saved_overrides)
-    checkpointer = Checkpointer(recipe, run_dir, engine, stream)
-    uninterrupted = []
-    for step in range(STEPS):
-        uninterrupted.append(engine.train_batch(stream.next_step()).loss)
-        if step == save_after:
-            checkpointer.save()
-            saved = owned_states(engine)
+    _, uninterrupted, saved = train_and_save(1, saved_overrides, run_dir, save_after)
     ckpt = load_checkpoint(find_checkpoint(run_dir))
     _, engine, stream = tiny_engine(1, resumed_overrides)
     restore_engine_and_stream(ckpt, engine, stream)
