@@ -175,7 +175,7 @@ def nvcc_parallel_flags(version: str | None) -> tuple[str, ...]:
     """nvcc's own parallelism, for an nvcc that has it (12.1 and later): the two compilations of a file (machine
     code for the GPU's arch and the PTX for newer ones) side by side, and each one's optimisation passes
     over the file's kernels on all cores. Same code out; the norm forward's nvcc took 20.5 s wall alone,
-    12.1 s with both on the 2-core VM (benchmarks/RESULTS.md, "Kernels ready in seconds")."""
+    12.1 s with both on the 2-core VM (benchmarks/RESULTS.md, "Command to first step on a fresh H200")."""
     if version is None or tuple(int(p) for p in version.split(".")[:2]) < (12, 1):
         return ()
     return ("--threads=0", "--split-compile=0")
@@ -203,9 +203,12 @@ def _nvcc_output(flag: str) -> str | None:
     if isinstance(answers, dict) and isinstance(answers.get(key), str):
         return answers[key]
     try:
-        out = subprocess.run([nvcc, flag], capture_output=True, text=True, timeout=30).stdout
+        result = subprocess.run([nvcc, flag], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
+    out = result.stdout
+    if result.returncode != 0:  # answered, but not remembered: the next run asks again
+        return out
     try:  # a cache that cannot take the file only costs the next run the same question
         memo.parent.mkdir(parents=True, exist_ok=True)
         partial = memo.with_name(f"{memo.name}.{os.getpid()}")
