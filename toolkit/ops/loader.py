@@ -297,12 +297,12 @@ def build_in_background(names) -> None:
 
     A run calls it before it makes its model and data, so nvcc works meanwhile (19.5 s of set-up before the
     builds began on a fresh H200); `resolve` then waits on the same per-extension lock and takes the module.
-    Daemon threads: a run that stops early does not wait for a build, whose flock dies with the process.
+    NOTE: not daemon threads: a run that stops early (a user error in its data, say) waits for the build at exit,
+    so no compiler is left writing into the cache after the process, and its lock, are gone.
     """
     for extension in sorted({EXTENSION_OF[n] for n in names}):
         if extension not in _modules:
-            threading.Thread(target=load_extension, args=(extension,), name=f"toolkit-build-{extension}",
-                             daemon=True).start()
+            threading.Thread(target=load_extension, args=(extension,), name=f"toolkit-build-{extension}").start()
 
 
 # ---------------------------------------------------------------------------

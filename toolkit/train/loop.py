@@ -102,9 +102,9 @@ def run(recipe: Recipe, run_dir: str | Path | None = None, *, quiet: bool = Fals
     info = start_process_group(recipe.world_size, recipe.training.device)
     run_dir = Path(broadcast_object(str(run_dir or default_run_dir(recipe)), info))  # one run dir for all
     num_parameters = _preflight_every_rank(recipe, run_dir, info)  # before anything slow or the run dir
-    start_kernel_builds(kernels_of_recipe(recipe), recipe.kernels, device)  # nvcc works while the model is made
     apply_cpu_threads(recipe)
     lock = _agree(lambda: claim_run_dir(run_dir), info)  # rank 0 holds it (or the --nproc launcher does)
+    start_kernel_builds(kernels_of_recipe(recipe), recipe.kernels, device)  # nvcc works while the model is made
     stop = StopSignals(under_elastic_launcher()).install(run_dir, recipe.training.max_steps)
     try:
         # logging.console false: no start-up table, progress or summary (rank 0's metrics files stay)
