@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import assert_params_close, tiny_engine, train
+from tests.runtime.zero_helpers import assert_params_close, save_and_resume, tiny_engine, train
 
 MUON = ["optimizer.type=muon", "optimizer.muon_lr=0.02", "optimizer.muon_weight_decay=0.1"]
 
@@ -186,10 +186,39 @@ def test_a_checkpoint_resumes_across_stage_0_and_2_with_every_state(saved, resum
     assert other.strategy.optimizer_steps() == 3
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_muon_steps_as_on_the_device_bit_for_bit_and_holds_what_the_estimate_says(stage):
+    """zero.offload_optimizer cpu: momentum, AdamW's moments and the fp32 master in CPU memory, the updates
+    gathered and orthogonalized on the training device (here the CPU too): the device's losses and weights."""
+    from toolkit.observe.estimate import estimate_model_state_bytes
+    from toolkit.runtime.muon import muon_param_ids
+
+    device, _, device_losses, _ = train(1, [*MUON, f"zero.stage={stage}"])
+    engine, _, losses, _ = train(1, [*MUON, f"zero.stage={stage}", "zero.offload_optimizer=cpu"])
+    assert engine.strategy.parts[-1].offloaded and losses == device_losses
+    want = device.strategy.full_parameters()
+    assert all(torch.equal(got, want[name]) for name, got in engine.strategy.full_parameters().items())
+    held = engine.strategy.memory_bytes()
+    matrices = sum(p.numel() for p in engine.model.parameters() if id(p) in muon_param_ids(engine.model))
+    estimate = estimate_model_state_bytes(engine.num_parameters, stage=stage, world_size=1, dtype="fp32",
+                                          offload="cpu", muon_params=matrices)
+    assert held["mem_offload_bytes"] == estimate.cpu_optim and held["mem_optim_bytes"] == estimate.optim == 0
+
+
+def test_offloaded_muon_resumes_bit_exactly(tmp_path):
+    overrides = [*MUON, "zero.stage=2", "zero.offload_optimizer=cpu"]
+    saved, restored, uninterrupted, resumed, _ = save_and_resume(tmp_path / "run", overrides, overrides)
+    assert all(torch.equal(restored[key], saved[key]) for key in saved)
+    assert len(resumed) == 5 and resumed == uninterrupted
+
+
 @pytest.mark.parametrize("overrides, what", [
-    (["zero.stage=2", "zero.offload_optimizer=cpu"], "recipe.zero.offload_optimizer 'cpu'"),
+    (["zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/tmp"], "zero.offload_optimizer 'nvme'"),
+    (["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_ratio=0.5"], "offload_ratio 0.5"),
+    (["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_update=delayed"], "offload_update 'delayed'"),
+    (["zero.stage=3", "zero.offload_param=cpu"], "offload_param 'cpu'"),
     (["parallel.tensor=2"], "parallel.tensor/pipeline > 1")])
-def test_muon_with_offload_or_a_mesh_is_refused_in_one_line(overrides, what):
+def test_muon_with_an_unbuilt_offload_or_a_mesh_is_refused_in_one_line(overrides, what):
     from toolkit.recipe.load import RecipeError, load_recipe
 
     with pytest.raises(RecipeError) as caught:

@@ -69,6 +69,9 @@ def _rank_main(rank, world, port, out_dir):
     results = {f"stage{stage}": _steps_with_bytes(world, [*FP32, f"zero.stage={stage}"]) for stage in (0, 1, 2, 3)}
     results["stage2-accum2"] = _steps_with_bytes(world, [*FP32, "zero.stage=2", "batch.grad_accum_steps=2"])
     results["stage2-bf16"] = _steps_with_bytes(world, [*MUON, "zero.stage=2"])
+    for stage in (2, 3):  # offloaded: momentum, moments and master in CPU memory
+        results[f"stage{stage}-offload"] = _steps_with_bytes(world, [*FP32, f"zero.stage={stage}",
+                                                                     "zero.offload_optimizer=cpu"])
     results["checkpoint"] = _save_and_resume(world, out_dir)
     torch.save(results, out_dir.parent / f"muon-rank{rank}-of-{world}.pt")
     leave_rank()
@@ -100,7 +103,8 @@ def one_process():
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage2-accum2"])
+@pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage2-accum2", "stage2-offload",
+                                  "stage3-offload"])
 def test_muon_at_zero_stage_matches_one_process_muon_after_ten_steps(world, name, world2, world4, one_process):
     ranks = {2: world2, 4: world4}[world]
     for rank in ranks:  # every rank ends with the same whole parameters, those of one process

@@ -170,8 +170,9 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         if state_dtype == "int8":  # an fp32 master and 8-bit moments, on each side of the split
             device_part = ADAM_K[dtype] * (shard - host) - 8 * (shard - host) + int8_moment_bytes(shard - host)
             return ModelStateBytes(params, grads, device_part, 4 * host + int8_moment_bytes(host))
+        muon_saved = MUON_SAVED * _ceil_div(muon_params, n) if host == shard else 0  # Muon offloads its shard whole
         return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host),
-                               OFFLOAD_K * host if offload == "cpu" else 0)
+                               OFFLOAD_K * host - muon_saved if offload == "cpu" else 0)
     return ModelStateBytes(params, grads, optim, 0)
 
 

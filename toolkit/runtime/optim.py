@@ -133,6 +133,7 @@ class FlatShard:
     offload: bool
     layout: object = None
     comm: object = None
+    compute_device: torch.device | None = None  # Muon offloaded: its gathers and Newton-Schulz run here, not `device`
 
 
 def build_optimizer(spec: OptimizerSpec, params, adamw: str = "torch", *, flat_order=(), world: int = 1,
@@ -144,7 +145,8 @@ def build_optimizer(spec: OptimizerSpec, params, adamw: str = "torch", *, flat_o
     if isinstance(params, FlatShard) and spec.type == "muon":  # gathers each matrix's update (zero/muon.py)
         from toolkit.runtime.zero.muon import ShardedMuon
 
-        return ShardedMuon(spec, params.numel, params.device, params.layout, params.comm)
+        return ShardedMuon(spec, params.numel, params.device, params.layout, params.comm,
+                           compute_device=params.compute_device)
     if isinstance(params, FlatShard):  # adamw and adam (L2 decay) share the shard's step (zero/adamw.py)
         from toolkit.runtime.zero.adamw import ShardedAdamW
 

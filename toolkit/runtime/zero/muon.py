@@ -15,8 +15,10 @@ lives in ShardedAdamW's exp_avg at the matrices' positions (checkpoints name it 
 compact, AdamW's elements only, so a matrix element holds 4 bytes of state instead of 8 (checkpoints read
 it as zero there: `second_moment_chunk`).
 
-What does not live here: the maths per matrix (toolkit/runtime/muon.py), the shard's tiers (shard_part.py).
-Offload is refused (toolkit/recipe/checks.py).
+Offloaded (zero.offload_optimizer cpu): the momentum, AdamW's moments and the fp32 master live in CPU memory and
+step there; the bf16 updates are gathered and orthogonalized on the training device (`compute_device`), and each
+rank's slice of the result comes back to the CPU. What does not live here: the maths per matrix
+(toolkit/runtime/muon.py), the shard's tiers (shard_part.py).
 """
 from __future__ import annotations
 
@@ -33,9 +35,12 @@ class ShardedMuon:
     whole_matrices = True  # ShardPart steps it with step_chunks (it needs the slots, not decay segments)
     moments = None  # fp32 moments: optimizer.state_dtype int8 is not built for Muon (recipe checks refuse it)
 
-    def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, layout, comm):
+    def __init__(self, spec: OptimizerSpec, numel: int, device: torch.device, layout, comm,
+                 compute_device: torch.device | None = None):
         self.adamw = ShardedAdamW(spec, numel, device, offload=False)
         self.layout, self.comm, self.device = layout, comm, device
+        # offloaded (states in CPU memory): the updates are gathered and orthogonalized on the training device
+        self.compute_device = compute_device or device
         self.muon_group = muon_group_settings(spec)
         self.ns_dtype = NS_DTYPES[spec.muon_ns_dtype]  # what is gathered: the Newton-Schulz input
         # NOTE: the same dicts as ShardedAdamW's, so the Schedule's writes reach both
@@ -129,13 +134,13 @@ class ShardedMuon:
         group, settings = self.layout.groups[g], self.muon_group
         beta, lr = settings["momentum"], float(settings["lr"])
         mine = [(slot, a, b) for slot, a, b in self.pieces[g] if slot.muon]
-        chunk = torch.zeros(group.chunk, dtype=self.ns_dtype, device=self.device)
+        chunk = torch.zeros(group.chunk, dtype=self.ns_dtype, device=self.compute_device)
         for _, a, b in mine:  # torch.optim.Muon's momentum, on this rank's slices
             m, grad_slice = momentum[a:b], grad[a:b]
             m.lerp_(grad_slice, 1 - beta)
             chunk[a:b].copy_(grad_slice.lerp(m, beta) if settings["nesterov"] else m)
         if group.world_size > 1:
-            whole = torch.empty(group.padded_numel, dtype=self.ns_dtype, device=self.device)
+            whole = torch.empty(group.padded_numel, dtype=self.ns_dtype, device=self.compute_device)
             self.comm.all_gather_flat(whole, chunk).wait()
         else:
             whole = chunk
@@ -146,4 +151,5 @@ class ShardedMuon:
             p = master[a:b]
             p.mul_(1 - lr * settings["weight_decay"])
             start = lo + a - slot.offset
-            p.add_(ortho.reshape(-1)[start:start + b - a], alpha=-adjusted_lr(lr, settings["adjust_lr_fn"], slot.shape))
+            p.add_(ortho.reshape(-1)[start:start + b - a].to(p.device),
+                   alpha=-adjusted_lr(lr, settings["adjust_lr_fn"], slot.shape))

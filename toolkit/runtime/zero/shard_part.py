@@ -40,7 +40,7 @@ class ShardPart:
         self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
                      if offloaded and swap_dir is not None else None)
         self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded,
-                                                         self.layout, comm))
+                                                         self.layout, comm, compute_device=device))
         self.master: torch.Tensor | None = None
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
         if self.swap is not None:
@@ -65,9 +65,10 @@ class ShardPart:
         if self.swap is not None:
             self.offloaded_step = SwappedStep(self.layout, self.optimizer, self.swap, self.grad_chunks, weights,
                                               groups, device)
-        else:
+        else:  # NOTE: Muon offloaded steps whole chunks (`step`), not OffloadedStep's pieces
             self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
-                                                 weights, groups, device) if offloaded else None)
+                                                 weights, groups, device)
+                                   if offloaded and not self.optimizer.whole_matrices else None)
         # zero.offload_update delayed: after `delay_after` applied steps, the CPU step runs behind the next step
         self.delay_after = delay_after
         self.delayed = (DelayedUpdate(self.layout, self.optimizer, self.master, self.swap, self.grad_chunks, weights,
@@ -95,7 +96,9 @@ class ShardPart:
             self.publish()
             return
         if self.optimizer.whole_matrices:  # Muon: per slot, gathering each matrix (zero/muon.py)
-            self.optimizer.step_chunks(self.master_chunks, self.grad_chunks, self.moment_chunks)
+            # offloaded: the states are in CPU memory, so are the gradients it steps with
+            grads = [g.to("cpu") for g in self.grad_chunks] if self.offloaded else self.grad_chunks
+            self.optimizer.step_chunks(self.master_chunks, grads, self.moment_chunks)
             self.publish()
             return
         views = {decay: (self.layout.segment_views(self.master_chunks, decay),

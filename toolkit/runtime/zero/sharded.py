@@ -112,6 +112,9 @@ class ShardedStrategy(StrategyBase):
         for part in self.parts:
             if part.offloaded and part.int8 is not None:
                 where = f"on the CPU: {part.optimizer.mode} (torch ops)"
+            elif part.offloaded and part.optimizer.whole_matrices:
+                where = (f"on the CPU ({part.optimizer.adamw.mode}) with Muon's momentum there, its Newton-Schulz "
+                         f"on {part.optimizer.compute_device}")
             elif part.offloaded:
                 from toolkit.ops.cpu_adam import cpu_adam_status
 
