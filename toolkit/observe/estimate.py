@@ -139,8 +139,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         raise ValueError(f"offload {offload!r} with stage {stage}: offload needs stage >= 1")
     if layout not in ("paper", "toolkit"):
         raise ValueError(f"layout {layout!r} is not 'paper' or 'toolkit'")
-    if state_dtype == "bf16" and (offload == "nvme" or dtype != "bf16"):
-        raise ValueError(f"state_dtype bf16 is built for precision bf16 without swap files, not {dtype} offload {offload!r}")
+    if state_dtype == "bf16" and dtype != "bf16":
+        raise ValueError(f"state_dtype bf16 is built for precision bf16, not {dtype}")
     if state_dtype == "int8" and offload == "nvme":
         raise ValueError("state_dtype int8 is built for the states on the device or in CPU memory, not offload 'nvme'")
     if state_dtype == "bf16" and stage == 0:
@@ -166,7 +166,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         host = round(offload_ratio * shard)
         # NOTE: under nvme the OFFLOAD_K * host bytes sit in swap files, in neither column (swap.py checks the disk)
         if state_dtype == "bf16":
-            return ModelStateBytes(params, grads, BF16_STATE_K * (shard - host), BF16_OFFLOAD_K * host)
+            return ModelStateBytes(params, grads, BF16_STATE_K * (shard - host),
+                                   BF16_OFFLOAD_K * host if offload == "cpu" else 0)
         if state_dtype == "int8":  # an fp32 master and 8-bit moments, on each side of the split
             device_part = ADAM_K[dtype] * (shard - host) - 8 * (shard - host) + int8_moment_bytes(shard - host)
             return ModelStateBytes(params, grads, device_part, 4 * host + int8_moment_bytes(host))

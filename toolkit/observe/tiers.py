@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.observe.estimate import PARAM_BYTES, estimate_model_state_bytes, format_bytes
+from toolkit.observe.estimate import BF16_OFFLOAD_K, OFFLOAD_K, PARAM_BYTES, estimate_model_state_bytes, format_bytes
 from toolkit.observe.estimate_input import EstimateInput
 
 # NOTE: toolkit/runtime/zero/offload.py's PIECE_NUMEL (this layer may not import runtime; a test
@@ -65,10 +65,11 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
     if offload_update != "exact" and offload_optimizer != "none":
         cpu += (4 + PARAM_BYTES[dtype]) * host
     nvme = read = written = 0
-    if offload_optimizer == "nvme":
+    if offload_optimizer == "nvme":  # master and moments per element: fp32 12 bytes, bf16 states 6
+        k = BF16_OFFLOAD_K if state_dtype == "bf16" else OFFLOAD_K
         swapped = round(nvme_ratio * host)
-        cpu += 12 * (host - swapped) + 3 * 12 * min(PIECE_NUMEL, swapped)
-        nvme = read = written = 12 * swapped
+        cpu += k * (host - swapped) + 3 * k * min(PIECE_NUMEL, swapped)
+        nvme = read = written = k * swapped
     if offload_param == "nvme":
         nvme += param_shard
         read += 2 * grad_accum_steps * param_shard  # every unit is read at its forward and its backward gather

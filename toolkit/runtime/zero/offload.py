@@ -171,21 +171,23 @@ class SwappedStep(OffloadedStep):
     def __init__(self, layout: ShardLayout, optimizer, swap, grad_chunks, weights, groups: range,
                  device: torch.device, piece_numel: int | None = None, in_place: bool = False):
         super().__init__(layout, optimizer, None, grad_chunks, weights, groups, device, piece_numel, in_place)
-        self.swap, self.region = swap, 4 * layout.numel
+        dtype = optimizer.exp_avg.dtype  # the states' dtype in the file: fp32, or bf16 (optimizer.state_dtype bf16)
+        self.element = torch.empty(0, dtype=dtype).element_size()
+        self.swap, self.region = swap, self.element * layout.numel
         size = max((p.numel for p in self.pieces), default=0)
-        self.slots = [torch.empty(3, size, dtype=torch.float32) for _ in range(3)]
+        self.slots = [torch.empty(3, size, dtype=dtype) for _ in range(3)]
         self._writes: dict[int, list] = {}
 
     def _read(self, k: int) -> list:
         slot, piece = k % 3, self.pieces[k]
         wait(self._writes.pop(slot, []))  # piece k-3 has left this slot
         return [f for kind in range(3) for f in self.swap.read_async(
-            self.slots[slot][kind, :piece.numel], kind * self.region + 4 * piece.shard_offset)]
+            self.slots[slot][kind, :piece.numel], kind * self.region + self.element * piece.shard_offset)]
 
     def _write(self, k: int) -> None:
         slot, piece = k % 3, self.pieces[k]
         self._writes[slot] = [f for kind in range(3) for f in self.swap.write_async(
-            self.slots[slot][kind, :piece.numel], kind * self.region + 4 * piece.shard_offset)]
+            self.slots[slot][kind, :piece.numel], kind * self.region + self.element * piece.shard_offset)]
 
     @torch.no_grad()
     def run_pieces(self) -> None:

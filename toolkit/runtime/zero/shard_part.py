@@ -36,8 +36,12 @@ class ShardPart:
         self.offloaded = offloaded
         opt_device = torch.device("cpu") if offloaded else device
         numel = self.layout.numel
-        # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros)
-        self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin", 12 * numel)
+        # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros), each in the
+        # state dtype: fp32, or bf16 under optimizer.state_dtype bf16 (6 bytes an element instead of 12)
+        self.state_dtype = state_dtype(spec) if offloaded else torch.float32
+        self.state_bytes = torch.empty(0, dtype=self.state_dtype).element_size()
+        self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin",
+                                   3 * self.state_bytes * numel)
                      if offloaded and swap_dir is not None else None)
         self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded,
                                                          self.layout, comm, compute_device=device))
@@ -45,7 +49,8 @@ class ShardPart:
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
         if self.swap is not None:
             for local, g in enumerate(groups):
-                self.swap.write(weights.read(g).to("cpu", torch.float32).contiguous(), 4 * self.layout.offsets[local])
+                self.swap.write(weights.read(g).to("cpu", self.state_dtype).contiguous(),
+                                self.state_bytes * self.layout.offsets[local])
             self.master_chunks = []
         elif offloaded or dtype not in (torch.float32, state_dtype(spec)) or not weights.on_device:
             # NOTE: offloaded bf16 states keep a bf16 master in CPU memory (kernels/cpu_adam.cpp adamw_step_bf16)
@@ -137,8 +142,8 @@ class ShardPart:
             return self.master_chunks[local], self.moment_chunks[local][0], self.optimizer.second_moment_chunk(local)
         if self.swap is None:
             return (self.master_chunks[local], *self.moment_chunks[local])
-        n, numel = self.layout.groups[local].chunk, self.layout.numel
-        return tuple(self.swap.read(torch.empty(n, dtype=torch.float32), 4 * (kind * numel + self.layout.offsets[local]))
+        n, numel, size = self.layout.groups[local].chunk, self.layout.numel, self.state_bytes
+        return tuple(self.swap.read(torch.empty(n, dtype=self.state_dtype), size * (kind * numel + self.layout.offsets[local]))
                      for kind in range(3))
 
     def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
@@ -151,7 +156,8 @@ class ShardPart:
             self.optimizer.store_second_moment_chunk(local, states[2])
         if self.swap is not None:
             for kind, tensor in enumerate(states):
-                self.swap.write(tensor.contiguous(), 4 * (kind * self.layout.numel + self.layout.offsets[local]))
+                self.swap.write(tensor.to(self.state_dtype).contiguous(),
+                                self.state_bytes * (kind * self.layout.numel + self.layout.offsets[local]))
 
     def _stage_int8(self, local: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Gather loaded fp32 moments group by group; quantize the whole shard at once after the last group (a block

@@ -34,7 +34,7 @@ from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, split_groups, state_dtype
 from toolkit.runtime.zero.swap import SwapDir
 from toolkit.observe.disk_fit import check_nvme_path
-from toolkit.observe.estimate import OFFLOAD_K
+from toolkit.observe.estimate import BF16_OFFLOAD_K, OFFLOAD_K
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
@@ -84,7 +84,8 @@ class ShardedStrategy(StrategyBase):
         zero = self.zero
         need = 0
         if zero.offload_optimizer == "nvme":
-            need += OFFLOAD_K * sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
+            per_element = BF16_OFFLOAD_K if self.bf16_states else OFFLOAD_K  # master and moments, bf16 or fp32
+            need += per_element * sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
         if zero.offload_param == "nvme":
             need += self.layout.numel * torch.empty(0, dtype=self.param_dtype).element_size()
         return need * int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size))
@@ -105,7 +106,7 @@ class ShardedStrategy(StrategyBase):
         """One line for the start-up table: what is sharded, the master copy, the AdamW that runs."""
         what = {1: "optimizer states", 2: "optimizer states + gradients", 3: "optimizer states + gradients + "
                 "parameters"}[self.stage]
-        master = ("bf16 master and moments in CPU memory (bf16 states)" if self.offload and self.bf16_states
+        master = ("bf16 master and moments offloaded (bf16 states)" if self.offload and self.bf16_states
                   else "fp32 master separate" if self.separate_master else "bf16 weights are the master (bf16 states)"
                   if self.param_dtype == torch.bfloat16 else "fp32 weights are the master")
         adams = []
@@ -155,7 +156,7 @@ class ShardedStrategy(StrategyBase):
             if tier == "cpu":  # the live master and moments: fp32 12 bytes an element, bf16 6, int8 moments 4 + 2.03
                 nbytes = tensor_bytes([*part.moment_tensors(), part.master])
             else:  # a swapped part holds its fp32 states in the file
-                nbytes = OFFLOAD_K * numel if tier == "nvme" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
+                nbytes = 3 * part.state_bytes * numel if tier == "nvme" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
             states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
         delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
         if delayed:
@@ -163,7 +164,7 @@ class ShardedStrategy(StrategyBase):
         text = "; ".join(states)
         if self.swap_dir is None:
             return text
-        optim = sum(OFFLOAD_K * p.layout.numel for p in self.parts if p.swap is not None)
+        optim = sum(3 * p.state_bytes * p.layout.numel for p in self.parts if p.swap is not None)
         param_bytes = self.layout.numel * elem if param_tier == "nvme" else 0
         # NOTE: parameters are read at every gather (forward and backward: twice per micro-step)
         reads = optim + 2 * self.grad_accum_steps * param_bytes
