@@ -20,7 +20,8 @@ from pathlib import Path
 
 STEP = re.compile(r"^step\s+(\d+)/(\d+) \| loss")
 TOKENS_PER_STEP = re.compile(r"([\d,]+) tokens per step")
-HEADER = "| run | first step s | end s | steady tokens/s (steps 10..last) | toolkit's last tok/s | exit |\n| --- | --- | --- | --- | --- | --- |\n"
+HEADER = ("| run | first step s | end s | steady tokens/s (steps 10..last) | toolkit's last tok/s | exit |\n"
+          "| --- | --- | --- | --- | --- | --- |\n")
 
 
 def time_command(cmd: list[str]) -> dict:

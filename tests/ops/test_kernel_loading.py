@@ -131,7 +131,8 @@ def test_a_cuda_run_builds_the_kernels_it_needs_together(monkeypatch):
 def test_nvcc_is_asked_once_per_binary_and_the_answer_kept_in_the_cache(monkeypatch, tmp_path):
     nvcc = tmp_path / "bin" / "nvcc"
     nvcc.parent.mkdir()
-    nvcc.write_text("#!/bin/sh\necho \"$1\" >> " + str(tmp_path / "asked") + "\necho 'Cuda compilation tools, release 13.0'\n")
+    nvcc.write_text(f"#!/bin/sh\necho \"$1\" >> {tmp_path / 'asked'}\n"
+                    "echo 'Cuda compilation tools, release 13.0'\n")
     nvcc.chmod(0o755)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     monkeypatch.setenv("TOOLKIT_KERNELS_CACHE", str(tmp_path / "cache"))
@@ -337,7 +338,8 @@ def test_cuda_source_compiles_for_sm90(source, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
     command = [NVCC, "-c", str(REPO / "kernels" / source), "-o", str(tmp_path / "out.o"), *loader.NVCC_FLAGS,
-               *toolchain.nvcc_parallel_flags(toolchain.nvcc_version()), *toolchain.gencode_flags([toolchain.CudaArch(9, 0)]), *COMMON_NVCC_FLAGS, f"-I{REPO / 'kernels'}"]
+               *toolchain.nvcc_parallel_flags(toolchain.nvcc_version()),
+               *toolchain.gencode_flags([toolchain.CudaArch(9, 0)]), *COMMON_NVCC_FLAGS, f"-I{REPO / 'kernels'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warning" not in result.stderr.lower(), result.stderr[-3000:]

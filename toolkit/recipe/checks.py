@@ -109,8 +109,8 @@ def state_dtype_errors(r: dict, mesh: bool) -> list[str]:
     offload_built = zero["offload_optimizer"] == "cpu" or (dtype == "bf16" and zero["offload_optimizer"] == "nvme")
     if (zero["offload_optimizer"] != "none" and not offload_built) or zero["offload_param"] != "none":
         key = "offload_optimizer" if zero["offload_optimizer"] != "none" and not offload_built else "offload_param"
-        where = ("on the device, in CPU memory or in swap files (zero.offload_optimizer 'cpu' or 'nvme')" if dtype == "bf16"
-                 else "on the device or in CPU memory (zero.offload_optimizer 'cpu')")
+        where = ("on the device, in CPU memory or in swap files (zero.offload_optimizer 'cpu' or 'nvme')"
+                 if dtype == "bf16" else "on the device or in CPU memory (zero.offload_optimizer 'cpu')")
         errors.append(f"recipe.optimizer.state_dtype: {dtype!r} runs with the states {where}, not with zero.{key} "
                       f"{zero[key]!r} (not built yet); use 'fp32'")
     if opt["type"] in ("muon", "onebit_adam"):

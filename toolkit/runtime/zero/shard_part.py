@@ -143,8 +143,8 @@ class ShardPart:
         if self.swap is None:
             return (self.master_chunks[local], *self.moment_chunks[local])
         n, numel, size = self.layout.groups[local].chunk, self.layout.numel, self.state_bytes
-        return tuple(self.swap.read(torch.empty(n, dtype=self.state_dtype), size * (kind * numel + self.layout.offsets[local]))
-                     for kind in range(3))
+        return tuple(self.swap.read(torch.empty(n, dtype=self.state_dtype),
+                                    size * (kind * numel + self.layout.offsets[local])) for kind in range(3))
 
     def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
         """Write back what `chunk_states` returned, after filling it (nvme, Muon's compact exp_avg_sq, int8's

@@ -156,7 +156,8 @@ class ShardedStrategy(StrategyBase):
             if tier == "cpu":  # the live master and moments: fp32 12 bytes an element, bf16 6, int8 moments 4 + 2.03
                 nbytes = tensor_bytes([*part.moment_tensors(), part.master])
             else:  # a swapped part holds its fp32 states in the file
-                nbytes = 3 * part.state_bytes * numel if tier == "nvme" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
+                nbytes = (3 * part.state_bytes * numel if tier == "nvme"
+                          else mem["mem_optim_bytes"] + mem["mem_master_bytes"])
             states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
         delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
         if delayed:
