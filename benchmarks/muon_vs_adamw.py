@@ -11,11 +11,6 @@ import statistics
 import time
 
 
-def held_out_loss(engine, batches) -> float:
-    """Mean loss over `batches` (the engine's evaluate: dropout off)."""
-    return engine.evaluate(batches)
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Train both in turn; print steps to AdamW's final held-out loss and ms per step (median, fastest)."""
     import toolkit
@@ -44,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
             engine.train_batch(batch).loss  # reading the loss waits for the step
             seconds[name].append(time.perf_counter() - start)
             if step % args.eval_every == 0 or step == total:
-                curves[name].append((step, held_out_loss(engine, held_out)))
+                curves[name].append((step, engine.evaluate(held_out)))  # mean held-out loss, dropout off
     target = curves["adamw"][-1][1]
     for name in engines:
         reached = next((s for s, loss in curves[name] if loss <= target), None)

@@ -34,7 +34,7 @@ def timed_step(engine, stream) -> dict:
     backward_end = time.perf_counter()
     engine.step()
     sync()
-    parts = [p.offloaded_step.last_seconds for p in engine.strategy.parts if getattr(p, "offloaded_step", None)]
+    parts = [p.offloaded_step.last_seconds for p in engine.strategy.parts if p.offloaded_step is not None]
     return {"fwd_bwd": backward_end - start, "step": time.perf_counter() - backward_end,
             "waited": sum(p["waited"] for p in parts), "stepped": sum(p["stepped"] for p in parts)}
 

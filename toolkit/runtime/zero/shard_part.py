@@ -54,8 +54,7 @@ class ShardPart:
             self.master_chunks = []
         elif offloaded or dtype not in (torch.float32, state_dtype(spec)) or not weights.on_device:
             # NOTE: offloaded bf16 states keep a bf16 master in CPU memory (kernels/cpu_adam.cpp adamw_step_bf16)
-            master_dtype = state_dtype(spec) if offloaded else torch.float32
-            self.master = torch.empty(numel, dtype=master_dtype, device=opt_device)
+            self.master = torch.empty(numel, dtype=self.state_dtype, device=opt_device)
             self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
             for master, g in zip(self.master_chunks, groups):
                 master.copy_(weights.read(g))
