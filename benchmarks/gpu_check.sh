@@ -167,11 +167,13 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
       timeout 330 python3 -m benchmarks.zero_gpu --size 1.5b --micro 16 --steps 6 \
         --configs plain,stage0,stage1,stage2,stage3,stage2-offload --markdown "$OUT/zero.md" 2>&1 | tee "$OUT/zero1.5b.txt" ;;
     ladder)  # the largest GPT-2 shape with offload + activation checkpointing, micro batch 4
-             # (LADDER: layer counts, each tried even after one fails; OFFLOAD_RATIO: zero.offload_ratio)
+             # (LADDER: layer counts, each tried even after one fails; OFFLOAD_RATIO: zero.offload_ratio;
+             # STATE_DTYPE: optimizer.state_dtype, e.g. bf16 for issue 35's 15B goal)
       local ladder_rc=0 layers
       for layers in ${LADDER:-24 39}; do
         timeout 200 python3 -m benchmarks.zero_gpu --layers "$layers" --width 4096 --heads 32 --micro 4 --ckpt \
           --steps 4 --warmup 2 --timeout 190 --configs stage2-offload --offload-ratio "${OFFLOAD_RATIO:-1}" \
+          --state-dtype "${STATE_DTYPE:-fp32}" \
           --markdown "$OUT/zero.md" 2>&1 | tee -a "$OUT/ladder.txt" || ladder_rc=$?
       done
       return "$ladder_rc" ;;
@@ -203,11 +205,13 @@ for r in rows if r['status'] == 'ok'); print(f'best {best:,.0f} tokens/s = {best
     infinity-train)  # ZeRO-Infinity training (issue #21, benchmarks/infinity_gpu.py): width 4096, micro 4,
                      # checkpointing; the largest that fits with NVMe, then 8B and 5B with the optimizer on NVMe vs
                      # CPU (offload_ratio 0.3); rows written as runs end, runs skipped past the INF_BUDGET_S budget
-                     # (INF_RUNS: infinity_gpu.py's --runs, to split the runs over two calls)
+                     # (INF_RUNS: infinity_gpu.py's --runs, to split the runs over two calls; STATE_DTYPE:
+                     # optimizer.state_dtype, bf16 for issue 35's 25B goal)
       df -h "${SWAP_DIR:-/tmp}" | tee "$OUT/infinity-train.txt"
       timeout $(( ${INF_BUDGET_S:-520} + 40 )) python3 -m benchmarks.infinity_gpu \
         --swap-dir "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ${INF_RUNS:+--runs "$INF_RUNS"} \
-        --budget-s "${INF_BUDGET_S:-520}" --markdown "$OUT/infinity_train.md" 2>&1 | tee -a "$OUT/infinity-train.txt"
+        --budget-s "${INF_BUDGET_S:-520}" --state-dtype "${STATE_DTYPE:-fp32}" --markdown "$OUT/infinity_train.md" \
+        2>&1 | tee -a "$OUT/infinity-train.txt"
       rm -rf "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ;;
     tp1pp1)  # issue 24: tensor = pipeline = 1 against today's engine, GPT-2 124M eager; three alternations of
              # one process timing "toolkit fused" and "toolkit fused parallel 1x1" interleaved, and (BASELINE_TREE:

@@ -2,7 +2,7 @@
 the optimizer offloaded to CPU memory or to swap files (NVMe), and the largest that fits with NVMe.
 
     python -m benchmarks.infinity_gpu --swap-dir /tmp/swap [--runs max:nvme,39:nvme,39:cpu,24:nvme,24:cpu]
-        [--width 4096 --heads 32 --micro 4] [--budget-s 540] [--markdown FILE] [--device cpu]
+        [--width 4096 --heads 32 --micro 4] [--state-dtype bf16] [--budget-s 540] [--markdown FILE] [--device cpu]
 
 A run is LAYERS:TIER[:RATIO[:NVME_RATIO]]: LAYERS a depth or `max` (the deepest model the estimator fits
 on this machine with the optimizer in swap files and the parameter shard in CPU memory); TIER cpu or nvme
@@ -56,10 +56,11 @@ def plan(args, layers: int, tier: str, ratio: float, param: str, nvme_ratio: flo
     spec = spec_for(args, layers)
     n = parameter_count(spec)
     t = estimate_tiers(n, stage=3, world_size=1, dtype="bf16", offload_optimizer=tier, offload_param=param,
-                       offload_ratio=ratio, nvme_ratio=nvme_ratio)
+                       offload_ratio=ratio, nvme_ratio=nvme_ratio, state_dtype=args.state_dtype)
     act = estimate_activation_bytes(spec, micro_batch=args.micro, seq_len=SEQ, dtype="bf16").checkpointed
     disk_s = (t.read + t.written) * (args.warmup + args.steps) / (args.disk_gbps * 1e9)
-    cpu_s = 12 * n * ratio / 10e9 * (args.warmup + args.steps)  # NOTE: ~10 GB/s of CPU Adam traffic, 28 B/param
+    k = 6 if args.state_dtype == "bf16" else 12  # bytes of master and moments per offloaded element
+    cpu_s = k * n * ratio / 10e9 * (args.warmup + args.steps)  # NOTE: ~10 GB/s of CPU Adam traffic, 28 B/param
     build_s = 20 + 6 * n / 1e9 + t.nvme / (args.disk_gbps * 1e9)
     return n, {"gpu": t.gpu + act, "host": t.cpu, "disk": t.nvme}, build_s + max(disk_s, cpu_s)
 
@@ -144,6 +145,7 @@ def child(args) -> dict:
         f"zero.nvme_path={args.swap_dir}",
         f"batch.micro_batch_per_rank={args.micro}", "batch.grad_accum_steps=1", "precision.dtype=bf16",
         f"data.seq_len={SEQ}", f"training.device={args.device}", "training.max_steps=1000",
+        f"optimizer.state_dtype={args.state_dtype}",
         "training.memory_check=warn", "checkpoint.save_final=false", "logging.tensorboard=false"])
     engine = Engine(recipe)
     print(engine.strategy.describe_tiers(), file=sys.stderr, flush=True)
@@ -189,6 +191,7 @@ def run_child(args, layers: int, tier: str, ratio: float, nvme_ratio: float, par
                "--ratio", str(ratio), "--nvme-ratio", str(nvme_ratio), "--param", param, "--port", str(port),
                "--swap-dir", args.swap_dir,
                "--width", str(args.width), "--heads", str(args.heads), "--micro", str(args.micro),
+               "--state-dtype", args.state_dtype,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
@@ -246,6 +249,8 @@ def main() -> int:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="optimizer.state_dtype: bf16 master and moments (6 bytes an offloaded element, not 12)")
     parser.add_argument("--budget-s", type=float, default=540, help="seconds for every run together")
     parser.add_argument("--disk-gbps", type=float, default=1.5, help="the disk's sequential GB/s (dd), for the "
                         "prediction and the comparison")
@@ -281,19 +286,21 @@ def main() -> int:
     top = largest(args, have)
     from toolkit.observe.estimate import parameter_count
 
-    g_layers = next((n for n in range(8, 400) if parameter_count(spec_for(args, n)) >= 13e9), None)
+    goal = 25e9 if args.state_dtype == "bf16" else 13e9  # issue 35's goal with bf16 states; issue 21's before
+    g_layers = next((n for n in range(8, 400) if parameter_count(spec_for(args, n)) >= goal), None)
     if g_layers is not None:
         g_ratios = choose_ratio(args, have, g_layers, "nvme", "cpu", smallest=True)
-        print(f"13B goal: {g_layers} layers ({parameter_count(spec_for(args, g_layers)) / 1e9:.2f}B) "
+        print(f"{goal / 1e9:.0f}B goal: {g_layers} layers ({parameter_count(spec_for(args, g_layers)) / 1e9:.2f}B) "
               + (f"fits (offload_ratio {g_ratios[0]}, nvme_ratio {g_ratios[1]})" if g_ratios else
                  "does not fit this machine by the estimate (GPU: grads 4 B/param + the optimizer not offloaded; "
-                 "host and disk: 12 B/param of the offloaded optimizer between them)"), flush=True)
+                 f"host and disk: {6 if args.state_dtype == 'bf16' else 12} B/param of the offloaded optimizer between them)"), flush=True)
     if top:
         print(f"largest that fits: {top[0]} layers, {parameter_count(spec_for(args, top[0])) / 1e9:.2f}B, "
               f"offload_ratio {top[1]}, nvme_ratio {top[2]}, parameters in CPU memory; estimate "
               f"{plan(args, top[0], 'nvme', top[1], 'cpu', top[2])[1]}", flush=True)
     lines = [f"### ZeRO-Infinity, width {args.width}, micro batch {args.micro} x {SEQ}, bf16, activation "
-             f"checkpointing, stage 3; {args.warmup} warm-up + {args.steps} timed step(s)", "",
+             f"checkpointing, stage 3, optimizer.state_dtype {args.state_dtype}; {args.warmup} warm-up + "
+             f"{args.steps} timed step(s)", "",
              "| model | params | optimizer | ratio | tokens/s | s/step | host peak GiB | disk peak GiB "
              "| swap MB/s | GPU peak GiB | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     if args.markdown:

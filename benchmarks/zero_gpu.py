@@ -80,6 +80,7 @@ def engine_recipe(args, config: str, world_size: int | None = None):
                  f"zero.offload_optimizer={'cpu' if config.endswith('offload') else 'none'}",
                  *([f"zero.offload_ratio={args.offload_ratio}"] if config.endswith("offload") else []),
                  f"batch.micro_batch_per_rank={args.micro}", "batch.grad_accum_steps=1", "precision.dtype=bf16",
+                 f"optimizer.state_dtype={args.state_dtype}",
                  f"training.device={args.device}", "training.max_steps=1000", "checkpoint.save_final=false",
                  f"model.activation_checkpointing={'true' if args.ckpt else 'false'}",
                  "logging.tensorboard=false"]
@@ -172,7 +173,8 @@ def child(args) -> dict | None:
     stage = int(args.config[5]) if args.config.startswith("stage") else 0
     offload = "cpu" if args.config.endswith("offload") else "none"
     estimate = None if args.config == "fsdp2" else estimate_model_state_bytes(
-        n_params, stage=stage, world_size=world, dtype="bf16", offload=offload, offload_ratio=args.offload_ratio)
+        n_params, stage=stage, world_size=world, dtype="bf16", offload=offload, offload_ratio=args.offload_ratio,
+        state_dtype=args.state_dtype)
     if tp * pp > 1:  # the busiest rank's share (toolkit estimate's formula); the whole model's parameter count
         from toolkit.observe.estimate import parameter_count
         from toolkit.observe.parallel_estimate import estimate_parallel_memory
@@ -206,6 +208,7 @@ def run_child(args, config: str, gpus: int) -> dict:
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--port", str(free_port()),
                "--device", args.device]
     command += ["--ckpt"] * args.ckpt + ["--kernels-off"] * args.kernels_off + ["--offload-ratio", str(args.offload_ratio)]
+    command += ["--state-dtype", args.state_dtype]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0",  # NVLink multicast off (the lent machines need it)
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // gpus))}
     try:
@@ -224,6 +227,7 @@ def table(args, results: list[dict]) -> list[str]:
     shape = f"{args.layers} layers x {args.width}" if args.layers else f"GPT-2 {args.size}"
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     ratio = f", offload_ratio {args.offload_ratio}" if args.offload_ratio != 1 else ""
+    ratio += f", optimizer.state_dtype {args.state_dtype}" if args.state_dtype != "fp32" else ""
     lines = [f"### {shape}, micro batch {args.micro} x {SEQ} per GPU, bf16"
              f"{', activation checkpointing' if args.ckpt else ''}{ratio}; {device} ({os.cpu_count()} CPUs), "
              f"torch {torch.__version__}, {args.steps} timed steps", "",
@@ -258,6 +262,8 @@ def main() -> int:
     parser.add_argument("--configs", default=DEFAULT_CONFIGS)
     parser.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     parser.add_argument("--offload-ratio", type=float, default=1.0, help="zero.offload_ratio of the offload configs")
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                        help="optimizer.state_dtype (bf16 states: 6 bytes per offloaded parameter, not 12)")
     parser.add_argument("--kernels-off", action="store_true", help="torch everywhere instead of fused kernels")
     parser.add_argument("--gpus", type=int, default=1, help="ranks, one GPU each (NCCL; torchrun launches them)")
     parser.add_argument("--scaling", action="store_true", help="with --gpus N > 1: each config on 1 GPU too")

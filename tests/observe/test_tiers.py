@@ -16,7 +16,7 @@ def _engine_tiers(overrides):
     before = [(f.bytes_read, f.bytes_written) for f in files]
     engine.train_batch(stream.next_step())
     mem = strategy.memory_bytes()
-    buffers = sum(slot.numel() * 4 for part in strategy.parts if part.swap is not None
+    buffers = sum(slot.numel() * slot.element_size() for part in strategy.parts if part.swap is not None
                   for slot in part.offloaded_step.slots)
     counted = {"gpu": mem["mem_params_bytes"] + mem["mem_grads_bytes"] + mem["mem_optim_bytes"]
                + mem["mem_master_bytes"],
@@ -24,7 +24,8 @@ def _engine_tiers(overrides):
                "nvme": sum(f.nbytes for f in files),
                "read": sum(f.bytes_read - b[0] for f, b in zip(files, before)),
                "written": sum(f.bytes_written - b[1] for f, b in zip(files, before))}
-    root = 4 * strategy.groups[strategy.root].chunk if strategy.stage == 3 else 0
+    root = (strategy.weights.read(strategy.root).element_size() * strategy.groups[strategy.root].chunk
+            if strategy.stage == 3 else 0)
     if strategy.swap_dir is not None:
         strategy.swap_dir.remove()
     return engine.num_parameters, counted, root
@@ -49,6 +50,41 @@ def test_tier_bytes_equal_what_the_engine_holds_for_every_offload_combination(st
             # NOTE: the root unit (embeddings, final norm) is gathered once for forward and backward together,
             # so a step reads its chunk once, not twice: the estimate is the bound, short of it by the root
             assert counted == {**got, "read": got["read"] - (root if param == "nvme" else 0)}, (optimizer, param)
+
+
+@pytest.mark.parametrize("precision, state_dtype", [("bf16", "fp32"), ("bf16", "bf16"), ("bf16", "int8"),
+                                                    ("fp32", "int8")])
+def test_tier_bytes_with_each_state_dtype_equal_what_the_engine_holds(precision, state_dtype, tmp_path, monkeypatch):
+    """Stage 3, 60% of the optimizer offloaded (so a device part too), every offload_param tier: under offload_param
+    the device part keeps a separate master, and in CPU memory the host's weights are the master when the dtypes
+    agree (bf16 states under bf16, fp32 under fp32: shard_part.host_shard_as_master), counted once."""
+    import toolkit.runtime.zero.offload as offload
+    import toolkit.observe.tiers as tiers
+
+    monkeypatch.setattr(offload, "PIECE_NUMEL", 1 << 12)
+    monkeypatch.setattr(tiers, "PIECE_NUMEL", 1 << 12)
+    for param in TIERS:
+        for optimizer in ("cpu", "nvme") if state_dtype != "int8" else ("cpu",):
+            overrides = ["zero.stage=3", f"zero.offload_optimizer={optimizer}", "zero.offload_ratio=0.6",
+                         f"zero.offload_param={param}", f"zero.nvme_path={tmp_path}", f"precision.dtype={precision}",
+                         f"optimizer.state_dtype={state_dtype}"]
+            _, engine, _ = tiny_engine_for(overrides)
+            shard = engine.strategy.layout.numel
+            off = sum(p.layout.numel for p in engine.strategy.parts if p.offloaded)
+            n, counted, root = _engine_tiers(overrides)
+            want = estimate_tiers(n, stage=3, world_size=1, dtype=precision, offload_optimizer=optimizer,
+                                  offload_param=param, offload_ratio=off / shard, state_dtype=state_dtype)
+            got = {k: getattr(want, k) for k in counted}
+            assert counted == {**got, "read": got["read"] - (root if param == "nvme" else 0)}, (optimizer, param)
+
+
+def tiny_engine_for(overrides):
+    from tests.runtime.zero_helpers import tiny_engine
+
+    recipe, engine, stream = tiny_engine(1, overrides)
+    if engine.strategy.swap_dir is not None:
+        engine.strategy.swap_dir.remove()
+    return recipe, engine, stream
 
 
 def test_three_tier_optimizer_bytes_equal_what_the_engine_holds(tmp_path, monkeypatch):

@@ -54,7 +54,8 @@ def _bytes(text: str) -> float:
 
 def _row_bytes(row: str) -> dict[tuple[str, str], float]:
     """{(what, where): bytes} of a tiers row: `params device (463.0 KiB); fp32 grads device (...); ...`."""
-    entries = re.findall(r"(params|grads|master\+moments|moments)(?: \d+%)? (device|CPU memory)s? \(([\d.]+ \w+)\)", row)
+    entries = re.findall(r"(params|grads|master\+moments|moments)(?: \(master: the params\))?(?: \d+%)? (device|CPU memory)s? "
+                         r"\(([\d.]+ \w+)\)", row)
     assert entries, row
     found: dict[tuple[str, str], float] = {}
     for what, where, size in entries:

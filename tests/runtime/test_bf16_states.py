@@ -4,8 +4,8 @@ estimate, and the combinations refused."""
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine,
-                                        train)
+from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_offload_param_changes_nothing,
+                                        assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine, train)
 from toolkit.runtime.low_precision_adamw import BF16AdamW, stochastic_round_to_bf16
 
 BF16 = ["precision.dtype=bf16", "optimizer.state_dtype=bf16"]
@@ -131,7 +131,6 @@ def test_zero_1_to_3_with_bf16_states_match_stage_0_within_rounding_noise():
 
 
 @pytest.mark.parametrize("overrides, what", [
-    (["zero.stage=3", "zero.offload_param=cpu"], "zero.offload_param 'cpu'"),
     (["optimizer.type=muon"], "not 'muon'"),
     (["optimizer.type=onebit_adam"], "not 'onebit_adam'"),
     (["parallel.tensor=2"], "parallel.tensor/pipeline > 1"),
@@ -197,5 +196,30 @@ def test_bf16_states_in_swap_files_step_as_in_cpu_memory_bit_for_bit_at_6_bytes(
 def test_bf16_states_in_swap_files_resume_bit_exactly(tmp_path):
     overrides = ["zero.stage=2", SMALL_BUCKETS, *BF16, "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}"]
     saved, restored, uninterrupted, resumed, _ = save_and_resume(tmp_path / "run", overrides, overrides)
+    assert all(torch.equal(restored[key], saved[key]) for key in saved)
+    assert resumed == uninterrupted
+
+
+@pytest.mark.parametrize("optimizer", ["none", "cpu", "nvme"])
+def test_bf16_states_with_the_parameters_offloaded_train_as_with_them_on_the_device(optimizer, tmp_path, monkeypatch):
+    """zero.offload_param cpu and nvme (ZeRO-Infinity's parameter tiers) with bf16 states on the device, in CPU memory
+    or in swap files: the same losses and weights bit for bit as offload_param none. With both in CPU memory the
+    host's bf16 weights are the master: 6 bytes an element there in all (2 weights + 4 moments), not 8."""
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 5000)
+    engines = assert_offload_param_changes_nothing([*BF16, f"zero.offload_optimizer={optimizer}"], tmp_path)
+    strategy = engines["cpu"].strategy
+    part = strategy.parts[-1]
+    assert part.master is None or part.master.dtype == torch.bfloat16  # a device part's separate master too
+    if optimizer == "cpu":
+        assert part.weights_are_master and part.master.untyped_storage().data_ptr() == strategy.weights.shard.data_ptr()
+        assert strategy.memory_bytes()["mem_offload_bytes"] == 6 * strategy.layout.numel
+        assert "(master: the params)" in strategy.describe_tiers()
+
+
+def test_bf16_states_with_the_parameters_in_cpu_memory_resume_bit_exactly(tmp_path):
+    """The master is the host's weights: a checkpoint loads into it once, and resume is bit for bit."""
+    overrides = ["zero.stage=3", SMALL_BUCKETS, *BF16, "zero.offload_optimizer=cpu", "zero.offload_param=cpu"]
+    saved, restored, uninterrupted, resumed, engine = save_and_resume(tmp_path / "run", overrides, overrides)
+    assert engine.strategy.parts[-1].weights_are_master
     assert all(torch.equal(restored[key], saved[key]) for key in saved)
     assert resumed == uninterrupted

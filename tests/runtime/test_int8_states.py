@@ -5,8 +5,8 @@ Two and four gloo ranks: tests/runtime/test_int8_states_dist.py."""
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine,
-                                        train)
+from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_offload_param_changes_nothing,
+                                        assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine, train)
 from toolkit.runtime.int8_adamw import Int8AdamW
 from toolkit.runtime.int8_moments import (BLOCK, SIGNED_MAP, UNSIGNED_MAP, dequantize_blockwise,
                                           quantize_blockwise)
@@ -164,7 +164,6 @@ def test_optimizer_bytes_the_engine_holds_equal_the_estimate(stage, precision):
 
 @pytest.mark.parametrize("overrides, what", [
     (["zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/tmp"], "zero.offload_optimizer 'nvme'"),
-    (["zero.stage=3", "zero.offload_param=cpu"], "zero.offload_param 'cpu'"),
     (["optimizer.type=muon"], "not 'muon'"),
     (["optimizer.type=onebit_adam"], "not 'onebit_adam'"),
     (["parallel.tensor=2"], "parallel.tensor/pipeline > 1")])
@@ -226,3 +225,20 @@ def test_offloaded_int8_moments_take_the_delayed_update_too():
     assert train(1, [*base, "zero.offload_update_warmup=10"])[2] == exact
     delayed = train(1, [*base, "zero.offload_update_warmup=3"])[2]
     assert delayed[:4] == exact[:4] and delayed[4:] != exact[4:]
+
+
+@pytest.mark.parametrize("precision, optimizer", [("bf16", "none"), ("bf16", "cpu"), ("fp32", "cpu")])
+def test_int8_moments_with_the_parameters_offloaded_train_as_with_them_on_the_device(precision, optimizer, tmp_path,
+                                                                                      monkeypatch):
+    """zero.offload_param cpu and nvme with int8 moments on the device or in CPU memory: the same losses and weights
+    bit for bit as offload_param none. Under fp32 with both in CPU memory the host's fp32 weights are the master (an
+    fp32 master is what int8 moments keep): 4 + 2.03 bytes an element there in all."""
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 1000)
+    engines = assert_offload_param_changes_nothing([*INT8, f"precision.dtype={precision}",
+                                                    f"zero.offload_optimizer={optimizer}"], tmp_path)
+    strategy = engines["cpu"].strategy
+    part = strategy.parts[-1]
+    assert part.weights_are_master == (precision == "fp32" and optimizer == "cpu")
+    if part.weights_are_master:
+        n = strategy.layout.numel
+        assert strategy.memory_bytes()["mem_offload_bytes"] == 4 * n + 2 * n + 8 * -(-n // 256)

@@ -122,6 +122,20 @@ def save_and_resume(run_dir, saved_overrides, resumed_overrides, save_after=4):
     return saved, restored, uninterrupted[ckpt.step:], resumed, engine
 
 
+def assert_offload_param_changes_nothing(overrides, tmp_path) -> dict:
+    """Stage 3 with zero.offload_param cpu and nvme trains as with offload_param none, bit for bit: the same losses
+    and final weights (`overrides` hold the state dtype and the optimizer's tier). The engines by tier."""
+    base = ["zero.stage=3", SMALL_BUCKETS, *overrides, f"zero.nvme_path={tmp_path}"]
+    runs = {tier: train(1, [*base, f"zero.offload_param={tier}"]) for tier in ("none", "cpu", "nvme")}
+    want = runs["none"][0].strategy.full_parameters()
+    for tier in ("cpu", "nvme"):
+        engine, _, losses, _ = runs[tier]
+        assert engine.strategy.weights.tier == tier
+        assert losses == runs["none"][2], tier
+        assert all(torch.equal(got, want[name]) for name, got in engine.strategy.full_parameters().items()), tier
+    return {tier: run[0] for tier, run in runs.items()}
+
+
 # The delayed offloaded update (tests/runtime/test_delayed_offload.py, and on CUDA test_optimizer_layer_cuda.py)
 WARMUP = 3
 DELAYED = ["zero.offload_optimizer=cpu", "zero.offload_update=delayed", f"zero.offload_update_warmup={WARMUP}"]

@@ -56,18 +56,21 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
     shard = -(-num_params // world_size)
     host = round(offload_ratio * shard) if offload_optimizer != "none" else 0
     params, optim = states.params, states.optim
+    master = 2 if state_dtype == "bf16" else 4  # bytes of a master element: the states' dtype (int8: fp32 master)
     if offload_param != "none":
         params = 0
-        if dtype == "fp32" and shard > host:  # NOTE: the device's master is then a separate copy (sharded.py)
-            optim = 12 * (shard - host)
+        if shard > host and master == PARAM_BYTES[dtype]:  # NOTE: the device's master is then a separate copy
+            optim += master * (shard - host)                # (zero/shard_part.py), not the weights' chunk
     param_shard = PARAM_BYTES[dtype] * shard
     cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
     if offload_update != "exact" and offload_optimizer != "none":
         cpu += (4 + PARAM_BYTES[dtype]) * host
+    swapped = round(nvme_ratio * host) if offload_optimizer == "nvme" else 0
+    if offload_param == "cpu" and offload_update == "exact" and master == PARAM_BYTES[dtype]:
+        cpu -= master * (host - swapped)  # the host's weights are the master of the part in CPU memory (shard_part.py)
     nvme = read = written = 0
     if offload_optimizer == "nvme":  # master and moments per element: fp32 12 bytes, bf16 states 6
         k = BF16_OFFLOAD_K if state_dtype == "bf16" else OFFLOAD_K
-        swapped = round(nvme_ratio * host)
         cpu += k * (host - swapped) + 3 * k * min(PIECE_NUMEL, swapped)
         nvme = read = written = k * swapped
     if offload_param == "nvme":

@@ -54,8 +54,11 @@ class OffloadedStep:
     written to `weights` (param_offload.py: the device's chunks, or the CPU / swap tier of offload_param)."""
 
     def __init__(self, layout: ShardLayout, optimizer, master: torch.Tensor | None, grad_chunks: list[torch.Tensor],
-                 weights, groups: range, device: torch.device, piece_numel: int | None = None, in_place: bool = False):
+                 weights, groups: range, device: torch.device, piece_numel: int | None = None, in_place: bool = False,
+                 master_is_weights: bool = False):
         self.optimizer, self.master = optimizer, master
+        # offload_param cpu (shard_part.host_shard_as_master): the master is the host's weights, stepped where it is
+        self.master_is_weights = master_is_weights
         self.grad_chunks, self.weights, self.groups = grad_chunks, weights, groups
         self.pieces = split_pieces(layout, piece_numel or PIECE_NUMEL)
         self.cuda = device.type == "cuda"
@@ -86,7 +89,7 @@ class OffloadedStep:
             self.arrived[slot].record()
 
     def _send(self, k: int, weights: torch.Tensor) -> None:
-        if self.in_place:  # `weights` is the destination itself (_arrived)
+        if self.in_place or self.master_is_weights:  # `weights` is the destination itself (_arrived)
             return
         piece = self.pieces[k]
         if not (self.cuda and self.weights.on_device):  # CPU copies, or offload_param's host / swap tier
@@ -116,6 +119,8 @@ class OffloadedStep:
         if self.cuda:
             self.arrived[slot].synchronize()
             self.sent[slot].synchronize()  # piece k-2's weights have left this staging slot
+        if self.master_is_weights:  # the update writes the master, which is the weights (zero/adamw.py `update`)
+            return self.grad_staging[slot][:n], self.master[piece.shard_offset:piece.shard_offset + n]
         return self.grad_staging[slot][:n], self.out_staging[slot][:n]
 
     def _end(self) -> None:

@@ -38,7 +38,7 @@ class ShardPart:
         numel = self.layout.numel
         # nvme: master, exp_avg, exp_avg_sq are three regions of one file (fresh moments read as zeros), each in the
         # state dtype: fp32, or bf16 under optimizer.state_dtype bf16 (6 bytes an element instead of 12)
-        self.state_dtype = state_dtype(spec) if offloaded else torch.float32
+        self.state_dtype = state_dtype(spec)  # also a device part's separate master (offload_param: bf16 states)
         self.state_bytes = torch.empty(0, dtype=self.state_dtype).element_size()
         self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin",
                                    3 * self.state_bytes * numel)
@@ -46,6 +46,7 @@ class ShardPart:
         self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded,
                                                          self.layout, comm, compute_device=device))
         self.master: torch.Tensor | None = None
+        self.weights_are_master = False  # offload_param cpu: the host shard itself (host_shard_as_master)
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
         if self.swap is not None:
             for local, g in enumerate(groups):
@@ -54,10 +55,15 @@ class ShardPart:
             self.master_chunks = []
         elif offloaded or dtype not in (torch.float32, state_dtype(spec)) or not weights.on_device:
             # NOTE: offloaded bf16 states keep a bf16 master in CPU memory (kernels/cpu_adam.cpp adamw_step_bf16)
-            self.master = torch.empty(numel, dtype=self.state_dtype, device=opt_device)
+            self.master = host_shard_as_master(weights, groups, numel, self.state_dtype,
+                                               offloaded and delay_after is None)
+            self.weights_are_master = self.master is not None
+            if self.master is None:
+                self.master = torch.empty(numel, dtype=self.state_dtype, device=opt_device)
             self.master_chunks = [self.layout.chunk_of(self.master, g) for g in range(len(groups))]
             for master, g in zip(self.master_chunks, groups):
-                master.copy_(weights.read(g))
+                if not self.weights_are_master:
+                    master.copy_(weights.read(g))
         # NOTE: Muon's exp_avg_sq is compact (AdamW's elements only): no chunk views of it (zero/muon.py); int8
         # moments are codes (chunk_states dequantizes copies, store_chunk_states stages them for one quantization)
         self.int8 = self.optimizer.moments
@@ -71,7 +77,7 @@ class ShardPart:
                                               groups, device)
         else:  # NOTE: Muon offloaded steps whole chunks (`step`), not OffloadedStep's pieces
             self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
-                                                 weights, groups, device)
+                                                 weights, groups, device, master_is_weights=self.weights_are_master)
                                    if offloaded and not self.optimizer.whole_matrices else None)
         # zero.offload_update delayed: after `delay_after` applied steps, the CPU step runs behind the next step
         self.delay_after = delay_after
@@ -125,7 +131,7 @@ class ShardPart:
 
     def publish(self) -> None:
         """Copy a separate master into the parameter chunks (after a device step, or a load)."""
-        if self.master is None and self.swap is None:
+        if (self.master is None and self.swap is None) or self.weights_are_master:
             return
         for local, g in enumerate(self.groups):
             self.weights.write(g, 0, self.chunk_states(local)[0])
@@ -179,6 +185,17 @@ class ShardPart:
         master or moments)."""
         delayed = self.delayed.host_tensors() if self.delayed is not None else []
         return self.moment_tensors() + ([self.master] if self.master is not None else []) + delayed
+
+
+def host_shard_as_master(weights, groups: range, numel: int, dtype: torch.dtype, allowed: bool) -> torch.Tensor | None:
+    """offload_param cpu, the optimizer offloaded to CPU memory, states in the weights' dtype (bf16 states under bf16,
+    fp32 under fp32): the host's parameter shard over `groups` is already the master, so it is the master (a view:
+    2 or 4 bytes per element of CPU memory not held twice). None where a separate master is needed: another tier,
+    another dtype, or not `allowed` (a delayed update steps its own copy while the forward reads the weights)."""
+    if not (allowed and weights.tier == "cpu" and len(groups) and weights.shard.dtype == dtype):
+        return None
+    start = weights.chunks[groups.start].storage_offset() - weights.shard.storage_offset()
+    return weights.shard[start:start + numel]
 
 
 def split_groups(groups: list[FlatGroup], offload: bool, ratio: float) -> tuple[range, range]:

@@ -131,6 +131,8 @@ class ShardedStrategy(StrategyBase):
                 f"({self.layout.numel:,} elements each, {len(self.groups)} {self.group_kind}); {master}; "
                 f"AdamW {' + '.join(adams)}"
                 + (f"; offload: master, moments and step of {' + '.join(where)}" if self.offload else "")
+                + ("; the parameter shard in CPU memory is the offloaded master (zero.offload_param cpu)"
+                   if any(p.weights_are_master for p in self.parts) else "")
                 + (f"; update delayed one step after {self._delay_after()} exact steps (zero.offload_update "
                    f"{self.zero.offload_update})"
                    if self._delay_after() is not None else ""))
@@ -154,11 +156,13 @@ class ShardedStrategy(StrategyBase):
             numel = part.layout.numel
             share = f" {numel / max(1, self.layout.numel):.0%}" if len(self.parts) > 1 else ""
             if tier == "cpu":  # the live master and moments: fp32 12 bytes an element, bf16 6, int8 moments 4 + 2.03
-                nbytes = tensor_bytes([*part.moment_tensors(), part.master])
+                # NOTE: a master that is the parameter shard in CPU memory (offload_param cpu) is counted there
+                nbytes = tensor_bytes([*part.moment_tensors(), *([] if part.weights_are_master else [part.master])])
             else:  # a swapped part holds its fp32 states in the file
                 nbytes = (3 * part.state_bytes * numel if tier == "nvme"
                           else mem["mem_optim_bytes"] + mem["mem_master_bytes"])
-            states.append(f"master+moments{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
+            what = "moments (master: the params)" if part.weights_are_master else "master+moments"
+            states.append(f"{what}{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
         delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
         if delayed:
             states.append(f"delayed-update gradient + weight copies CPU memory ({format_bytes(tensor_bytes(delayed))})")
