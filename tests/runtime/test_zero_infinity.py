@@ -13,7 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import REPO, become_rank, free_port
-from tests.runtime.zero_helpers import RTOL, STEPS, assert_params_close, tiny_engine, train
+from tests.runtime.zero_helpers import (RTOL, STEPS, assert_offload_param_changes_nothing, assert_params_close,
+                                        tiny_engine, train)
 
 STAGE3 = ["zero.stage=3", "zero.prefetch_units=1"]
 
@@ -279,3 +280,11 @@ def test_host_memory_stays_bounded_with_nvme_offload_as_the_model_grows(tmp_path
     assert growth["nvme"] < 12, growth
     assert growth["cpu"] - growth["nvme"] > 10, growth
     assert list((tmp_path / "swap").iterdir()) == []
+
+
+def test_fp32_parameters_in_cpu_memory_are_the_offloaded_master_and_train_as_on_the_device(tmp_path):
+    """offload_param cpu with offload_optimizer cpu under fp32: the host's fp32 parameter shard is the master (stepped
+    in place, not copied beside it: 12 bytes an element of CPU memory, not 16), bit for bit as offload_param none."""
+    strategy = assert_offload_param_changes_nothing(["zero.offload_optimizer=cpu"], tmp_path)["cpu"].strategy
+    assert strategy.parts[-1].weights_are_master
+    assert strategy.memory_bytes()["mem_offload_bytes"] == 12 * strategy.layout.numel
