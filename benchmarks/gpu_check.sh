@@ -206,11 +206,12 @@ for r in rows if r['status'] == 'ok'); print(f'best {best:,.0f} tokens/s = {best
                      # checkpointing; the largest that fits with NVMe, then 8B and 5B with the optimizer on NVMe vs
                      # CPU (offload_ratio 0.3); rows written as runs end, runs skipped past the INF_BUDGET_S budget
                      # (INF_RUNS: infinity_gpu.py's --runs, to split the runs over two calls; STATE_DTYPE:
-                     # optimizer.state_dtype, bf16 for issue 35's 25B goal)
+                     # optimizer.state_dtype, bf16 for issue 35's 25B goal; GRAD_DTYPE: zero.grad_dtype, bf16 too)
       df -h "${SWAP_DIR:-/tmp}" | tee "$OUT/infinity-train.txt"
       timeout $(( ${INF_BUDGET_S:-520} + 40 )) python3 -m benchmarks.infinity_gpu \
         --swap-dir "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ${INF_RUNS:+--runs "$INF_RUNS"} \
-        --budget-s "${INF_BUDGET_S:-520}" --state-dtype "${STATE_DTYPE:-fp32}" --markdown "$OUT/infinity_train.md" \
+        --budget-s "${INF_BUDGET_S:-520}" --state-dtype "${STATE_DTYPE:-fp32}" --grad-dtype "${GRAD_DTYPE:-fp32}" \
+        --markdown "$OUT/infinity_train.md" \
         2>&1 | tee -a "$OUT/infinity-train.txt"
       rm -rf "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ;;
     tp1pp1)  # issue 24: tensor = pipeline = 1 against today's engine, GPT-2 124M eager; three alternations of

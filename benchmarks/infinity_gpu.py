@@ -2,7 +2,7 @@
 the optimizer offloaded to CPU memory or to swap files (NVMe), and the largest that fits with NVMe.
 
     python -m benchmarks.infinity_gpu --swap-dir /tmp/swap [--runs max:nvme,39:nvme,39:cpu,24:nvme,24:cpu]
-        [--width 4096 --heads 32 --micro 4] [--state-dtype bf16] [--budget-s 540] [--markdown FILE] [--device cpu]
+        [--width 4096 --heads 32 --micro 4] [--state-dtype bf16 [--grad-dtype bf16]] [--budget-s 540] [--markdown FILE] [--device cpu]
 
 A run is LAYERS:TIER[:RATIO[:NVME_RATIO]]: LAYERS a depth or `max` (the deepest model the estimator fits
 on this machine with the optimizer in swap files and the parameter shard in CPU memory); TIER cpu or nvme
@@ -56,7 +56,8 @@ def plan(args, layers: int, tier: str, ratio: float, param: str, nvme_ratio: flo
     spec = spec_for(args, layers)
     n = parameter_count(spec)
     t = estimate_tiers(n, stage=3, world_size=1, dtype="bf16", offload_optimizer=tier, offload_param=param,
-                       offload_ratio=ratio, nvme_ratio=nvme_ratio, state_dtype=args.state_dtype)
+                       offload_ratio=ratio, nvme_ratio=nvme_ratio, state_dtype=args.state_dtype,
+                       grad_dtype=args.grad_dtype)
     act = estimate_activation_bytes(spec, micro_batch=args.micro, seq_len=SEQ, dtype="bf16").checkpointed
     disk_s = (t.read + t.written) * (args.warmup + args.steps) / (args.disk_gbps * 1e9)
     k = 6 if args.state_dtype == "bf16" else 12  # bytes of master and moments per offloaded element
@@ -145,7 +146,7 @@ def child(args) -> dict:
         f"zero.nvme_path={args.swap_dir}",
         f"batch.micro_batch_per_rank={args.micro}", "batch.grad_accum_steps=1", "precision.dtype=bf16",
         f"data.seq_len={SEQ}", f"training.device={args.device}", "training.max_steps=1000",
-        f"optimizer.state_dtype={args.state_dtype}",
+        f"optimizer.state_dtype={args.state_dtype}", f"zero.grad_dtype={args.grad_dtype}",
         "training.memory_check=warn", "checkpoint.save_final=false", "logging.tensorboard=false"])
     engine = Engine(recipe)
     print(engine.strategy.describe_tiers(), file=sys.stderr, flush=True)
@@ -191,7 +192,7 @@ def run_child(args, layers: int, tier: str, ratio: float, nvme_ratio: float, par
                "--ratio", str(ratio), "--nvme-ratio", str(nvme_ratio), "--param", param, "--port", str(port),
                "--swap-dir", args.swap_dir,
                "--width", str(args.width), "--heads", str(args.heads), "--micro", str(args.micro),
-               "--state-dtype", args.state_dtype,
+               "--state-dtype", args.state_dtype, "--grad-dtype", args.grad_dtype,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
@@ -251,6 +252,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
                         help="optimizer.state_dtype: bf16 master and moments (6 bytes an offloaded element, not 12)")
+    parser.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="zero.grad_dtype (bf16 needs --state-dtype bf16): a 2-byte gradient shard on the GPU")
     parser.add_argument("--budget-s", type=float, default=540, help="seconds for every run together")
     parser.add_argument("--disk-gbps", type=float, default=1.5, help="the disk's sequential GB/s (dd), for the "
                         "prediction and the comparison")
@@ -292,14 +295,16 @@ def main() -> int:
         g_ratios = choose_ratio(args, have, g_layers, "nvme", "cpu", smallest=True)
         print(f"{goal / 1e9:.0f}B goal: {g_layers} layers ({parameter_count(spec_for(args, g_layers)) / 1e9:.2f}B) "
               + (f"fits (offload_ratio {g_ratios[0]}, nvme_ratio {g_ratios[1]})" if g_ratios else
-                 "does not fit this machine by the estimate (GPU: grads 4 B/param + the optimizer not offloaded; "
+                 f"does not fit this machine by the estimate (GPU: grads {2 if args.grad_dtype == 'bf16' else 4} B/param + "
+                 "the optimizer not offloaded; "
                  f"host and disk: {6 if args.state_dtype == 'bf16' else 12} B/param of the offloaded optimizer between them)"), flush=True)
     if top:
         print(f"largest that fits: {top[0]} layers, {parameter_count(spec_for(args, top[0])) / 1e9:.2f}B, "
               f"offload_ratio {top[1]}, nvme_ratio {top[2]}, parameters in CPU memory; estimate "
               f"{plan(args, top[0], 'nvme', top[1], 'cpu', top[2])[1]}", flush=True)
     lines = [f"### ZeRO-Infinity, width {args.width}, micro batch {args.micro} x {SEQ}, bf16, activation "
-             f"checkpointing, stage 3, optimizer.state_dtype {args.state_dtype}; {args.warmup} warm-up + "
+             f"checkpointing, stage 3, optimizer.state_dtype {args.state_dtype}, zero.grad_dtype {args.grad_dtype}; "
+             f"{args.warmup} warm-up + "
              f"{args.steps} timed step(s)", "",
              "| model | params | optimizer | ratio | tokens/s | s/step | host peak GiB | disk peak GiB "
              "| swap MB/s | GPU peak GiB | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]

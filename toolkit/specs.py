@@ -98,6 +98,7 @@ class ZeroSpec:
     nvme_ratio: float = 1.0  # of the offloaded optimizer, the part in swap files (the rest: CPU memory)
     offload_update: str = "exact"  # delayed: the CPU step of step t overlaps step t+1 (zero/delayed_update.py)
     offload_update_warmup: int = 100  # applied steps taken exactly before updates are delayed
+    grad_dtype: str = "fp32"  # the reduced gradient shard (stages 1-3): fp32, or bf16 under bf16 states
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ SAME = {"train_batch_size": "batch.global_batch", "train_micro_batch_size_per_gp
         "zero_optimization.allgather_bucket_size": "zero.allgather_bucket_size",
         "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
         "zero_optimization.offload_optimizer.ratio": "zero.offload_ratio",
+        "zero_optimization.offload_param.device": "zero.offload_param",
+        "zero_optimization.offload_optimizer.nvme_path": "zero.nvme_path",
         "zero_optimization.overlap_comm": "zero.overlap_comm",
         "wandb.project": "logging.wandb.project", "tensorboard.enabled": "logging.tensorboard",
         **{f"fp16.{k}": f"precision.fp16.{k}" for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
@@ -244,3 +246,32 @@ def test_deepspeed_muon_maps_both_groups_lrs_decay_and_its_defaults():
     gram = convert_deepspeed({**ds, "optimizer": {"type": "Muon", "params": {"ns_method": "gram"}}}, model="gpt2/tiny")
     assert any(line.startswith("optimizer.params.ns_method: not carried over: unsupported") for line in gram.dropped)
     assert gram.recipe.resolved["optimizer"]["lr"] == 3e-4 and gram.recipe.resolved["optimizer"]["muon_lr"] == 0.02
+
+
+def test_a_zero_infinity_config_with_bf16_states_maps_to_the_recipes_tiers_and_16_bit_layout(tmp_path):
+    """DeepSpeed's ZeRO-Infinity keys (both offloads on NVMe, one nvme_path) and its bf16 master, gradients and
+    optimizer states land on zero.offload_*, zero.nvme_path, optimizer.state_dtype and zero.grad_dtype; the swap
+    tuning knobs are reported as having no effect here, each with why."""
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+          "data_types": {"grad_accum_dtype": "bf16"},
+          "zero_optimization": {"stage": 3,
+                                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4,
+                                                      "pipeline_read": True, "pipeline_write": True},
+                                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_size": 1e8,
+                                                  "max_in_cpu": 1e9}}}
+    done = convert_deepspeed(ds, model="gpt2/tiny")
+    zero = done.recipe.zero
+    assert (zero.offload_optimizer, zero.offload_param, zero.nvme_path) == ("nvme", "nvme", str(tmp_path))
+    assert done.recipe.optimizer.state_dtype == "bf16" and zero.grad_dtype == "bf16"
+    for key in ("offload_optimizer.buffer_count", "offload_optimizer.pipeline_read", "offload_param.buffer_size",
+                "offload_param.max_in_cpu"):
+        assert any(line.startswith(f"zero_optimization.{key}: not carried over: no effect here: ")
+                   for line in done.dropped), key
+
+
+def test_a_bf16_gradient_accumulation_without_bf16_states_is_reported_not_written():
+    done = convert_deepspeed({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"},
+                              "zero_optimization": {"stage": 2}})
+    assert done.recipe.zero.grad_dtype == "fp32"
+    assert any(line.startswith("data_types.grad_accum_dtype: not carried over: unsupported") for line in done.dropped)

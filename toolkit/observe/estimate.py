@@ -111,7 +111,7 @@ def _ceil_div(a: int, b: int) -> int:
 def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, dtype: str = "fp16",
                                offload: str = "none", offload_ratio: float = 1.0,
                                layout: str = "toolkit", muon_params: int = 0,
-                               state_dtype: str = "fp32") -> ModelStateBytes:
+                               state_dtype: str = "fp32", grad_dtype: str = "fp32") -> ModelStateBytes:
     """Per-rank parameter, gradient and optimizer-state bytes.
 
     layout "paper": the ZeRO paper's accounting (sections 3 and 5); "toolkit": what the toolkit's
@@ -126,6 +126,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     a bf16 master and two bf16 moments in CPU memory (BF16_OFFLOAD_K bytes per element, kernels/cpu_adam.cpp).
     `state_dtype` int8 (no offload): the master as under fp32 (stage 0's fp32 weights; at stages 1-3 a separate fp32
     master under 16-bit weights) and `int8_moment_bytes` of the optimizer's share instead of 8 bytes per element.
+    `grad_dtype` bf16 (zero.grad_dtype, stages 1-3): the reduced gradient shard in 2 bytes per element, not 4 (stage 1
+    under bf16 weights: the full bf16 gradient buffer's own chunk, no separate shard).
     """
     # Mixed precision with Adam, P parameters, N ranks (K = 12), as the paper counts:
     #   stage 0: 2P + 2P + KP        stage 1: 2P + 2P + KP/N
@@ -156,6 +158,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
             params, grads, optim = 4 * num_params, 4 * num_params, 8 * num_params
         else:  # the reduced fp32 shard (stage 1 also keeps its full 16-bit gradient buffer)
             grads = 4 * shard + (2 * num_params if stage == 1 else 0)
+            if grad_dtype == "bf16":  # zero.grad_dtype bf16: a bf16 shard (stage 1: a chunk of its full buffer)
+                grads = 2 * num_params if stage == 1 else 2 * shard
     optim -= MUON_SAVED * (_ceil_div(muon_params, n) if stage >= 1 else muon_params)
     if state_dtype == "bf16":  # stages 1-3: the bf16 weights' chunk is the master; two bf16 moments per element
         optim = BF16_STATE_K * shard
@@ -252,13 +256,13 @@ def estimate_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: in
 
 def estimate_memory(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, world_size: int,
                     stage: int, offload: str = "none", offload_ratio: float = 1.0, muon_params: int = 0,
-                    state_dtype: str = "fp32") -> MemoryEstimate:
+                    state_dtype: str = "fp32", grad_dtype: str = "fp32") -> MemoryEstimate:
     """One rank's model states and activations for a model, batch, precision and ZeRO choice."""
     model, tied = resolve_model_shape(model)
     states = estimate_model_state_bytes(parameter_count(model, tied_embeddings=tied), stage=stage,
                                         world_size=world_size, dtype=dtype, offload=offload,
                                         offload_ratio=offload_ratio, muon_params=muon_params,
-                                        state_dtype=state_dtype)
+                                        state_dtype=state_dtype, grad_dtype=grad_dtype)
     activations = estimate_activation_bytes(model, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
     return MemoryEstimate(stage, offload, states, activations)
 
@@ -340,6 +344,7 @@ def format_estimate(inp: "EstimateInput", device: str | None = None) -> str:  # 
              f"micro batch {inp.micro_batch} x {inp.seq_len} tokens; {inp.dtype} (Adam K={ADAM_K[inp.dtype]}"
              + (f"; bf16 optimizer states: K={BF16_STATE_K}, bf16 weights" if inp.state_dtype == "bf16"
                 else f"; int8 blockwise moments: 2 + 8/{INT8_BLOCK} bytes, not 8" if inp.state_dtype == "int8" else "")
+             + ("; bf16 gradient shard at stages 1-3 (zero.grad_dtype)" if inp.grad_dtype == "bf16" else "")
              + "); "
              f"world size {inp.world_size}; activation checkpointing "
              f"{'on' if inp.model.activation_checkpointing else 'off'}"]

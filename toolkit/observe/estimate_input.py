@@ -37,6 +37,7 @@ class EstimateInput:
     state_dtype: str = "fp32"  # optimizer.state_dtype: bf16 keeps the weights (the master) and moments in 2 bytes;
     # int8 keeps the moments in 1 byte each plus an fp32 scale per 256 elements
     offload_update: str = "exact"  # zero.offload_update: delayed adds host copies of gradients and weights
+    grad_dtype: str = "fp32"  # zero.grad_dtype: bf16 halves the reduced gradient shard (stages 1-3)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> EstimateInput:
@@ -52,7 +53,8 @@ class EstimateInput:
                    offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio, vocab_size=d.vocab_size,
                    fused=(norm != "off", k.bias_gelu != "off", k.cross_entropy != "off"),
                    token_buffer_bytes=tokens, parallel=recipe.parallel, optimizer=recipe.optimizer.type,
-                   state_dtype=recipe.optimizer.state_dtype, offload_update=z.offload_update)
+                   state_dtype=recipe.optimizer.state_dtype, offload_update=z.offload_update,
+                   grad_dtype=z.grad_dtype)
 
     @cached_property
     def _resolved(self) -> tuple[ModelSpec, bool | None]:
@@ -84,12 +86,14 @@ class EstimateInput:
                                           world_size=self.world_size, dtype=self.dtype,
                                           offload=self.offload_optimizer,
                                           offload_ratio=self.offload_ratio if offload_ratio is None else offload_ratio,
-                                          muon_params=self.muon_params, state_dtype=self.state_dtype)
+                                          muon_params=self.muon_params, state_dtype=self.state_dtype,
+                                          grad_dtype=self.grad_dtype)
 
     def memory(self, stage: int, offload: str = "none") -> MemoryEstimate:
         """Model states and activations of one rank at `stage` and `offload` (the rest as this input says)."""
         return estimate_memory(self.model, micro_batch=self.micro_batch, seq_len=self.seq_len, dtype=self.dtype,
                                world_size=self.world_size, stage=stage, offload=offload,
                                offload_ratio=self.offload_ratio, muon_params=self.muon_params,
-                               # NOTE: bf16 states are built on the device and in CPU memory, not in swap files
-                               state_dtype=self.state_dtype if offload != "nvme" else "fp32")
+                               # NOTE: int8 moments are built on the device and in CPU memory, not in swap files
+                               state_dtype=self.state_dtype if (offload, self.state_dtype) != ("nvme", "int8")
+                               else "fp32", grad_dtype=self.grad_dtype)

@@ -42,17 +42,17 @@ class TierBytes:
 def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, offload_optimizer: str = "none",
                    offload_param: str = "none", offload_ratio: float = 1.0, nvme_ratio: float = 1.0,
                    grad_accum_steps: int = 1, muon_params: int = 0, state_dtype: str = "fp32",
-                   offload_update: str = "exact") -> TierBytes:
+                   offload_update: str = "exact", grad_dtype: str = "fp32") -> TierBytes:
     """Bytes per tier for one rank and one offload combination (offload_param needs stage 3); `muon_params`
     step with Muon (one moment, not two: estimate.py MUON_SAVED); `state_dtype` bf16: the bf16 weights are the master,
     2-byte moments (estimate.py BF16_STATE_K); int8: 8-bit blockwise moments (estimate.py int8_moment_bytes);
     `offload_update` delayed: a gradient (4 bytes) and a weight copy per offloaded element in CPU memory
-    (zero/delayed_update.py)."""
+    (zero/delayed_update.py); `grad_dtype` bf16 (zero.grad_dtype): a 2-byte gradient shard on the device."""
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param {offload_param!r} needs stage 3, not {stage}")
     states = estimate_model_state_bytes(num_params, stage=stage, world_size=world_size, dtype=dtype,
                                         offload=offload_optimizer, offload_ratio=offload_ratio,
-                                        muon_params=muon_params, state_dtype=state_dtype)
+                                        muon_params=muon_params, state_dtype=state_dtype, grad_dtype=grad_dtype)
     shard = -(-num_params // world_size)
     host = round(offload_ratio * shard) if offload_optimizer != "none" else 0
     params, optim = states.params, states.optim
@@ -89,7 +89,7 @@ def input_tiers(inp: EstimateInput, *, num_params: int | None = None, offload_ra
                           offload_ratio=inp.offload_ratio if offload_ratio is None else offload_ratio,
                           nvme_ratio=inp.nvme_ratio, grad_accum_steps=inp.grad_accum_steps,
                           muon_params=inp.muon_params, state_dtype=inp.state_dtype,
-                          offload_update=inp.offload_update)
+                          offload_update=inp.offload_update, grad_dtype=inp.grad_dtype)
 
 
 def tier_rows(num_params: int, *, stage: int, world_size: int, dtype: str, offload_ratio: float = 1.0,

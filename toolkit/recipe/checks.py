@@ -77,6 +77,12 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
         errors.append(f"recipe.optimizer.type: 'muon' runs at zero.stage 0-3, on the device or offloaded whole to "
                       f"CPU memory, not with {what}")
     errors += state_dtype_errors(r, mesh)
+    if zero["grad_dtype"] != "fp32":
+        needs = ("zero.stage 1-3 (stage 0's gradients are the weights' own)" if zero["stage"] == 0 else
+                 f"optimizer.state_dtype 'bf16' (it is {r['optimizer']['state_dtype']!r})"
+                 if r["optimizer"]["state_dtype"] != "bf16" else "")
+        if needs:
+            errors.append(f"recipe.zero.grad_dtype: {zero['grad_dtype']!r} needs {needs}")
     data, training = r["data"], r["training"]
     if data["kind"] != "synthetic":
         pass  # a real corpus's sizes are checked when it is read (toolkit/data/batches.py)

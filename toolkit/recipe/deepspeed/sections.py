@@ -56,11 +56,19 @@ def precision(c: Conversion, ds: dict) -> None:
         on = is_enabled(bf16)
         if on is True or on == "auto":
             c.put(f"{bf16_name}.enabled", "precision.dtype", "bf16" if on is True else "auto")
-        drop_unhandled(c, bf16_name, bf16, {"enabled"}, {
-            "immediate_grad_update": f"{NO_EFFECT}: gradients accumulate in fp32",
+        handled = {"enabled"}
+        if bf16.get("bf16_master_weights_and_grads") is True and bf16.get("bf16_optimizer_states") is True:
+            # NOTE: the toolkit's 16-bit layout: bf16 weights as the master, bf16 moments, a bf16 gradient shard
+            c.put(f"{bf16_name}.bf16_optimizer_states", "optimizer.state_dtype", "bf16")
+            c.put(f"{bf16_name}.bf16_master_weights_and_grads", "zero.grad_dtype", "bf16")
+            handled |= {"bf16_master_weights_and_grads", "bf16_optimizer_states"}
+        drop_unhandled(c, bf16_name, bf16, handled, {
+            "immediate_grad_update": f"{NO_EFFECT}: gradients accumulate in zero.grad_dtype",
             "check_grad_overflow": f"{NO_EFFECT}: bf16 needs no loss scaling; a non-finite loss stops the run",
-            "bf16_master_weights_and_grads": f"{UNSUPPORTED}: master weights and gradients stay fp32",
-            "bf16_optimizer_states": f"{UNSUPPORTED}: Adam states stay fp32"})
+            "bf16_master_weights_and_grads": f"{UNSUPPORTED}: bf16 master weights with fp32 Adam states; "
+                                             "optimizer.state_dtype bf16 keeps master and moments in bf16 (set "
+                                             "bf16_optimizer_states too)",
+            "bf16_optimizer_states": f"{UNSUPPORTED}: bf16 Adam states need bf16_master_weights_and_grads"})
     if "amp" in ds:
         c.drop("amp", f"{UNSUPPORTED}: NVIDIA Apex AMP; replaced by precision.dtype fp16 or bf16 (torch autocast)")
 
@@ -97,23 +105,37 @@ ZERO_NO_EFFECT = {
 }
 
 
-def _offload_optimizer(c: Conversion, z: dict) -> None:
-    off = z["offload_optimizer"]
+SWAP_NO_EFFECT = {
+    "pin_memory": f"{NO_EFFECT}: the offloaded step's staging buffers are always pinned on a GPU",
+    "buffer_count": f"{NO_EFFECT}: the swapped optimizer step streams through three buffer slots",
+    "buffer_size": f"{NO_EFFECT}: swap files are read a unit (or a step's piece) at a time",
+    "pipeline_read": f"{NO_EFFECT}: swap reads always overlap the CPU step",
+    "pipeline_write": f"{NO_EFFECT}: swap writes always overlap the CPU step",
+    "fast_init": NO_EFFECT, "max_in_cpu": f"{NO_EFFECT}: offload_param nvme keeps no parameter in CPU memory"}
+
+
+def _offload_block(c: Conversion, z: dict, key: str) -> None:
+    """zero_optimization.offload_optimizer / offload_param: the device (none, cpu, nvme), nvme_path, the optimizer's
+    ratio; the rest reported."""
+    off, name = z[key], f"zero_optimization.{key}"
     if not isinstance(off, dict):
-        raise UserError(f"deepspeed config: zero_optimization.offload_optimizer: expected an object, got {as_json(off)}")
+        raise UserError(f"deepspeed config: {name}: expected an object, got {as_json(off)}")
     device = off.get("device", "none")
-    if device in ("cpu", "none", "auto"):
-        c.put("zero_optimization.offload_optimizer.device", "zero.offload_optimizer", device)
+    if device in ("cpu", "nvme", "none", "auto"):
+        c.put(f"{name}.device", f"zero.{key}", device)
     else:
-        c.drop("zero_optimization.offload_optimizer.device", f"{UNSUPPORTED}: {device!r}; offload goes to the CPU "
-               "(zero.offload_optimizer cpu)")
-    if "ratio" in off:
-        c.put("zero_optimization.offload_optimizer.ratio", "zero.offload_ratio", off["ratio"])
-    drop_unhandled(c, "zero_optimization.offload_optimizer", off, {"device", "ratio"}, {
-        "pin_memory": f"{NO_EFFECT}: the offloaded step's staging buffers are always pinned on a GPU",
-        "buffer_count": f"{NO_EFFECT}: NVMe only", "nvme_path": f"{NO_EFFECT}: NVMe only",
-        "pipeline_read": f"{NO_EFFECT}: NVMe only", "pipeline_write": f"{NO_EFFECT}: NVMe only",
-        "fast_init": f"{NO_EFFECT}: NVMe only"})
+        c.drop(f"{name}.device", f"{UNSUPPORTED}: {device!r}; offload goes to 'cpu' or 'nvme'")
+    handled = {"device"}
+    if "nvme_path" in off and device == "nvme":
+        if "nvme_path" in c.recipe.get("zero", {}) and c.recipe["zero"]["nvme_path"] != off["nvme_path"]:
+            c.drop(f"{name}.nvme_path", f"{UNSUPPORTED}: a second folder; zero.nvme_path holds every swap file")
+        else:
+            c.put(f"{name}.nvme_path", "zero.nvme_path", off["nvme_path"])
+        handled.add("nvme_path")
+    if key == "offload_optimizer" and "ratio" in off:
+        c.put(f"{name}.ratio", "zero.offload_ratio", off["ratio"])
+        handled.add("ratio")
+    drop_unhandled(c, name, off, handled, {**SWAP_NO_EFFECT, "nvme_path": f"{NO_EFFECT}: device is not 'nvme'"})
 
 
 def zero(c: Conversion, ds: dict) -> None:
@@ -124,8 +146,9 @@ def zero(c: Conversion, ds: dict) -> None:
     z = section_block(ds, "zero_optimization")
     if "stage" in z:
         c.put("zero_optimization.stage", "zero.stage", z["stage"])
-    if "offload_optimizer" in z:
-        _offload_optimizer(c, z)
+    for key in ("offload_optimizer", "offload_param"):
+        if key in z:
+            _offload_block(c, z, key)
     if z.get("cpu_offload") is True:  # DeepSpeed's legacy spelling of offload_optimizer.device cpu
         c.put("zero_optimization.cpu_offload", "zero.offload_optimizer", "cpu")
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
@@ -136,17 +159,26 @@ def zero(c: Conversion, ds: dict) -> None:
                   and value.is_integer() else value)
     if "overlap_comm" in z:  # false: every collective waited for when issued, as DeepSpeed's overlap_comm false
         c.put("zero_optimization.overlap_comm", "zero.overlap_comm", z["overlap_comm"])
-    off_param = z.get("offload_param")
-    handled = {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"}
-    if isinstance(off_param, dict) and off_param.get("device", "none") == "none":
-        handled.add("offload_param")
+    handled = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
+               "overlap_comm"}
     if z.get("cpu_offload") is not True:
         reasons = {**ZERO_NO_EFFECT, "cpu_offload": f"{NO_EFFECT}: false"}
     else:
         reasons, handled = ZERO_NO_EFFECT, handled | {"cpu_offload"}
-    reasons = {**reasons, "offload_param": f"{UNSUPPORTED}: parameter offload; zero.offload_optimizer cpu offloads "
-                                           "the optimizer state (the largest part)"}
     drop_unhandled(c, "zero_optimization", z, handled, reasons)
+
+
+def data_types(c: Conversion, ds: dict) -> None:
+    """data_types.grad_accum_dtype -> zero.grad_dtype (bf16 only with bf16 optimizer states, as the recipe checks)."""
+    block = section_block(ds, "data_types")
+    dtype = block.get("grad_accum_dtype")
+    handled = set()
+    if dtype == "fp32" or (dtype == "bf16" and c.recipe.get("optimizer", {}).get("state_dtype") == "bf16"):
+        c.put("data_types.grad_accum_dtype", "zero.grad_dtype", dtype)
+        handled.add("grad_accum_dtype")
+    drop_unhandled(c, "data_types", block, handled, {
+        "grad_accum_dtype": f"{UNSUPPORTED}: {as_json(dtype)}; zero.grad_dtype is fp32, or bf16 with bf16 optimizer "
+                            "states (bf16.bf16_master_weights_and_grads and bf16_optimizer_states)"})
 
 
 def training(c: Conversion, ds: dict) -> None:
@@ -205,19 +237,21 @@ TOP_LEVEL = {
     "zero_force_ds_cpu_optimizer": f"{NO_EFFECT}: CPU offload always steps with the toolkit's CPU Adam",
     "dump_state": NO_EFFECT,
     "checkpoint": "replaced by the recipe's checkpoint section",
-    "communication_data_type": f"{UNSUPPORTED}: gradients are reduced in fp32",
+    "communication_data_type": f"{UNSUPPORTED}: gradients are reduced in the weights' dtype",
     "sparse_gradients": UNSUPPORTED,
     "comms_logger": UNSUPPORTED,
     "autotuning": "replaced by `toolkit tune RECIPE`",
 }
 HANDLED = {*BATCH, "fp16", "bf16", "bfloat16", "amp", "zero_optimization", "optimizer", "scheduler",
-           "gradient_clipping", "steps_per_print", "activation_checkpointing", "tensorboard", "wandb", "csv_monitor"}
+           "gradient_clipping", "steps_per_print", "activation_checkpointing", "tensorboard", "wandb", "csv_monitor",
+           "data_types"}
 
 
 def convert_sections(ds: dict) -> Conversion:
     """Every section of a DeepSpeed config dict converted; keys outside the sections reported."""
     c = Conversion()
-    for section in (batch, precision, zero, optimizer, scheduler, training, activation_checkpointing, logging):
+    for section in (batch, precision, zero, data_types, optimizer, scheduler, training, activation_checkpointing,
+                    logging):
         section(c, ds)
     drop_unhandled(c, "(top level)", ds, HANDLED, TOP_LEVEL)
     c.dropped = [line.replace("(top level).", "") for line in c.dropped]

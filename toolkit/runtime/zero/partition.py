@@ -56,12 +56,11 @@ class PartitionedStrategy(ShardedStrategy):
                 for p, view in zip(g.params, g.views(flat)):
                     p.grad = view
                 self.flat_grads.append(flat)
-        fp32_views = stage == 1 and dtype == torch.float32
-        if fp32_views:  # the reduced chunk stays where it is, in the full buffer
+        if stage == 1 and dtype == self.grad_dtype:  # the reduced chunk stays where it is, in the full buffer
             self.grad_shard = None
             self.grad_chunks = [flat[slice(*g.chunk_range(info.rank))] for g, flat in zip(groups, self.flat_grads)]
         else:
-            self.grad_shard = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+            self.grad_shard = torch.zeros(self.layout.numel, dtype=self.grad_dtype, device=device)
             self.grad_chunks = [self.layout.chunk_of(self.grad_shard, g) for g in range(len(groups))]
         self._init_master()
         self._group_of = {id(p): gi for gi, g in enumerate(groups) for p in g.params}
@@ -122,7 +121,7 @@ class PartitionedStrategy(ShardedStrategy):
     def _accept_reduced(self, g: int, out: torch.Tensor) -> None:
         target = self.grad_chunks[g]
         if self.stage == 2:  # accumulate over micro-steps
-            target.add_(out.to(torch.float32))
+            target.add_(out.to(target.dtype))
         elif target.data_ptr() != out.data_ptr():
             target.copy_(out)
 

@@ -66,6 +66,8 @@ class ShardedStrategy(StrategyBase):
         self.param_dtype = param_dtype
         self.offload = zero.offload_optimizer != "none"
         self.bf16_states = state_dtype(optimizer) == torch.bfloat16
+        # zero.grad_dtype: the reduced gradient shard's dtype (bf16 only under bf16 states: recipe checks)
+        self.grad_dtype = torch.bfloat16 if zero.grad_dtype == "bf16" else torch.float32
         self.separate_master = (self.offload or param_dtype not in (torch.float32, state_dtype(optimizer))
                                 or zero.offload_param != "none")
         self.param_chunks: list[torch.Tensor] = []
@@ -150,7 +152,8 @@ class ShardedStrategy(StrategyBase):
         # stage 3 keeps a shard, on the device or offloaded whole (elem bytes per element of the shard)
         params = mem["mem_params_bytes"] if param_tier == "none" else elem * self.layout.numel
         states = [f"params {where[param_tier]} ({format_bytes(params)})",
-                  f"fp32 grads device ({format_bytes(mem['mem_grads_bytes'])})"]
+                  f"{'bf16' if self.grad_dtype == torch.bfloat16 else 'fp32'} grads device "
+                  f"({format_bytes(mem['mem_grads_bytes'])})"]
         for part in self.parts:
             tier = part.tier
             numel = part.layout.numel
@@ -229,8 +232,8 @@ class ShardedStrategy(StrategyBase):
             self._accept_reduced(g, out)
 
     def _accept_reduced(self, g: int, out: torch.Tensor) -> None:
-        """Add a reduced chunk into this rank's fp32 gradient shard (stage 1 overrides: it copies)."""
-        self.grad_chunks[g].add_(out.to(self.grad_chunks[g].device, torch.float32))
+        """Add a reduced chunk into this rank's gradient shard (stage 1 overrides: it copies)."""
+        self.grad_chunks[g].add_(out.to(self.grad_chunks[g].device, self.grad_dtype))
 
     # -- the step ----------------------------------------------------------------
 
@@ -245,7 +248,9 @@ class ShardedStrategy(StrategyBase):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every rank's shard; scale the shard down to max_norm (torch's formula)."""
         # NOTE: one fused norm per chunk, summed on the shard's device: a single host sync per step.
-        norms = torch._foreach_norm([c for c in self.grad_chunks if c.numel()], 2.0)
+        # NOTE: in fp32 also for a bf16 shard (zero.grad_dtype), so the clip coefficient is not rounded to bf16
+        norms = torch._foreach_norm([c for c in self.grad_chunks if c.numel()], 2.0,
+                                    dtype=torch.float32 if self.grad_dtype != torch.float32 else None)
         local = float(torch.stack(norms).double().square().sum()) if norms else 0.0
         total = math.sqrt(self.comm.sum_floats([local])[0])
         if max_norm > 0 and math.isfinite(max_norm):

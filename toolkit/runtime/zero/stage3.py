@@ -149,7 +149,7 @@ class Stage3Strategy(ShardedStrategy):
             self.weights.write(gi, 0, full[slice(*g.chunk_range(info.rank))])
             self.full.append(full)
         self.param_chunks = self.weights.chunks  # empty under offload_param nvme: the chunks are in the file
-        self.grad_shard = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        self.grad_shard = torch.zeros(self.layout.numel, dtype=self.grad_dtype, device=device)
         self.grad_chunks = [self.layout.chunk_of(self.grad_shard, g) for g in range(len(groups))]
         self._init_master()
         self.state = [GATHERED] * len(groups)
