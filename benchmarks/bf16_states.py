@@ -17,7 +17,13 @@ BF16, INT8 = ["optimizer.state_dtype=bf16"], ["optimizer.state_dtype=int8"]
 OFFLOAD = ["zero.stage=1", "zero.offload_optimizer=cpu"]  # the CPU Adam kernel's bf16 step (kernels/cpu_adam.cpp)
 VARIANTS = {"fp32 states": [], "bf16 states, stochastic rounding": BF16, "bf16 states, round to nearest": BF16,
             "int8 moments": INT8, "int8 moments, sqrt(exp_avg_sq)": INT8,
-            "bf16 states offloaded to CPU memory": [*BF16, *OFFLOAD]}
+            "bf16 states offloaded to CPU memory": [*BF16, *OFFLOAD],
+            # zero.grad_dtype: the same stage-2 run with an fp32 and a bf16 gradient shard, 2 micro-steps a step so the
+            # shard's sum rounds as well as its clipped values
+            "bf16 states, stage 2, 2 micro-steps": [*BF16, "zero.stage=2", "batch.grad_accum_steps=2"],
+            "bf16 states, stage 2, 2 micro-steps, bf16 gradient shard": [*BF16, "zero.stage=2",
+                                                                         "batch.grad_accum_steps=2",
+                                                                         "zero.grad_dtype=bf16"]}
 
 
 @contextlib.contextmanager
