@@ -6,7 +6,9 @@ tests/runtime/zero_helpers.py in one process, fp32 compute with TF32 off:
 - bf16 states offloaded to the CPU Adam kernel (hashed bits) track the device's within the same 2e-4;
 - Muon (fp32 Newton-Schulz) at ZeRO 2 and 3 ends within 1e-5 of stage 0;
 - the delayed offloaded update, whose background step waits on CUDA events, follows the delayed rule
-  written out by hand around a stage-0 CUDA engine (tests/runtime/test_delayed_offload.py), within 1e-5.
+  written out by hand around a stage-0 CUDA engine (tests/runtime/test_delayed_offload.py), within 1e-5;
+- the 16-bit layout at stage 3 (bf16 states, parameters in pinned CPU memory as the offloaded master, a bf16
+  gradient shard): without clipping, bit for bit the same run with the parameters on the GPU and an fp32 shard.
 """
 import pytest
 import torch
@@ -64,3 +66,19 @@ def test_the_delayed_update_follows_the_hand_written_rule(stage):
     engine.strategy.complete_pending_update()
     assert losses == pytest.approx(ref_losses, rel=RTOL)
     assert_params_close(on_cpu(engine.strategy.full_parameters()), on_cpu(ref_master))
+
+
+def test_the_16_bit_layout_at_stage_3_trains_as_the_fp32_shard_with_the_parameters_on_the_gpu(tmp_path):
+    """zero.offload_param cpu (pinned; the host shard is the CPU step's master) and nvme with zero.grad_dtype bf16
+    and the optimizer 60% in CPU memory: the CPU tests' bit-for-bit claims (tests/runtime/test_grad_dtype.py,
+    test_bf16_states.py), on CUDA streams and pinned copies."""
+    base = [*CUDA, "zero.stage=3", SMALL_BUCKETS, *BF16, "training.grad_clip=0", "zero.offload_optimizer=cpu",
+            "zero.offload_ratio=0.6", f"zero.nvme_path={tmp_path}"]
+    reference = train(1, base)
+    for param in ("cpu", "nvme"):
+        engine, _, losses, _ = train(1, [*base, f"zero.offload_param={param}", "zero.grad_dtype=bf16"])
+        assert engine.strategy.grad_chunks[0].dtype == torch.bfloat16
+        assert engine.strategy.parts[-1].weights_are_master == (param == "cpu")
+        assert losses == reference[2], param
+        want = on_cpu(reference[0].strategy.full_parameters())
+        assert all(torch.equal(got, want[name]) for name, got in on_cpu(engine.strategy.full_parameters()).items())
