@@ -13,6 +13,8 @@ and ZeRO-Offload's whole host step on a flat shard: AdamW, the bf16 copy of the 
 for the device, the gradient zeroed for the next accumulation:
   toolkit offload step   one kernel pass (param_bf16=..., zero_grad=True)
   torch offload step     _fused_adamw_, then bf16.copy_(p), then g.zero_()
+  toolkit bf16 states    optimizer.state_dtype bf16 offloaded: bf16 master and moments, stochastic rounding
+                         (16 bytes per parameter move, not 28: its GB/s column still counts 28)
   torch foreach      torch.optim.AdamW(foreach=True)
   torch for-loop     torch.optim.AdamW() default on the CPU (single-tensor)
 
@@ -112,6 +114,17 @@ def offload_step(numel: int, module=None):
     return toolkit if module is not None else torch_steps
 
 
+def bf16_states_step(numel: int, module):
+    """optimizer.state_dtype bf16 offloaded: the kernel's bf16 master and moments, fp32 gradient, in place."""
+    p, g = torch.randn(numel).bfloat16(), torch.randn(numel) * 1e-3
+    m, v, count = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16), [0]
+
+    def step():
+        count[0] += 1
+        module.adamw_step_bf16(p, g, m, v, count[0], LR, BETAS[0], BETAS[1], EPS, WD, 1234, 0)
+    return step
+
+
 def extrapolated_step(numel: int, kernel: bool):
     """delayed_extrapolated's offload step of one piece through ShardedAdamW.update: the bf16 copy is the weights
     one update ahead, written by the kernel in its pass (kernel) or by torch ops through a scratch (not)."""
@@ -188,6 +201,7 @@ def main() -> None:
             ("torch _fused_adamw_ (flat)", lambda: torch_fused_flat(numel)),
             ("toolkit offload step (1 pass)", lambda: offload_step(numel, module)),
             ("torch offload step (3 passes)", lambda: offload_step(numel)),
+            ("toolkit bf16 states step", lambda: bf16_states_step(numel, module)),
             ("extrapolated, kernel (1 pass)", lambda: extrapolated_step(numel, kernel=True)),
             ("extrapolated, torch ops", lambda: extrapolated_step(numel, kernel=False)),
             ("torch AdamW foreach=True", lambda: torch_adamw(shapes, foreach=True))]
@@ -198,7 +212,8 @@ def main() -> None:
         print(f"against {args.against}: bit-identical results over 5 steps: "
               f"{'yes' if bit_identical(module, other) else 'NO'}")
         runs = [runs[0], ("other build (flat)", lambda: toolkit_flat(other, numel)), runs[2], runs[4],
-                ("other build offload step", lambda: offload_step(numel, other))]
+                ("other build offload step", lambda: offload_step(numel, other)), runs[6],
+                ("other build bf16 states step", lambda: bf16_states_step(numel, other))]
     steps = {name: make() for name, make in runs}
     results = time_rounds(steps, args.steps, args.warmup)
     cpu = platform.processor() or platform.machine()

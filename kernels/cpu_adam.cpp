@@ -21,6 +21,8 @@
 // torch's type casters only (benchmarks/RESULTS.md, "CPU Adam kernel build").
 #include <torch/csrc/utils/pybind.h>
 
+#include "cpu_adam_bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -168,55 +170,6 @@ inline void adam_range(float* p, float* g, float* m, float* v, uint16_t* out16, 
   }
 }
 
-// ---------------------------------------------------------------------------
-// bf16 states (optimizer.state_dtype bf16 with zero.offload_optimizer cpu): the master weight and both
-// moments are bf16, the gradient fp32. Per element: the three read as fp32, the AdamW above in scalar
-// maths (exact sqrt and division), then each written back with stochastic rounding: 16 random bits added
-// below bf16's mantissa of the fp32 result, then truncated (unbiased: E[result] = the fp32 value). The bits
-// are a hash of (seed, step, the element's index in the shard), so the result does not depend on how the
-// shard is cut into pieces or threads; toolkit/runtime/low_precision_adamw.py `hashed_bf16_adam_update_`
-// is the same maths in torch ops (the fallback, and this kernel's reference in tests/ops/test_cpu_adam.py).
-
-inline uint32_t lowbias32(uint32_t x) {  // Chris Wellons' 32-bit integer hash
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
-
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-
-inline uint16_t to_bf16_stochastic(float x, uint32_t noise16) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
-  return static_cast<uint16_t>((bits + noise16) >> 16);  // carries into bit 16 with probability low bits / 2^16
-}
-
-inline void adam_bf16_range(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, int64_t begin, int64_t end,
-                            const AdamScalars& s, uint32_t step_key, int64_t offset) {
-  for (int64_t i = begin; i < end; ++i) {
-    float param = bf16_to_float(p[i]) * s.decay;
-    const float grad = g[i], m0 = bf16_to_float(m[i]), v0 = bf16_to_float(v[i]);
-    const float mi = m0 + s.one_minus_beta1 * (grad - m0);
-    const float vi = s.beta2 * v0 + s.one_minus_beta2 * grad * grad;
-    const float denom = std::sqrt(vi) * s.inv_bc2_sqrt + s.eps;
-    param = param + s.neg_step_size * mi / denom;
-    const uint64_t index = static_cast<uint64_t>(offset + i);
-    const uint32_t r = lowbias32(static_cast<uint32_t>(index) ^ lowbias32(static_cast<uint32_t>(index >> 32) ^ step_key));
-    p[i] = to_bf16_stochastic(param, r & 0xffffu);
-    m[i] = to_bf16_stochastic(mi, r >> 16);
-    v[i] = to_bf16_stochastic(vi, lowbias32(r) & 0xffffu);
-  }
-}
-
 void check(const at::Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
@@ -289,7 +242,7 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
 }
 
 // Launcher: AdamW step `step` (1-based) on bf16 param/exp_avg/exp_avg_sq and an fp32 grad, in place, with
-// stochastic rounding keyed by (seed, step, offset + index).
+// stochastic rounding keyed by (seed, step, offset + index): kernels/cpu_adam_bf16.cpp.
 void adamw_step_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq, int64_t step,
                      double lr, double beta1, double beta2, double eps, double weight_decay, int64_t seed,
                      int64_t offset) {
@@ -298,21 +251,21 @@ void adamw_step_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::
   check(grad, "grad", n);
   check_bf16(exp_avg, "exp_avg", n);
   check_bf16(exp_avg_sq, "exp_avg_sq", n);
-  const AdamScalars s = adam_scalars(step, lr, beta1, beta2, eps, weight_decay);
-  const uint64_t useed = static_cast<uint64_t>(seed);
-  const uint32_t step_key = lowbias32(static_cast<uint32_t>(useed) ^
-                                      lowbias32(static_cast<uint32_t>(step) ^ lowbias32(static_cast<uint32_t>(useed >> 32))));
-  auto* p = reinterpret_cast<uint16_t*>(param.data_ptr<at::BFloat16>());
-  auto* m = reinterpret_cast<uint16_t*>(exp_avg.data_ptr<at::BFloat16>());
-  auto* v = reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr<at::BFloat16>());
-  const float* g = grad.data_ptr<float>();
-  constexpr int64_t kBlock = 1 << 16;
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(dynamic, 1) if (blocks > 1)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
-    adam_bf16_range(p, g, m, v, begin, end, s, step_key, offset);
-  }
+  const AdamScalars a = adam_scalars(step, lr, beta1, beta2, eps, weight_decay);
+  toolkit_cpu_adam::Bf16StepScalars s;
+  s.decay = a.decay;
+  s.one_minus_beta1 = a.one_minus_beta1;
+  s.beta2 = a.beta2;
+  s.one_minus_beta2 = a.one_minus_beta2;
+  s.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  s.eps = a.eps;
+  s.neg_step_size = a.neg_step_size;
+  s.step_key = toolkit_cpu_adam::rounding_step_key(seed, step);
+  s.offset = offset;
+  toolkit_cpu_adam::adamw_bf16_states(reinterpret_cast<uint16_t*>(param.data_ptr<at::BFloat16>()),
+                                      grad.data_ptr<float>(),
+                                      reinterpret_cast<uint16_t*>(exp_avg.data_ptr<at::BFloat16>()),
+                                      reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr<at::BFloat16>()), n, s);
 }
 
 std::string simd_width() {

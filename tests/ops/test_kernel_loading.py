@@ -80,13 +80,19 @@ def test_cache_key_follows_sources_flags_and_arch(monkeypatch, tmp_path):
 
 
 def test_every_header_the_kernels_include_is_in_the_cache_key():
-    """A header left out of loader.HEADERS would let an edit to it reuse a stale build."""
+    """A header left out of its extension's build plan (loader.HEADERS for the CUDA ones, Extension.headers for the
+    host one) would let an edit to it reuse a stale build."""
     kernels = REPO / "kernels"
-    included = set()
-    for path in kernels.iterdir():
-        if path.suffix in {".cu", ".cpp", ".cuh", ".h"}:
-            included |= set(re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.M))
-    assert included and included <= set(loader.HEADERS), sorted(included - set(loader.HEADERS))
+    for name, extension in loader.EXTENSIONS.items():
+        included, files = set(), set(extension.sources)
+        while files:  # the sources and what they include, transitively
+            path = kernels / files.pop()
+            found = set(re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.M)) - included
+            included |= found
+            files |= found
+        planned = {path.name for path in loader.build_plan(name).headers}
+        assert included <= planned, (name, sorted(included - planned))
+    assert {path.name for path in loader.build_plan("cpu_adam").headers} == {"cpu_adam_bf16.h"}
 
 
 # ---------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class Extension:
     cuda: bool = True
     cxx_flag_sets: tuple[tuple[str, ...], ...] = (CXX_FLAGS,)  # the first that builds wins
     ldflags: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ()  # a host extension's own headers (the CUDA ones share HEADERS)
 
 
 # Extension -> its sources under kernels/. LayerNorm and RMSNorm share one extension.
@@ -60,8 +61,9 @@ EXTENSIONS = {
     "cross_entropy": Extension(("fused_cross_entropy.cu", "fused_cross_entropy_binding.cpp"),
                                "fused cross-entropy kernel"),
     # NOTE: -march=native first (AVX-512 where the CPU has it), dropped if the compiler refuses it.
-    "cpu_adam": Extension(("cpu_adam.cpp",), "CPU Adam kernel", cuda=False, ldflags=("-fopenmp",),
-                          cxx_flag_sets=(("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"))),
+    "cpu_adam": Extension(("cpu_adam.cpp", "cpu_adam_bf16.cpp"), "CPU Adam kernel", cuda=False, ldflags=("-fopenmp",),
+                          cxx_flag_sets=(("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp")),
+                          headers=("cpu_adam_bf16.h",)),
 }
 HEADERS = ("bulk_copy.cuh", "common.cuh", "launchers.h", "torch_utils.h")  # what the CUDA extensions include
 EXTENSION_OF = {"adamw": "adamw", "layernorm": "norm", "rmsnorm": "norm", "bias_gelu": "bias_gelu",
@@ -90,7 +92,7 @@ def build_plan(extension: str, variant: int = 0) -> BuildPlan:
     spec = EXTENSIONS[extension]
     kernels = shipped_dir("kernels")
     sources = tuple(kernels / name for name in spec.sources)
-    headers = tuple(kernels / name for name in HEADERS) if spec.cuda else ()
+    headers = tuple(kernels / name for name in (HEADERS if spec.cuda else spec.headers))
     cxx_flags = spec.cxx_flag_sets[variant]
     archs, notes = target_archs() if spec.cuda else ([], [])
     nvcc = nvcc_version() if spec.cuda else None

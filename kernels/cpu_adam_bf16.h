@@ -1,0 +1,26 @@
+// The bf16-state AdamW step (kernels/cpu_adam_bf16.cpp), as kernels/cpu_adam.cpp's binding calls it.
+#pragma once
+
+#include <cstdint>
+
+namespace toolkit_cpu_adam {
+
+// One step's scalars, rounded to float once from torch's double maths (cpu_adam.cpp adam_scalars).
+struct Bf16StepScalars {
+  float decay;            // 1 - lr * wd
+  float one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float bc2_sqrt;         // sqrt(1 - beta2^t): torch divides by it
+  float eps;
+  float neg_step_size;    // -lr / (1 - beta1^t)
+  uint32_t step_key;      // the hash of (seed, step) the rounding bits start from
+  int64_t offset;         // element 0's index in the shard (the bits are keyed by it)
+};
+
+// The hash of (seed, step) a step's rounding bits start from.
+uint32_t rounding_step_key(int64_t seed, int64_t step);
+
+// AdamW on n elements of bf16 p, m, v (in place) with an fp32 gradient; OpenMP over blocks, AVX-512 or AVX2 lanes.
+void adamw_bf16_states(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, int64_t n, const Bf16StepScalars& s);
+
+}  // namespace toolkit_cpu_adam
