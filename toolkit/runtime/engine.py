@@ -32,6 +32,7 @@ from toolkit.runtime.optim import (Schedule, adamw_implementation, adamw_param_n
 from toolkit.runtime.cpu_threads import apply_threads, choose_threads
 from toolkit.runtime.kernel_choice import kernels_of
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
+from toolkit.runtime.step_result import StepResult
 from toolkit.specs import Recipe
 from toolkit.runtime.strategy import backward_scaled
 from toolkit.runtime.zero import build_strategy
@@ -59,35 +60,6 @@ def check_device(recipe: Recipe) -> torch.device:
 def kernels_of_recipe(recipe: Recipe) -> tuple[str, ...]:
     """The fused kernels a run of `recipe` considers (runtime/kernel_choice.py), from its specs."""
     return kernels_of(recipe.model.family, recipe.optimizer, recipe.kernels, recipe.zero.stage, recipe.parallel.active)
-
-
-class StepResult:
-    """What one optimizer step did.
-
-    The loss and the gradient norm stay where they were computed until read: reading `loss` or
-    `grad_norm` waits for the step (and reading `loss` checks the run has not diverged, see
-    Engine.check_finite), so a loop that logs every N steps lets the GPU run ahead in between.
-    """
-
-    def __init__(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, lr: float, loss_scale: float,
-                 skipped: bool, check_finite=None, comm: dict | None = None):
-        self.loss_tensor = loss  # 0-dim fp32, on the device (no sync)
-        self._grad_norm = grad_norm
-        self.lr, self.loss_scale, self.skipped = lr, loss_scale, skipped
-        self.comm = comm or {}  # this step's comm_bytes, comm_exposed_s, ... (toolkit/observe/comm_ledger.py)
-        self._check_finite = check_finite
-
-    @property
-    def loss(self) -> float:
-        """Mean loss of the step's micro batches over all ranks (syncs)."""
-        if self._check_finite is not None:
-            self._check_finite()
-        return float(self.loss_tensor)
-
-    @property
-    def grad_norm(self) -> float:
-        """Global L2 norm of the unscaled gradients before clipping; NaN for a skipped step (syncs)."""
-        return float(self._grad_norm)
 
 
 class Engine:
