@@ -47,3 +47,19 @@ def test_stage_0_muon_state_is_one_momentum_per_matrix_and_two_moments_for_the_r
     assert inp.model_states(engine.num_parameters).optim == moments
     assert all(set(state[p]) == {"momentum_buffer"} for p in engine.optimizer.param_groups[0]["params"])
     assert isinstance(engine.optimizer, torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("dtype, optimizer", [("fp32", "none"), ("fp32", "cpu"), ("bf16", "cpu")])
+def test_tier_bytes_with_muon_and_the_parameters_in_cpu_memory_equal_what_the_engine_holds(dtype, optimizer):
+    """Stage 3 with zero.offload_param cpu: the device keeps gradients and (unless offloaded) the optimizer with its
+    own master; CPU memory the parameter shard, which under fp32 is the offloaded master too."""
+    from toolkit.observe.estimate_input import EstimateInput
+    from toolkit.observe.tiers import input_tiers
+
+    recipe, engine, stream = tiny_engine(1, [*MUON, "zero.stage=3", "zero.offload_param=cpu",
+                                             f"zero.offload_optimizer={optimizer}", f"precision.dtype={dtype}"])
+    engine.train_batch(stream.next_step())
+    mem = engine.strategy.memory_bytes()
+    want = input_tiers(EstimateInput.from_recipe(recipe), num_params=engine.num_parameters)
+    assert want.gpu == mem["mem_params_bytes"] + mem["mem_grads_bytes"] + mem["mem_optim_bytes"] + mem["mem_master_bytes"]
+    assert want.cpu == mem["mem_offload_bytes"]

@@ -13,7 +13,8 @@ import copy
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import assert_params_close, save_and_resume, tiny_engine, train
+from tests.runtime.zero_helpers import (assert_offload_param_changes_nothing, assert_params_close, save_and_resume,
+                                        tiny_engine, train)
 
 MUON = ["optimizer.type=muon", "optimizer.muon_lr=0.02", "optimizer.muon_weight_decay=0.1"]
 
@@ -216,7 +217,6 @@ def test_offloaded_muon_resumes_bit_exactly(tmp_path):
     (["zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/tmp"], "zero.offload_optimizer 'nvme'"),
     (["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_ratio=0.5"], "offload_ratio 0.5"),
     (["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_update=delayed"], "offload_update 'delayed'"),
-    (["zero.stage=3", "zero.offload_param=cpu"], "offload_param 'cpu'"),
     (["parallel.tensor=2"], "parallel.tensor/pipeline > 1")])
 def test_muon_with_an_unbuilt_offload_or_a_mesh_is_refused_in_one_line(overrides, what):
     from toolkit.recipe.load import RecipeError, load_recipe
@@ -225,3 +225,12 @@ def test_muon_with_an_unbuilt_offload_or_a_mesh_is_refused_in_one_line(overrides
         load_recipe("quickstart", ["optimizer.type=muon", *overrides], world_size=2)
     assert len(caught.value.lines) == 1
     assert caught.value.lines[0].startswith("recipe.optimizer.type: 'muon'") and what in caught.value.lines[0]
+
+
+@pytest.mark.parametrize("optimizer", ["none", "cpu"])
+def test_muon_with_the_parameters_offloaded_trains_as_with_them_on_the_device(optimizer, tmp_path):
+    """Stage 3 with zero.offload_param cpu and nvme, Muon's states on the device or offloaded: the same losses and
+    weights bit for bit as offload_param none (offloaded under fp32, the parameter shard in CPU memory is the
+    master Muon steps)."""
+    engines = assert_offload_param_changes_nothing([*MUON, f"zero.offload_optimizer={optimizer}"], tmp_path)
+    assert engines["cpu"].strategy.parts[-1].weights_are_master == (optimizer == "cpu")

@@ -65,14 +65,14 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
         errors.append(f"recipe.optimizer.type: 'onebit_adam' runs on zero.stage 0 in fp32 or bf16, not with {what} "
                       "(as DeepSpeed's 1-bit Adam, it replaces stage 0's gradient all-reduce); use 'adamw' there")
     # Muon offloaded: its states in CPU memory, the whole shard (built: offload_optimizer cpu at offload_ratio 1,
-    # the exact update, no offload_param)
-    muon_offload = (zero["offload_optimizer"] == "nvme" or zero["offload_param"] != "none"
+    # the exact update; any offload_param)
+    muon_offload = (zero["offload_optimizer"] == "nvme"
                     or (zero["offload_optimizer"] == "cpu" and (zero["offload_ratio"] != 1
                                                                 or zero["offload_update"] != "exact")))
     if r["optimizer"]["type"] == "muon" and (muon_offload or mesh):
         what = ("parallel.tensor/pipeline > 1 (its local shards are not whole matrices)" if mesh else
-                f"zero.offload_optimizer {zero['offload_optimizer']!r}, offload_param {zero['offload_param']!r}, "
-                f"offload_ratio {zero['offload_ratio']}, offload_update {zero['offload_update']!r} (not built yet); "
+                f"zero.offload_optimizer {zero['offload_optimizer']!r}, offload_ratio {zero['offload_ratio']}, "
+                f"offload_update {zero['offload_update']!r} (not built yet); "
                 "offload Muon with offload_optimizer 'cpu' alone")
         errors.append(f"recipe.optimizer.type: 'muon' runs at zero.stage 0-3, on the device or offloaded whole to "
                       f"CPU memory, not with {what}")
