@@ -1,7 +1,7 @@
 """zero.offload_update exact against delayed on a recipe (default: python-stdlib, real text, on the CPU): held-out
 loss along the run and at the end, and the mean step time, with the optimizer offloaded to CPU memory.
 
-    python -m benchmarks.offload_update [--steps N] [--stage S] [--warmup W] [recipe]
+    python -m benchmarks.offload_update [--steps N] [--stage S] [--warmup W] [--offload-ratio R] [recipe]
 
 On a CPU-only machine the "device" is the CPU too, so the delayed update's thread competes with the forward and
 backward for the same cores: the time column says what that costs or saves here; the GPU's figure is
@@ -37,9 +37,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=None, help="zero.offload_update_warmup (default: the schema's)")
     parser.add_argument("--modes", nargs="+", default=["delayed"], choices=["delayed", "delayed_extrapolated"],
                         help="the delayed modes to run beside exact")
+    parser.add_argument("--offload-ratio", type=float, default=1.0,
+                        help="zero.offload_ratio: the first groups' part (1 - ratio) steps on the device, at once")
+    parser.add_argument("--reduce-bucket-size", type=int, default=None,
+                        help="zero.reduce_bucket_size (python-stdlib's 1.3M parameters fill one default bucket: "
+                             "the ratio splits whole buckets, so give smaller ones, e.g. 100000)")
     args = parser.parse_args(argv)
     common = [f"training.max_steps={args.steps}", f"training.eval_interval={max(args.steps // 10, 1)}",
-              f"zero.stage={args.stage}", "zero.offload_optimizer=cpu", "checkpoint.save_final=false"]
+              f"zero.stage={args.stage}", "zero.offload_optimizer=cpu", "checkpoint.save_final=false",
+              f"zero.offload_ratio={args.offload_ratio}"]
+    common += [f"zero.reduce_bucket_size={args.reduce_bucket_size}"] if args.reduce_bucket_size else []
     warmup = [f"zero.offload_update_warmup={args.warmup}"] if args.warmup is not None else []
     variants = {"exact": ["zero.offload_update=exact"], **{m: [f"zero.offload_update={m}", *warmup] for m in args.modes}}
     results = {}
