@@ -275,3 +275,10 @@ def test_a_bf16_gradient_accumulation_without_bf16_states_is_reported_not_writte
                               "zero_optimization": {"stage": 2}})
     assert done.recipe.zero.grad_dtype == "fp32"
     assert any(line.startswith("data_types.grad_accum_dtype: not carried over: unsupported") for line in done.dropped)
+
+
+def test_parameter_offload_below_stage_3_is_reported_as_having_no_effect():
+    done = convert_deepspeed({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert done.recipe.zero.offload_param == "none"
+    assert ("zero_optimization.offload_param: not carried over: no effect here: parameter offload needs stage 3 "
+            "(stage is 2)") in done.dropped

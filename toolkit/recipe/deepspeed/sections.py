@@ -147,7 +147,10 @@ def zero(c: Conversion, ds: dict) -> None:
     if "stage" in z:
         c.put("zero_optimization.stage", "zero.stage", z["stage"])
     for key in ("offload_optimizer", "offload_param"):
-        if key in z:
+        if key == "offload_param" and z.get(key) and z.get("stage") in (0, 1, 2):  # DeepSpeed ignores it there
+            c.drop("zero_optimization.offload_param", f"{NO_EFFECT}: parameter offload needs stage 3 (stage is "
+                                                      f"{z['stage']})")
+        elif key in z:
             _offload_block(c, z, key)
     if z.get("cpu_offload") is True:  # DeepSpeed's legacy spelling of offload_optimizer.device cpu
         c.put("zero_optimization.cpu_offload", "zero.offload_optimizer", "cpu")
