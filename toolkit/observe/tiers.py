@@ -3,8 +3,8 @@ GPU, in CPU memory and in swap files (NVMe) for every `zero.offload_optimizer` x
 combination, and the swap bytes one optimizer step reads and writes. `toolkit estimate` prints
 the table below its stage table; memory_fit.py holds the recipe's row against the machine.
 
-The accounting is the engine's (toolkit/runtime/zero/): the reduced fp32 gradient shard stays on
-the device whatever is offloaded; master weights and moments (12 bytes per offloaded element) go
+The accounting is the engine's (toolkit/runtime/zero/): the reduced fp32 gradient shard (bf16 under
+zero.grad_dtype bf16) stays on the device whatever is offloaded; master weights and moments (12 bytes per offloaded element) go
 to CPU memory or a swap file, `offload_ratio` of the shard (under nvme, `nvme_ratio` of that in
 swap files and the rest in CPU memory); the parameter shard (stage 3) goes to CPU memory or a swap
 file whole. Under offload_optimizer nvme the CPU holds the step's three buffer slots (offload.py:
