@@ -10,7 +10,7 @@ from benchmarks.zero_gpu import engine_recipe, layout_of, main
 
 def _args(**kw):
     base = dict(size="124m", layers=0, width=0, heads=0, micro=8, ckpt=False, offload_ratio=1.0, kernels_off=False,
-                device="cuda")
+                device="cuda", state_dtype="fp32")
     return argparse.Namespace(**{**base, **kw})
 
 
