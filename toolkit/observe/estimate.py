@@ -124,7 +124,7 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     two moments are bf16, BF16_STATE_K bytes per element of the optimizer's share on the device; stage 0's gradients
     are bf16 too (2 + 2 + 4 bytes per parameter; toolkit/runtime/low_precision_adamw.py, zero/adamw.py); offloaded,
     a bf16 master and two bf16 moments in CPU memory (BF16_OFFLOAD_K bytes per element, kernels/cpu_adam.cpp).
-    `state_dtype` int8 (no offload): the master as under fp32 (stage 0's fp32 weights; at stages 1-3 a separate fp32
+    `state_dtype` int8: the master as under fp32 (stage 0's fp32 weights; at stages 1-3 a separate fp32
     master under 16-bit weights) and `int8_moment_bytes` of the optimizer's share instead of 8 bytes per element.
     `grad_dtype` bf16 (zero.grad_dtype, stages 1-3): the reduced gradient shard in 2 bytes per element, not 4 (stage 1
     under bf16 weights: the full bf16 gradient buffer's own chunk, no separate shard).
@@ -143,8 +143,6 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
         raise ValueError(f"layout {layout!r} is not 'paper' or 'toolkit'")
     if state_dtype == "bf16" and dtype != "bf16":
         raise ValueError(f"state_dtype bf16 is built for precision bf16, not {dtype}")
-    if state_dtype == "int8" and offload == "nvme":
-        raise ValueError("state_dtype int8 is built for the states on the device or in CPU memory, not offload 'nvme'")
     if state_dtype == "bf16" and stage == 0:
         return ModelStateBytes(2 * num_params, 2 * num_params, BF16_STATE_K * num_params, 0)
     n = world_size
@@ -174,7 +172,8 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
                                    BF16_OFFLOAD_K * host if offload == "cpu" else 0)
         if state_dtype == "int8":  # an fp32 master and 8-bit moments, on each side of the split
             device_part = ADAM_K[dtype] * (shard - host) - 8 * (shard - host) + int8_moment_bytes(shard - host)
-            return ModelStateBytes(params, grads, device_part, 4 * host + int8_moment_bytes(host))
+            return ModelStateBytes(params, grads, device_part, 4 * host + int8_moment_bytes(host) if offload == "cpu"
+                                   else 0)
         muon_saved = MUON_SAVED * _ceil_div(muon_params, n) if host == shard else 0  # Muon offloads its shard whole
         return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host),
                                OFFLOAD_K * host - muon_saved if offload == "cpu" else 0)

@@ -94,6 +94,4 @@ class EstimateInput:
         return estimate_memory(self.model, micro_batch=self.micro_batch, seq_len=self.seq_len, dtype=self.dtype,
                                world_size=self.world_size, stage=stage, offload=offload,
                                offload_ratio=self.offload_ratio, muon_params=self.muon_params,
-                               # NOTE: int8 moments are built on the device and in CPU memory, not in swap files
-                               state_dtype=self.state_dtype if (offload, self.state_dtype) != ("nvme", "int8")
-                               else "fp32", grad_dtype=self.grad_dtype)
+                               state_dtype=self.state_dtype, grad_dtype=self.grad_dtype)

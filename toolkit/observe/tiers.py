@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.observe.estimate import BF16_OFFLOAD_K, OFFLOAD_K, PARAM_BYTES, estimate_model_state_bytes, format_bytes
+from toolkit.observe.estimate import (BF16_OFFLOAD_K, OFFLOAD_K, PARAM_BYTES, estimate_model_state_bytes, format_bytes,
+                                      int8_moment_bytes)
 from toolkit.observe.estimate_input import EstimateInput
 
 # NOTE: toolkit/runtime/zero/offload.py's PIECE_NUMEL (this layer may not import runtime; a test
@@ -69,7 +70,11 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
     if offload_param == "cpu" and offload_update == "exact" and master == PARAM_BYTES[dtype]:
         cpu -= master * (host - swapped)  # the host's weights are the master of the part in CPU memory (shard_part.py)
     nvme = read = written = 0
-    if offload_optimizer == "nvme":  # master and moments per element: fp32 12 bytes, bf16 states 6
+    if offload_optimizer == "nvme" and state_dtype == "int8":  # an fp32 master file and the 8-bit moments' file
+        in_memory = host - swapped
+        cpu += 4 * in_memory + int8_moment_bytes(in_memory) + 3 * 4 * min(PIECE_NUMEL, swapped)
+        nvme = read = written = 4 * swapped + int8_moment_bytes(swapped)
+    elif offload_optimizer == "nvme":  # master and moments per element: fp32 12 bytes, bf16 states 6
         k = BF16_OFFLOAD_K if state_dtype == "bf16" else OFFLOAD_K
         cpu += k * (host - swapped) + 3 * k * min(PIECE_NUMEL, swapped)
         nvme = read = written = k * swapped

@@ -176,22 +176,26 @@ class SwappedStep(OffloadedStep):
     def __init__(self, layout: ShardLayout, optimizer, swap, grad_chunks, weights, groups: range,
                  device: torch.device, piece_numel: int | None = None, in_place: bool = False):
         super().__init__(layout, optimizer, None, grad_chunks, weights, groups, device, piece_numel, in_place)
-        dtype = optimizer.exp_avg.dtype  # the states' dtype in the file: fp32, or bf16 (optimizer.state_dtype bf16)
+        # the states' dtype in the file: fp32, or bf16 (optimizer.state_dtype bf16); int8 moments keep only the fp32
+        # master here (their codes are swapped by the optimizer's own SwappedMoments, block by block)
+        int8 = optimizer.moments is not None
+        dtype = torch.float32 if int8 else optimizer.exp_avg.dtype
+        self.regions = 1 if int8 else 3
         self.element = torch.empty(0, dtype=dtype).element_size()
         self.swap, self.region = swap, self.element * layout.numel
         size = max((p.numel for p in self.pieces), default=0)
-        self.slots = [torch.empty(3, size, dtype=dtype) for _ in range(3)]
+        self.slots = [torch.empty(self.regions, size, dtype=dtype) for _ in range(3)]
         self._writes: dict[int, list] = {}
 
     def _read(self, k: int) -> list:
         slot, piece = k % 3, self.pieces[k]
         wait(self._writes.pop(slot, []))  # piece k-3 has left this slot
-        return [f for kind in range(3) for f in self.swap.read_async(
+        return [f for kind in range(self.regions) for f in self.swap.read_async(
             self.slots[slot][kind, :piece.numel], kind * self.region + self.element * piece.shard_offset)]
 
     def _write(self, k: int) -> None:
         slot, piece = k % 3, self.pieces[k]
-        self._writes[slot] = [f for kind in range(3) for f in self.swap.write_async(
+        self._writes[slot] = [f for kind in range(self.regions) for f in self.swap.write_async(
             self.slots[slot][kind, :piece.numel], kind * self.region + self.element * piece.shard_offset)]
 
     @torch.no_grad()
@@ -206,12 +210,14 @@ class SwappedStep(OffloadedStep):
                 self._fetch(k + 1)
                 ahead = self._read(k + 1)
             wait(reading)
-            master, m, v = self.slots[k % 3][:, :piece.numel]
+            states = self.slots[k % 3][:, :piece.numel]
+            master, m, v = states if self.regions == 3 else (states[0], None, None)  # int8: moments not here
             grads, out = self._arrived(k)
             self._update(piece, master, grads, m, v, out)
             self._write(k)
             self._send(k, out)
             reading = ahead
+        self.optimizer.end_pieces()  # int8: the last open blocks back to their file
         for slot in list(self._writes):
             wait(self._writes.pop(slot))
         self._end()

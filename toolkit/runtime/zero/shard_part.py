@@ -15,6 +15,7 @@ from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.delayed_update import DelayedUpdate
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
 from toolkit.runtime.zero.swap import SwapDir
+from toolkit.runtime.zero.swapped_moments import SwappedMoments, swapped_moments_bytes
 from toolkit.specs import OptimizerSpec
 
 
@@ -40,11 +41,18 @@ class ShardPart:
         # state dtype: fp32, or bf16 under optimizer.state_dtype bf16 (6 bytes an element instead of 12)
         self.state_dtype = state_dtype(spec)  # also a device part's separate master (offload_param: bf16 states)
         self.state_bytes = torch.empty(0, dtype=self.state_dtype).element_size()
-        self.swap = (swap_dir.file(f"optimizer-rank{rank}-units{groups.start}-{groups.stop}.bin",
-                                   3 * self.state_bytes * numel)
+        # int8 moments keep only the fp32 master in this file; their codes and scales are a second one (SwappedMoments)
+        regions = 1 if spec.state_dtype == "int8" else 3
+        name = f"rank{rank}-units{groups.start}-{groups.stop}.bin"
+        self.swap = (swap_dir.file(f"optimizer-{name}", regions * self.state_bytes * numel)
                      if offloaded and swap_dir is not None else None)
         self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded,
                                                          self.layout, comm, compute_device=device))
+        self.swap_files = [self.swap] if self.swap is not None else []
+        if self.swap is not None and regions == 1:
+            moments = swap_dir.file(f"optimizer-moments-{name}", swapped_moments_bytes(numel))
+            self.optimizer.moments = SwappedMoments(moments, numel)
+            self.swap_files.append(moments)
         self.master: torch.Tensor | None = None
         self.weights_are_master = False  # offload_param cpu: the host shard itself (host_shard_as_master)
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
@@ -142,19 +150,30 @@ class ShardPart:
             start = self.layout.offsets[local]
             first = start - start % BLOCK
             exp_avg, exp_avg_sq = self.int8.read(first, start + self.layout.groups[local].chunk)
-            return self.master_chunks[local], exp_avg[start - first:], exp_avg_sq[start - first:]
+            master = self.master_chunks[local] if self.swap is None else self._read_master(local)
+            return master, exp_avg[start - first:], exp_avg_sq[start - first:]
         if self.swap is None and self.optimizer.whole_matrices:  # Muon: a copy of the compact exp_avg_sq
             return self.master_chunks[local], self.moment_chunks[local][0], self.optimizer.second_moment_chunk(local)
         if self.swap is None:
             return (self.master_chunks[local], *self.moment_chunks[local])
+        return tuple(self._read_master(local, kind) for kind in range(3))
+
+    def _read_master(self, local: int, kind: int = 0) -> torch.Tensor:
+        """Group `local`'s chunk of region `kind` of the swap file (0: the master; 1, 2: the moments)."""
         n, numel, size = self.layout.groups[local].chunk, self.layout.numel, self.state_bytes
-        return tuple(self.swap.read(torch.empty(n, dtype=self.state_dtype),
-                                    size * (kind * numel + self.layout.offsets[local])) for kind in range(3))
+        return self.swap.read(torch.empty(n, dtype=self.state_dtype), size * (kind * numel + self.layout.offsets[local]))
+
+    @property
+    def swap_bytes(self) -> int:
+        """Bytes of this part's swap files (0 when it has none)."""
+        return sum(f.nbytes for f in self.swap_files)
 
     def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
         """Write back what `chunk_states` returned, after filling it (nvme, Muon's compact exp_avg_sq, int8's
         copies; views need nothing)."""
         if self.int8 is not None:
+            if self.swap is not None:
+                self.swap.write(states[0].to(self.state_dtype).contiguous(), self.state_bytes * self.layout.offsets[local])
             self._stage_int8(local, states[1], states[2])
             return
         if self.optimizer.whole_matrices:

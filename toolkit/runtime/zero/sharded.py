@@ -33,6 +33,7 @@ from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, split_groups, state_dtype
 from toolkit.runtime.zero.swap import SwapDir
+from toolkit.runtime.zero.swapped_moments import swapped_moments_bytes
 from toolkit.observe.disk_fit import check_nvme_path
 from toolkit.observe.estimate import BF16_OFFLOAD_K, OFFLOAD_K
 from toolkit.specs import OptimizerSpec, ZeroSpec
@@ -86,8 +87,11 @@ class ShardedStrategy(StrategyBase):
         zero = self.zero
         need = 0
         if zero.offload_optimizer == "nvme":
-            per_element = BF16_OFFLOAD_K if self.bf16_states else OFFLOAD_K  # master and moments, bf16 or fp32
-            need += per_element * sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
+            swapped = sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
+            if self.optimizer_spec.state_dtype == "int8":  # an fp32 master and the 8-bit moments' file
+                need += 4 * swapped + swapped_moments_bytes(swapped)
+            else:  # master and moments, bf16 or fp32
+                need += (BF16_OFFLOAD_K if self.bf16_states else OFFLOAD_K) * swapped
         if zero.offload_param == "nvme":
             need += self.layout.numel * torch.empty(0, dtype=self.param_dtype).element_size()
         return need * int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size))
@@ -161,9 +165,8 @@ class ShardedStrategy(StrategyBase):
             if tier == "cpu":  # the live master and moments: fp32 12 bytes an element, bf16 6, int8 moments 4 + 2.03
                 # NOTE: a master that is the parameter shard in CPU memory (offload_param cpu) is counted there
                 nbytes = tensor_bytes([*part.moment_tensors(), *([] if part.weights_are_master else [part.master])])
-            else:  # a swapped part holds its fp32 states in the file
-                nbytes = (3 * part.state_bytes * numel if tier == "nvme"
-                          else mem["mem_optim_bytes"] + mem["mem_master_bytes"])
+            else:  # a swapped part holds its states in its files
+                nbytes = part.swap_bytes if tier == "nvme" else mem["mem_optim_bytes"] + mem["mem_master_bytes"]
             what = "moments (master: the params)" if part.weights_are_master else "master+moments"
             states.append(f"{what}{share} {where[tier]}{'s' if tier == 'nvme' else ''} ({format_bytes(nbytes)})")
         delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
@@ -172,7 +175,7 @@ class ShardedStrategy(StrategyBase):
         text = "; ".join(states)
         if self.swap_dir is None:
             return text
-        optim = sum(3 * p.state_bytes * p.layout.numel for p in self.parts if p.swap is not None)
+        optim = sum(p.swap_bytes for p in self.parts)
         param_bytes = self.layout.numel * elem if param_tier == "nvme" else 0
         # NOTE: parameters are read at every gather (forward and backward: twice per micro-step)
         reads = optim + 2 * self.grad_accum_steps * param_bytes
