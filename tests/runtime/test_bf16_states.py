@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_offload_param_changes_nothing,
-                                        assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine, train)
+                                        assert_stages_1_to_3_track_stage_0, assert_swap_files_change_nothing,
+                                        save_and_resume, tiny_engine, train)
 from toolkit.runtime.low_precision_adamw import BF16AdamW, stochastic_round_to_bf16
 
 BF16 = ["precision.dtype=bf16", "optimizer.state_dtype=bf16"]
@@ -176,20 +177,10 @@ def test_bf16_states_in_swap_files_step_as_in_cpu_memory_bit_for_bit_at_6_bytes(
     """zero.offload_optimizer nvme: the bf16 master and moments in the swap file (6 bytes an element, half of fp32's),
     streamed through the slots in bf16 and stepped by the same kernel step with the same hashed rounding bits as in
     CPU memory: the same losses and weights; the file, the estimate and the tiers row count the same bytes."""
-    from toolkit.observe.estimate_input import EstimateInput
-    from toolkit.observe.tiers import input_tiers
-
     monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 5000)  # several pieces through the slots
-    in_memory = train(1, [f"zero.stage={stage}", SMALL_BUCKETS, *BF16, "zero.offload_optimizer=cpu"])
-    recipe, engine, stream = tiny_engine(1, [f"zero.stage={stage}", SMALL_BUCKETS, *BF16,
-                                             "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}"])
-    losses = [engine.train_batch(stream.next_step()).loss for _ in range(len(in_memory[2]))]
-    assert losses == in_memory[2]
-    want = in_memory[0].strategy.full_parameters()
-    assert all(torch.equal(got, want[name]) for name, got in engine.strategy.full_parameters().items())
+    _, engine, tiers = assert_swap_files_change_nothing([f"zero.stage={stage}", SMALL_BUCKETS, *BF16], tmp_path)
     part = engine.strategy.parts[-1]
     assert part.swap is not None and part.swap.path.stat().st_size == 6 * part.layout.numel
-    tiers = input_tiers(EstimateInput.from_recipe(recipe), num_params=engine.num_parameters)
     assert tiers.nvme == 6 * part.layout.numel
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_offload_param_changes_nothing,
-                                        assert_stages_1_to_3_track_stage_0, save_and_resume, tiny_engine, train)
+                                        assert_stages_1_to_3_track_stage_0, assert_swap_files_change_nothing,
+                                        save_and_resume, tiny_engine, train)
 from toolkit.runtime.int8_adamw import Int8AdamW
 from toolkit.runtime.int8_moments import (BLOCK, SIGNED_MAP, UNSIGNED_MAP, dequantize_blockwise,
                                           quantize_blockwise)
@@ -252,21 +253,12 @@ def test_int8_moments_in_swap_files_step_as_in_cpu_memory_bit_for_bit(stage, tmp
     """zero.offload_optimizer nvme: the offloaded step's open blocks are read from the moments' file once a step and
     written back once, quantized as in memory: the same losses and weights; the files hold 4 + 2 + 8/256 bytes an
     element, as the estimate, the tiers row and the pre-flight's disk check count."""
-    from toolkit.observe.estimate_input import EstimateInput
-    from toolkit.observe.tiers import input_tiers
-
     monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 1000)  # blocks straddle pieces
-    in_memory = train(1, [f"zero.stage={stage}", SMALL_BUCKETS, *INT8, "zero.offload_optimizer=cpu"])
-    recipe, engine, stream = tiny_engine(1, [f"zero.stage={stage}", SMALL_BUCKETS, *INT8,
-                                             "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}"])
-    losses = [engine.train_batch(stream.next_step()).loss for _ in range(len(in_memory[2]))]
-    assert losses == in_memory[2]
-    want = in_memory[0].strategy.full_parameters()
-    assert all(torch.equal(got, want[name]) for name, got in engine.strategy.full_parameters().items())
+    _, engine, tiers = assert_swap_files_change_nothing([f"zero.stage={stage}", SMALL_BUCKETS, *INT8], tmp_path)
     part = engine.strategy.parts[-1]
     n = part.layout.numel
     assert part.swap_bytes == 4 * n + 2 * n + 8 * -(-n // 256) == sum(f.path.stat().st_size for f in part.swap_files)
-    assert input_tiers(EstimateInput.from_recipe(recipe), num_params=engine.num_parameters).nvme == part.swap_bytes
+    assert tiers.nvme == part.swap_bytes
     assert engine.strategy.memory_bytes()["mem_offload_bytes"] == 0  # no moments in memory between steps
 
 

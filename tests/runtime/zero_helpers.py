@@ -136,6 +136,21 @@ def assert_offload_param_changes_nothing(overrides, tmp_path) -> dict:
     return {tier: run[0] for tier, run in runs.items()}
 
 
+def assert_swap_files_change_nothing(overrides, tmp_path):
+    """`overrides` with zero.offload_optimizer nvme trains as with cpu, bit for bit: the same losses and final weights.
+    (the swapped engine's recipe, the engine, the estimate's tier bytes for it)."""
+    from toolkit.observe.estimate_input import EstimateInput
+    from toolkit.observe.tiers import input_tiers
+
+    in_memory = train(1, [*overrides, "zero.offload_optimizer=cpu"])
+    recipe, engine, stream = tiny_engine(1, [*overrides, "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}"])
+    losses = [engine.train_batch(stream.next_step()).loss for _ in range(len(in_memory[2]))]
+    assert losses == in_memory[2]
+    want = in_memory[0].strategy.full_parameters()
+    assert all(torch.equal(got, want[name]) for name, got in engine.strategy.full_parameters().items())
+    return recipe, engine, input_tiers(EstimateInput.from_recipe(recipe), num_params=engine.num_parameters)
+
+
 # The delayed offloaded update (tests/runtime/test_delayed_offload.py, and on CUDA test_optimizer_layer_cuda.py)
 WARMUP = 3
 DELAYED = ["zero.offload_optimizer=cpu", "zero.offload_update=delayed", f"zero.offload_update_warmup={WARMUP}"]
