@@ -120,10 +120,10 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
     into an fp32 shard (4P/N) rather than a 16-bit one. With offload, `offload_ratio` of the
     optimizer shard sits in CPU memory (the toolkit rounds it to whole groups). `muon_params` of the
     parameters step with Muon (optimizer.type muon): one fp32 momentum, MUON_SAVED bytes fewer each.
-    `state_dtype` bf16 (bf16 precision; offload cpu or none: recipe checks): the bf16 weights are the master and the
+    `state_dtype` bf16 (bf16 precision: recipe checks): the bf16 weights are the master and the
     two moments are bf16, BF16_STATE_K bytes per element of the optimizer's share on the device; stage 0's gradients
     are bf16 too (2 + 2 + 4 bytes per parameter; toolkit/runtime/low_precision_adamw.py, zero/adamw.py); offloaded,
-    a bf16 master and two bf16 moments in CPU memory (BF16_OFFLOAD_K bytes per element, kernels/cpu_adam.cpp).
+    a bf16 master and two bf16 moments in CPU memory (BF16_OFFLOAD_K bytes per element, kernels/cpu_adam_bf16.cpp).
     `state_dtype` int8: the master as under fp32 (stage 0's fp32 weights; at stages 1-3 a separate fp32
     master under 16-bit weights) and `int8_moment_bytes` of the optimizer's share instead of 8 bytes per element.
     `grad_dtype` bf16 (zero.grad_dtype, stages 1-3): the reduced gradient shard in 2 bytes per element, not 4 (stage 1

@@ -77,7 +77,7 @@ def _update_in_fp32_(p, g, m, v, round_to_bf16, **settings) -> None:
         target.copy_(round_to_bf16(value, index))
 
 
-# -- hashed rounding bits: the CPU Adam kernel's bf16 step (kernels/cpu_adam.cpp adamw_step_bf16) in torch ops --------
+# -- hashed rounding bits: the CPU Adam kernel's bf16 step (kernels/cpu_adam_bf16.cpp) in torch ops --------------
 _M32 = 0xFFFFFFFF
 
 
@@ -108,7 +108,7 @@ def _round_with_bits(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def hashed_bf16_adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, seed: int,
                              offset: int, **settings) -> None:
     """One AdamW (Adam) step on bf16 CPU `p`, `m`, `v` in place with the kernel's hashed rounding bits (`settings`:
-    step, lr, wd, betas, eps, l2): the fallback of kernels/cpu_adam.cpp adamw_step_bf16, and its reference."""
+    step, lr, wd, betas, eps, l2): the fallback of kernels/cpu_adam_bf16.cpp, adamw_step_bf16, and its reference."""
     bits = hashed_rounding_bits(seed, settings["step"], offset, p.numel())
     _update_in_fp32_(p, g, m, v, lambda value, index: _round_with_bits(value, bits[index]), **settings)
 

@@ -62,7 +62,7 @@ class ShardPart:
                                 self.state_bytes * self.layout.offsets[local])
             self.master_chunks = []
         elif offloaded or dtype not in (torch.float32, state_dtype(spec)) or not weights.on_device:
-            # NOTE: offloaded bf16 states keep a bf16 master in CPU memory (kernels/cpu_adam.cpp adamw_step_bf16)
+            # NOTE: offloaded bf16 states keep a bf16 master in CPU memory (kernels/cpu_adam_bf16.cpp, adamw_step_bf16)
             self.master = host_shard_as_master(weights, groups, numel, self.state_dtype,
                                                offloaded and delay_after is None)
             self.weights_are_master = self.master is not None
