@@ -58,8 +58,7 @@ class ShardPart:
         self.master_chunks = [weights.read(g) for g in groups]  # fp32 weights on the device are their own master
         if self.swap is not None:
             for local, g in enumerate(groups):
-                self.swap.write(weights.read(g).to("cpu", self.state_dtype).contiguous(),
-                                self.state_bytes * self.layout.offsets[local])
+                self._write_region(local, 0, weights.read(g).to("cpu"))
             self.master_chunks = []
         elif offloaded or dtype not in (torch.float32, state_dtype(spec)) or not weights.on_device:
             # NOTE: offloaded bf16 states keep a bf16 master in CPU memory (kernels/cpu_adam_bf16.cpp, adamw_step_bf16)
@@ -150,18 +149,26 @@ class ShardPart:
             start = self.layout.offsets[local]
             first = start - start % BLOCK
             exp_avg, exp_avg_sq = self.int8.read(first, start + self.layout.groups[local].chunk)
-            master = self.master_chunks[local] if self.swap is None else self._read_master(local)
+            master = self.master_chunks[local] if self.swap is None else self._read_region(local, 0)
             return master, exp_avg[start - first:], exp_avg_sq[start - first:]
         if self.swap is None and self.optimizer.whole_matrices:  # Muon: a copy of the compact exp_avg_sq
             return self.master_chunks[local], self.moment_chunks[local][0], self.optimizer.second_moment_chunk(local)
         if self.swap is None:
             return (self.master_chunks[local], *self.moment_chunks[local])
-        return tuple(self._read_master(local, kind) for kind in range(3))
+        return tuple(self._read_region(local, kind) for kind in range(3))
 
-    def _read_master(self, local: int, kind: int = 0) -> torch.Tensor:
-        """Group `local`'s chunk of region `kind` of the swap file (0: the master; 1, 2: the moments)."""
-        n, numel, size = self.layout.groups[local].chunk, self.layout.numel, self.state_bytes
-        return self.swap.read(torch.empty(n, dtype=self.state_dtype), size * (kind * numel + self.layout.offsets[local]))
+    def _region_offset(self, local: int, kind: int) -> int:
+        """Byte offset of group `local`'s chunk in region `kind` of the swap file (0: the master; 1, 2: the moments)."""
+        return self.state_bytes * (kind * self.layout.numel + self.layout.offsets[local])
+
+    def _read_region(self, local: int, kind: int) -> torch.Tensor:
+        """Group `local`'s chunk of region `kind` of the swap file, read into a new CPU tensor."""
+        n = self.layout.groups[local].chunk
+        return self.swap.read(torch.empty(n, dtype=self.state_dtype), self._region_offset(local, kind))
+
+    def _write_region(self, local: int, kind: int, values: torch.Tensor) -> None:
+        """Group `local`'s chunk of region `kind` of the swap file, from `values` (any dtype, on the CPU)."""
+        self.swap.write(values.to(self.state_dtype).contiguous(), self._region_offset(local, kind))
 
     @property
     def swap_bytes(self) -> int:
@@ -173,15 +180,14 @@ class ShardPart:
         copies; views need nothing)."""
         if self.int8 is not None:
             if self.swap is not None:
-                self.swap.write(states[0].to(self.state_dtype).contiguous(), self.state_bytes * self.layout.offsets[local])
+                self._write_region(local, 0, states[0])
             self._stage_int8(local, states[1], states[2])
             return
         if self.optimizer.whole_matrices:
             self.optimizer.store_second_moment_chunk(local, states[2])
         if self.swap is not None:
             for kind, tensor in enumerate(states):
-                self.swap.write(tensor.to(self.state_dtype).contiguous(),
-                                self.state_bytes * (kind * self.layout.numel + self.layout.offsets[local]))
+                self._write_region(local, kind, tensor)
 
     def _stage_int8(self, local: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Gather loaded fp32 moments group by group; quantize the whole shard at once after the last group (a block
