@@ -13,8 +13,8 @@ import copy
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import (assert_offload_param_changes_nothing, assert_params_close, save_and_resume,
-                                        tiny_engine, train)
+from tests.runtime.zero_helpers import (SMALL_BUCKETS, assert_offload_param_changes_nothing, assert_params_close,
+                                        assert_swap_files_change_nothing, save_and_resume, tiny_engine, train)
 
 MUON = ["optimizer.type=muon", "optimizer.muon_lr=0.02", "optimizer.muon_weight_decay=0.1"]
 
@@ -187,23 +187,31 @@ def test_a_checkpoint_resumes_across_stage_0_and_2_with_every_state(saved, resum
     assert other.strategy.optimizer_steps() == 3
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_offloaded_muon_steps_as_on_the_device_bit_for_bit_and_holds_what_the_estimate_says(stage):
+@pytest.mark.parametrize("stage, ratio", [(1, 1), (2, 1), (3, 1), (3, 0.5)])
+def test_offloaded_muon_steps_as_on_the_device_bit_for_bit_and_holds_what_the_estimate_says(stage, ratio):
     """zero.offload_optimizer cpu: momentum, AdamW's moments and the fp32 master in CPU memory, the updates
-    gathered and orthogonalized on the training device (here the CPU too): the device's losses and weights."""
+    gathered and orthogonalized on the training device (here the CPU too): the device's losses and weights. At
+    offload_ratio 0.5 a device part and a CPU part share one schedule; the estimate splits Muon's saving between
+    them by elements (approximate per column, exact in sum)."""
     from toolkit.observe.estimate import estimate_model_state_bytes
     from toolkit.runtime.muon import muon_param_ids
 
     device, _, device_losses, _ = train(1, [*MUON, f"zero.stage={stage}"])
-    engine, _, losses, _ = train(1, [*MUON, f"zero.stage={stage}", "zero.offload_optimizer=cpu"])
-    assert engine.strategy.parts[-1].offloaded and losses == device_losses
+    engine, _, losses, _ = train(1, [*MUON, f"zero.stage={stage}", "zero.offload_optimizer=cpu",
+                                     f"zero.offload_ratio={ratio}"])
+    assert [p.offloaded for p in engine.strategy.parts] == ([True] if ratio == 1 else [False, True])
+    assert losses == device_losses
     want = device.strategy.full_parameters()
     assert all(torch.equal(got, want[name]) for name, got in engine.strategy.full_parameters().items())
     held = engine.strategy.memory_bytes()
     matrices = sum(p.numel() for p in engine.model.parameters() if id(p) in muon_param_ids(engine.model))
     estimate = estimate_model_state_bytes(engine.num_parameters, stage=stage, world_size=1, dtype="fp32",
-                                          offload="cpu", muon_params=matrices)
-    assert held["mem_offload_bytes"] == estimate.cpu_optim and held["mem_optim_bytes"] == estimate.optim == 0
+                                          offload="cpu", muon_params=matrices,
+                                          offload_ratio=engine.strategy.parts[-1].layout.numel / engine.num_parameters)
+    if ratio == 1:
+        assert held["mem_offload_bytes"] == estimate.cpu_optim and held["mem_optim_bytes"] == estimate.optim == 0
+    else:
+        assert held["mem_offload_bytes"] + held["mem_optim_bytes"] == estimate.cpu_optim + estimate.optim
 
 
 def test_offloaded_muon_resumes_bit_exactly(tmp_path):
@@ -213,12 +221,36 @@ def test_offloaded_muon_resumes_bit_exactly(tmp_path):
     assert len(resumed) == 5 and resumed == uninterrupted
 
 
+@pytest.mark.parametrize("stage, extra", [(1, []), (2, ["zero.offload_ratio=0.5"]), (3, []),
+                                          (3, ["zero.offload_ratio=0.5"])])
+def test_muon_in_swap_files_steps_as_in_cpu_memory_bit_for_bit(stage, extra, tmp_path, monkeypatch):
+    """zero.offload_optimizer nvme: master, momentum and exp_avg_sq (the chunk layout) in a swap file, streamed a
+    piece at a time (pieces of 1,000 elements here, so matrices and runs are cut): the losses and weights of
+    offload_optimizer cpu; 12 bytes an element in the file, as the tiers row counts (whole shard offloaded); none of it
+    in memory after."""
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 1000)
+    _, engine, tiers = assert_swap_files_change_nothing([*MUON, f"zero.stage={stage}", SMALL_BUCKETS, *extra],
+                                                        tmp_path)
+    swapped = [part for part in engine.strategy.parts if part.tier == "nvme"]
+    assert len(swapped) == 1 and len(engine.strategy.parts) == (1 if not extra else 2)
+    assert swapped[0].swap_bytes == 12 * swapped[0].layout.numel
+    if not extra:  # (below offload_ratio 1 the toolkit cuts at whole groups, the estimate at the ratio)
+        assert swapped[0].swap_bytes == tiers.nvme and engine.strategy.memory_bytes()["mem_offload_bytes"] == 0
+
+
+def test_muon_in_swap_files_resumes_bit_exactly(tmp_path):
+    overrides = [*MUON, "zero.stage=3", "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}"]
+    saved, restored, uninterrupted, resumed, _ = save_and_resume(tmp_path / "run", overrides, overrides)
+    assert all(torch.equal(restored[key], saved[key]) for key in saved)
+    assert len(resumed) == 5 and resumed == uninterrupted
+
+
 @pytest.mark.parametrize("overrides, what", [
-    (["zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/tmp"], "zero.offload_optimizer 'nvme'"),
-    (["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_ratio=0.5"], "offload_ratio 0.5"),
     (["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_update=delayed"], "offload_update 'delayed'"),
+    (["zero.stage=2", "zero.offload_optimizer=nvme", "zero.nvme_path=/tmp", "zero.offload_update=delayed_extrapolated"],
+     "offload_update 'delayed_extrapolated'"),
     (["parallel.tensor=2"], "parallel.tensor/pipeline > 1")])
-def test_muon_with_an_unbuilt_offload_or_a_mesh_is_refused_in_one_line(overrides, what):
+def test_muon_with_the_delayed_update_or_a_mesh_is_refused_in_one_line(overrides, what):
     from toolkit.recipe.load import RecipeError, load_recipe
 
     with pytest.raises(RecipeError) as caught:

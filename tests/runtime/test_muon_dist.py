@@ -72,6 +72,12 @@ def _rank_main(rank, world, port, out_dir):
     for stage in (2, 3):  # offloaded: momentum, moments and master in CPU memory
         results[f"stage{stage}-offload"] = _steps_with_bytes(world, [*FP32, f"zero.stage={stage}",
                                                                      "zero.offload_optimizer=cpu"])
+    # half the shard offloaded (offload_ratio 0.5): a device part and a CPU part, one schedule for both
+    results["stage2-offload-half"] = _steps_with_bytes(world, [*FP32, "zero.stage=2", "zero.offload_optimizer=cpu",
+                                                               "zero.offload_ratio=0.5"])
+    # in swap files (zero.offload_optimizer nvme), streamed a piece at a time
+    results["stage3-nvme"] = _steps_with_bytes(world, [*FP32, "zero.stage=3", "zero.offload_optimizer=nvme",
+                                                       f"zero.nvme_path={out_dir.parent}"])
     results["checkpoint"] = _save_and_resume(world, out_dir)
     torch.save(results, out_dir.parent / f"muon-rank{rank}-of-{world}.pt")
     leave_rank()
@@ -104,7 +110,7 @@ def one_process():
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ["stage0", "stage1", "stage2", "stage3", "stage2-accum2", "stage2-offload",
-                                  "stage3-offload"])
+                                  "stage3-offload", "stage2-offload-half", "stage3-nvme"])
 def test_muon_at_zero_stage_matches_one_process_muon_after_ten_steps(world, name, world2, world4, one_process):
     ranks = {2: world2, 4: world4}[world]
     for rank in ranks:  # every rank ends with the same whole parameters, those of one process

@@ -174,9 +174,12 @@ def estimate_model_state_bytes(num_params: int, *, stage: int, world_size: int, 
             device_part = ADAM_K[dtype] * (shard - host) - 8 * (shard - host) + int8_moment_bytes(shard - host)
             return ModelStateBytes(params, grads, device_part, 4 * host + int8_moment_bytes(host) if offload == "cpu"
                                    else 0)
-        muon_saved = MUON_SAVED * _ceil_div(muon_params, n) if host == shard else 0  # Muon offloads its shard whole
-        return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host),
-                               OFFLOAD_K * host - muon_saved if offload == "cpu" else 0)
+        # NOTE: Muon's matrices split between the tiers as the elements do (an approximation below offload_ratio 1:
+        # the offloaded groups are the last ones, where the matrices are; the two columns' sum is exact)
+        muon_saved = MUON_SAVED * _ceil_div(muon_params, n)
+        host_saved = round(muon_saved * host / shard) if shard else 0
+        return ModelStateBytes(params, grads, ADAM_K[dtype] * (shard - host) - (muon_saved - host_saved),
+                               OFFLOAD_K * host - host_saved if offload == "cpu" else 0)
     return ModelStateBytes(params, grads, optim, 0)
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.observe.estimate import (BF16_OFFLOAD_K, OFFLOAD_K, PARAM_BYTES, estimate_model_state_bytes, format_bytes,
-                                      int8_moment_bytes)
+from toolkit.observe.estimate import (BF16_OFFLOAD_K, MUON_SAVED, OFFLOAD_K, PARAM_BYTES, estimate_model_state_bytes,
+                                      format_bytes, int8_moment_bytes)
 from toolkit.observe.estimate_input import EstimateInput
 
 # NOTE: toolkit/runtime/zero/offload.py's PIECE_NUMEL (this layer may not import runtime; a test
@@ -77,6 +77,9 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
     elif offload_optimizer == "nvme":  # master and moments per element: fp32 12 bytes, bf16 states 6
         k = BF16_OFFLOAD_K if state_dtype == "bf16" else OFFLOAD_K
         cpu += k * (host - swapped) + 3 * k * min(PIECE_NUMEL, swapped)
+        # Muon: no exp_avg_sq at the matrices in CPU memory (by elements, as estimate.py splits it); the swap file keeps
+        # the chunk layout whole, and its streamed step's pieces (zero/muon.py) stay inside the three slots counted
+        cpu -= round(MUON_SAVED * -(-muon_params // world_size) * (host - swapped) / shard) if shard else 0
         nvme = read = written = k * swapped
     if offload_param == "nvme":
         nvme += param_shard

@@ -64,18 +64,15 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
                 if mesh else "precision.dtype 'fp16'")
         errors.append(f"recipe.optimizer.type: 'onebit_adam' runs on zero.stage 0 in fp32 or bf16, not with {what} "
                       "(as DeepSpeed's 1-bit Adam, it replaces stage 0's gradient all-reduce); use 'adamw' there")
-    # Muon offloaded: its states in CPU memory, the whole shard (built: offload_optimizer cpu at offload_ratio 1,
-    # the exact update; any offload_param)
-    muon_offload = (zero["offload_optimizer"] == "nvme"
-                    or (zero["offload_optimizer"] == "cpu" and (zero["offload_ratio"] != 1
-                                                                or zero["offload_update"] != "exact")))
-    if r["optimizer"]["type"] == "muon" and (muon_offload or mesh):
+    # Muon offloaded (cpu or nvme, any offload_ratio and offload_param) steps exactly: the delayed update's thread
+    # would run its all-gathers beside the training thread's collectives
+    muon_delayed = zero["offload_optimizer"] != "none" and zero["offload_update"] != "exact"
+    if r["optimizer"]["type"] == "muon" and (muon_delayed or mesh):
         what = ("parallel.tensor/pipeline > 1 (its local shards are not whole matrices)" if mesh else
-                f"zero.offload_optimizer {zero['offload_optimizer']!r}, offload_ratio {zero['offload_ratio']}, "
-                f"offload_update {zero['offload_update']!r} (not built yet); "
-                "offload Muon with offload_optimizer 'cpu' alone")
-        errors.append(f"recipe.optimizer.type: 'muon' runs at zero.stage 0-3, on the device or offloaded whole to "
-                      f"CPU memory, not with {what}")
+                f"zero.offload_update {zero['offload_update']!r} (its gathers would run on the update's thread; "
+                "use 'exact')")
+        errors.append(f"recipe.optimizer.type: 'muon' runs at zero.stage 0-3, on the device or offloaded, not with "
+                      f"{what}")
     errors += state_dtype_errors(r, mesh)
     if zero["grad_dtype"] != "fp32":
         needs = ("zero.stage 1-3 (stage 0's gradients are the weights' own)" if zero["stage"] == 0 else

@@ -75,6 +75,11 @@ class ShardedAdamW:
         """One AdamW step on the device's shard (offload steps piece by piece instead: toolkit/runtime/zero/offload.py);
         each dict maps decay (True/False) to matching lists of fp32 segment views."""
         self.begin_step()
+        self.apply(params, grads, moments)
+
+    def apply(self, params: dict[bool, list[torch.Tensor]], grads: dict[bool, list[torch.Tensor]],
+              moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """`step` after its `begin_step`: Muon's swapped step (zero/muon.py) applies it group by group."""
         for group in self.param_groups:
             decay = group["decay"]
             ps, gs = params[decay], grads[decay]

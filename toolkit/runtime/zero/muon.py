@@ -43,8 +43,6 @@ class ShardedMuon:
         self.compute_device = compute_device or device
         self.muon_group = muon_group_settings(spec)
         self.ns_dtype = NS_DTYPES[spec.muon_ns_dtype]  # what is gathered: the Newton-Schulz input
-        # NOTE: the same dicts as ShardedAdamW's, so the Schedule's writes reach both
-        self.param_groups = [self.muon_group, *self.adamw.param_groups]
         self.mode = f"{self.adamw.mode}; Muon on gathered matrices"
         # per group: (slot, start, stop) of each slot's piece in this rank's chunk, chunk coordinates
         self.pieces = []
@@ -59,9 +57,20 @@ class ShardedMuon:
             for slot, a, b in (piece for piece in pieces if not piece[0].muon):
                 self.second_at[-1].append((a, b, offset))
                 offset += b - a
-        self.adamw.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
+        # NOTE: a swapped part (numel 0) keeps exp_avg_sq in its file in the chunk layout (`step_group`)
+        self.adamw.exp_avg_sq = torch.zeros(offset if numel else 0, dtype=torch.float32, device=device)
 
     # -- what ShardPart and the strategy read, as from ShardedAdamW ------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Muon's group, then AdamW's two: the same dicts the steps read, so the Schedule's writes reach both."""
+        return [self.muon_group, *self.adamw.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        # NOTE: a second ShardPart (offload_ratio < 1) shares the first one's dicts, so one schedule drives both
+        self.muon_group, *self.adamw.param_groups = groups
 
     @property
     def exp_avg(self) -> torch.Tensor:
@@ -112,44 +121,105 @@ class ShardedMuon:
 
     # -- the step ------------------------------------------------------------------------
 
+    def begin_step(self) -> None:
+        """Count the step (AdamW's bias corrections); then `step_group` each group (a swapped part's way)."""
+        self.adamw.begin_step()
+
     @torch.no_grad()
     def step_chunks(self, masters: list[torch.Tensor], grads: list[torch.Tensor],
                     moments: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One step over the shard: per group g, `masters[g]` (fp32), `grads[g]` and `moments[g][0]` (exp_avg)
-        are this rank's chunk of it."""
+        are this rank's chunk of it (exp_avg_sq: the compact buffer). AdamW's pieces of every group in one call."""
+        self.begin_step()
+        self._apply_adamw(range(len(self.pieces)), masters, grads, [m for m, _ in moments])
+        for g in range(len(self.pieces)):
+            self._muon_group_step(g, masters[g], grads[g], moments[g][0])
+
+    @torch.no_grad()
+    def step_group_streamed(self, g: int, read, write, grad: torch.Tensor, publish, piece_numel: int) -> None:
+        """Group g's part of the step (after `begin_step`) with its states in a swap file, never more than
+        `piece_numel` elements of them in memory: `read(kind, a, b)` returns elements a:b of the chunk's master (kind
+        0), exp_avg (1) or exp_avg_sq (2, the chunk layout, not the compact buffer), `write(kind, a, values)` puts
+        them back, `publish(a, master)` gives the model new weights. Two passes: AdamW's pieces and Muon's momentum,
+        then, after the gather, Muon's update of the master (read twice: 4 bytes more of I/O per matrix element)."""
+        settings = self.muon_group
+        beta = settings["momentum"]
+        chunk = torch.zeros(self.layout.groups[g].chunk, dtype=self.ns_dtype, device=self.compute_device)
+        for slot, a, b in self.pieces[g]:
+            for lo, hi in _runs(a, b, piece_numel):
+                grad_piece = grad[lo:hi].to("cpu")
+                if slot.muon:  # the momentum, and the update the gather sends
+                    m = read(1, lo, hi)
+                    m.lerp_(grad_piece, 1 - beta)
+                    chunk[lo:hi].copy_(grad_piece.lerp(m, beta) if settings["nesterov"] else m)
+                    write(1, lo, m)
+                    continue
+                master, m, v = (read(kind, lo, hi) for kind in range(3))
+                self.adamw.apply({slot.decay: [master], not slot.decay: []}, {slot.decay: [grad_piece],
+                                 not slot.decay: []}, {slot.decay: ([m], [v]), not slot.decay: ([], [])})
+                for kind, values in enumerate((master, m, v)):
+                    write(kind, lo, values)
+                publish(lo, master)
+        for slot, lo, hi, update in self._orthogonalized(g, chunk, piece_numel):
+            master = read(0, lo, hi)
+            master.mul_(1 - float(settings["lr"]) * settings["weight_decay"])
+            master.add_(update.to(master.device), alpha=-adjusted_lr(float(settings["lr"]), settings["adjust_lr_fn"],
+                                                                     slot.shape))
+            write(0, lo, master)
+            publish(lo, master)
+
+    def _apply_adamw(self, groups, masters, grads, exp_avgs, exp_avg_sqs=None) -> None:
+        """AdamW on the non-Muon pieces of `groups` (indexable by group); exp_avg_sq from `exp_avg_sqs[g]` (chunk
+        layout) or, when None, the compact buffer."""
         views = {decay: ([], [], [], []) for decay in (True, False)}
-        for g, pieces in enumerate(self.pieces):
-            adamw = [slot for slot, _, _ in pieces if not slot.muon]
+        for g in groups:
+            adamw = [slot for slot, _, _ in self.pieces[g] if not slot.muon]
             for slot, (a, b, offset) in zip(adamw, self.second_at[g]):
-                second = self.adamw.exp_avg_sq[offset:offset + b - a]
-                for into, tensor in zip(views[slot.decay], (masters[g][a:b], grads[g][a:b], moments[g][0][a:b], second)):
+                second = (self.adamw.exp_avg_sq[offset:offset + b - a] if exp_avg_sqs is None
+                          else exp_avg_sqs[g][a:b])
+                for into, tensor in zip(views[slot.decay], (masters[g][a:b], grads[g][a:b], exp_avgs[g][a:b], second)):
                     into.append(tensor)
-        self.adamw.step({d: v[0] for d, v in views.items()}, {d: v[1] for d, v in views.items()},
-                        {d: (v[2], v[3]) for d, v in views.items()})
-        for g, group in enumerate(self.layout.groups):
-            if any(slot.muon for slot in group.slots):  # every rank joins the gather, owning a piece or not
-                self._muon_group_step(g, masters[g], grads[g], moments[g][0])
+        self.adamw.apply({d: v[0] for d, v in views.items()}, {d: v[1] for d, v in views.items()},
+                         {d: (v[2], v[3]) for d, v in views.items()})
 
     def _muon_group_step(self, g: int, master: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor) -> None:
-        group, settings = self.layout.groups[g], self.muon_group
+        settings = self.muon_group
         beta, lr = settings["momentum"], float(settings["lr"])
-        mine = [(slot, a, b) for slot, a, b in self.pieces[g] if slot.muon]
-        chunk = torch.zeros(group.chunk, dtype=self.ns_dtype, device=self.compute_device)
-        for _, a, b in mine:  # torch.optim.Muon's momentum, on this rank's slices
-            m, grad_slice = momentum[a:b], grad[a:b]
-            m.lerp_(grad_slice, 1 - beta)
-            chunk[a:b].copy_(grad_slice.lerp(m, beta) if settings["nesterov"] else m)
+        chunk = torch.zeros(self.layout.groups[g].chunk, dtype=self.ns_dtype, device=self.compute_device)
+        for slot, a, b in self.pieces[g]:  # torch.optim.Muon's momentum, on this rank's slices of the matrices
+            if slot.muon:
+                m, grad_slice = momentum[a:b], grad[a:b]
+                m.lerp_(grad_slice, 1 - beta)
+                chunk[a:b].copy_(grad_slice.lerp(m, beta) if settings["nesterov"] else m)
+        for slot, a, b, update in self._orthogonalized(g, chunk):
+            p = master[a:b]
+            p.mul_(1 - lr * settings["weight_decay"])
+            p.add_(update.to(p.device), alpha=-adjusted_lr(lr, settings["adjust_lr_fn"], slot.shape))
+
+    def _orthogonalized(self, g: int, chunk: torch.Tensor, piece_numel: int | None = None):
+        """Gather group g's updates (`chunk`: this rank's, in the Newton-Schulz dtype) and yield (slot, a, b, its
+        orthogonalized update at chunk elements a:b), runs of at most `piece_numel` (None: whole slices), per Muon
+        matrix this rank owns a slice of. Every rank joins the gather of a group holding a matrix, owning a slice of one or not."""
+        group = self.layout.groups[g]
+        if not any(slot.muon for slot in group.slots):
+            return
         if group.world_size > 1:
             whole = torch.empty(group.padded_numel, dtype=self.ns_dtype, device=self.compute_device)
             self.comm.all_gather_flat(whole, chunk).wait()
         else:
             whole = chunk
         lo = group.chunk_range(self.layout.rank)[0]
-        for slot, a, b in mine:
-            ortho = orthogonalize(whole[slot.offset:slot.offset + slot.numel].view(slot.shape), settings["ns_steps"],
-                                  self.ns_dtype)
-            p = master[a:b]
-            p.mul_(1 - lr * settings["weight_decay"])
-            start = lo + a - slot.offset
-            p.add_(ortho.reshape(-1)[start:start + b - a].to(p.device),
-                   alpha=-adjusted_lr(lr, settings["adjust_lr_fn"], slot.shape))
+        for slot, a, b in self.pieces[g]:
+            if not slot.muon:
+                continue
+            ortho = orthogonalize(whole[slot.offset:slot.offset + slot.numel].view(slot.shape),
+                                  self.muon_group["ns_steps"], self.ns_dtype).reshape(-1)
+            for start, stop in _runs(a, b, piece_numel or b - a):
+                yield slot, start, stop, ortho[lo + start - slot.offset:lo + stop - slot.offset]
+
+
+def _runs(a: int, b: int, size: int):
+    """a:b cut into runs of at most `size` elements (offload.py's PIECE_NUMEL, a multiple of every vector width, so
+    elementwise ops give the bits they give on a:b whole)."""
+    for start in range(a, b, max(1, size)):
+        yield start, min(b, start + max(1, size))

@@ -12,6 +12,7 @@ import torch
 from toolkit.runtime.int8_moments import BLOCK
 from toolkit.runtime.optim import FlatShard, build_optimizer
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
+from toolkit.runtime.zero import offload
 from toolkit.runtime.zero.delayed_update import DelayedUpdate
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
 from toolkit.runtime.zero.swap import SwapDir
@@ -79,10 +80,10 @@ class ShardPart:
             (self.layout.chunk_of(self.optimizer.exp_avg, g),
              None if self.optimizer.whole_matrices else self.layout.chunk_of(self.optimizer.exp_avg_sq, g))
             for g in range(len(groups))]
-        if self.swap is not None:
+        if self.swap is not None and not self.optimizer.whole_matrices:
             self.offloaded_step = SwappedStep(self.layout, self.optimizer, self.swap, self.grad_chunks, weights,
                                               groups, device)
-        else:  # NOTE: Muon offloaded steps whole chunks (`step`), not OffloadedStep's pieces
+        else:  # NOTE: Muon offloaded steps whole chunks (`step`), not OffloadedStep's or SwappedStep's pieces
             self.offloaded_step = (OffloadedStep(self.layout, self.optimizer, self.master, self.grad_chunks,
                                                  weights, groups, device, master_is_weights=self.weights_are_master)
                                    if offloaded and not self.optimizer.whole_matrices else None)
@@ -113,10 +114,7 @@ class ShardPart:
             self.publish()
             return
         if self.optimizer.whole_matrices:  # Muon: per slot, gathering each matrix (zero/muon.py)
-            # offloaded: the states are in CPU memory, so are the gradients it steps with
-            grads = [g.to("cpu") for g in self.grad_chunks] if self.offloaded else self.grad_chunks
-            self.optimizer.step_chunks(self.master_chunks, grads, self.moment_chunks)
-            self.publish()
+            self._step_whole_matrices()
             return
         views = {decay: (self.layout.segment_views(self.master_chunks, decay),
                          self.layout.segment_views(self.grad_chunks, decay),
@@ -126,6 +124,22 @@ class ShardPart:
         self.optimizer.step({d: views[d][0] for d in views}, {d: views[d][1] for d in views},
                             {d: views[d][2:] for d in views})
         self.publish()
+
+    def _step_whole_matrices(self) -> None:
+        """Muon's step: the chunks in memory at once, or (swap files) a group at a time, streamed through memory in
+        pieces of at most PIECE_NUMEL elements (zero/muon.py `step_group_streamed`; synchronous I/O, not
+        SwappedStep's pipeline). Offloaded, the gradients come to the CPU, where the states are."""
+        if self.swap is None:
+            grads = [g.to("cpu") for g in self.grad_chunks] if self.offloaded else self.grad_chunks
+            self.optimizer.step_chunks(self.master_chunks, grads, self.moment_chunks)
+            self.publish()
+            return
+        self.optimizer.begin_step()
+        for local, g in enumerate(self.groups):  # NOTE: the gradients too come over a piece at a time
+            self.optimizer.step_group_streamed(
+                local, lambda kind, a, b, local=local: self._read_region(local, kind, a, b),
+                lambda kind, a, values, local=local: self._write_region(local, kind, values, a),
+                self.grad_chunks[local], lambda a, values, g=g: self.weights.write(g, a, values), offload.PIECE_NUMEL)
 
     def land(self) -> bool:
         """Finish a delayed update in flight and give the model the master itself (not an extrapolation): what
@@ -157,18 +171,20 @@ class ShardPart:
             return (self.master_chunks[local], *self.moment_chunks[local])
         return tuple(self._read_region(local, kind) for kind in range(3))
 
-    def _region_offset(self, local: int, kind: int) -> int:
-        """Byte offset of group `local`'s chunk in region `kind` of the swap file (0: the master; 1, 2: the moments)."""
-        return self.state_bytes * (kind * self.layout.numel + self.layout.offsets[local])
+    def _region_offset(self, local: int, kind: int, start: int = 0) -> int:
+        """Byte offset of element `start` of group `local`'s chunk in region `kind` of the swap file (0: the master;
+        1, 2: the moments)."""
+        return self.state_bytes * (kind * self.layout.numel + self.layout.offsets[local] + start)
 
-    def _read_region(self, local: int, kind: int) -> torch.Tensor:
-        """Group `local`'s chunk of region `kind` of the swap file, read into a new CPU tensor."""
-        n = self.layout.groups[local].chunk
-        return self.swap.read(torch.empty(n, dtype=self.state_dtype), self._region_offset(local, kind))
+    def _read_region(self, local: int, kind: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements start:stop (default: all) of group `local`'s chunk of region `kind`, read into a new CPU tensor."""
+        stop = self.layout.groups[local].chunk if stop is None else stop
+        return self.swap.read(torch.empty(stop - start, dtype=self.state_dtype), self._region_offset(local, kind, start))
 
-    def _write_region(self, local: int, kind: int, values: torch.Tensor) -> None:
-        """Group `local`'s chunk of region `kind` of the swap file, from `values` (any dtype, on the CPU)."""
-        self.swap.write(values.to(self.state_dtype).contiguous(), self._region_offset(local, kind))
+    def _write_region(self, local: int, kind: int, values: torch.Tensor, start: int = 0) -> None:
+        """Group `local`'s chunk of region `kind` of the swap file from element `start`, from `values` (any dtype,
+        on the CPU)."""
+        self.swap.write(values.to(self.state_dtype).contiguous(), self._region_offset(local, kind, start))
 
     @property
     def swap_bytes(self) -> int:
@@ -183,7 +199,7 @@ class ShardPart:
                 self._write_region(local, 0, states[0])
             self._stage_int8(local, states[1], states[2])
             return
-        if self.optimizer.whole_matrices:
+        if self.optimizer.whole_matrices and self.swap is None:  # a swap file holds exp_avg_sq in the chunk layout
             self.optimizer.store_second_moment_chunk(local, states[2])
         if self.swap is not None:
             for kind, tensor in enumerate(states):
