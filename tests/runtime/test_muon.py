@@ -234,8 +234,11 @@ def test_muon_in_swap_files_steps_as_in_cpu_memory_bit_for_bit(stage, extra, tmp
     swapped = [part for part in engine.strategy.parts if part.tier == "nvme"]
     assert len(swapped) == 1 and len(engine.strategy.parts) == (1 if not extra else 2)
     assert swapped[0].swap_bytes == 12 * swapped[0].layout.numel
+    matrices = sum(b - a for pieces in swapped[0].optimizer.pieces for slot, a, b in pieces if slot.muon)
+    assert swapped[0].swap_read_bytes == swapped[0].swap_bytes + 4 * matrices  # the matrices' master read twice
     if not extra:  # (below offload_ratio 1 the toolkit cuts at whole groups, the estimate at the ratio)
         assert swapped[0].swap_bytes == tiers.nvme and engine.strategy.memory_bytes()["mem_offload_bytes"] == 0
+        assert tiers.read == swapped[0].swap_read_bytes and tiers.written == swapped[0].swap_bytes
 
 
 def test_muon_in_swap_files_resumes_bit_exactly(tmp_path):

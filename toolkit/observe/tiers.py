@@ -79,8 +79,10 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
         cpu += k * (host - swapped) + 3 * k * min(PIECE_NUMEL, swapped)
         # Muon: no exp_avg_sq at the matrices in CPU memory (by elements, as estimate.py splits it); the swap file keeps
         # the chunk layout whole, and its streamed step's pieces (zero/muon.py) stay inside the three slots counted
-        cpu -= round(MUON_SAVED * -(-muon_params // world_size) * (host - swapped) / shard) if shard else 0
+        muon_shard = -(-muon_params // world_size)
+        cpu -= round(MUON_SAVED * muon_shard * (host - swapped) / shard) if shard else 0
         nvme = read = written = k * swapped
+        read += round(4 * muon_shard * swapped / shard) if shard else 0  # the matrices' master is read twice
     if offload_param == "nvme":
         nvme += param_shard
         read += 2 * grad_accum_steps * param_shard  # every unit is read at its forward and its backward gather

@@ -191,6 +191,15 @@ class ShardPart:
         """Bytes of this part's swap files (0 when it has none)."""
         return sum(f.nbytes for f in self.swap_files)
 
+    @property
+    def swap_read_bytes(self) -> int:
+        """Bytes a step reads from this part's swap files: all of them, and Muon's matrices' master twice (zero/muon.py
+        `step_group_streamed`)."""
+        if self.swap is None or not self.optimizer.whole_matrices:
+            return self.swap_bytes
+        matrices = sum(b - a for pieces in self.optimizer.pieces for slot, a, b in pieces if slot.muon)
+        return self.swap_bytes + self.state_bytes * matrices
+
     def store_chunk_states(self, local: int, states: tuple[torch.Tensor, ...]) -> None:
         """Write back what `chunk_states` returned, after filling it (nvme, Muon's compact exp_avg_sq, int8's
         copies; views need nothing)."""

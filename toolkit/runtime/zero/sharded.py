@@ -178,7 +178,7 @@ class ShardedStrategy(StrategyBase):
         optim = sum(p.swap_bytes for p in self.parts)
         param_bytes = self.layout.numel * elem if param_tier == "nvme" else 0
         # NOTE: parameters are read at every gather (forward and backward: twice per micro-step)
-        reads = optim + 2 * self.grad_accum_steps * param_bytes
+        reads = sum(p.swap_read_bytes for p in self.parts) + 2 * self.grad_accum_steps * param_bytes
         return (text + f"; swap {self.swap_dir.path}: per step reads {format_bytes(reads)}, "
                 f"writes {format_bytes(optim + param_bytes)}")
 
