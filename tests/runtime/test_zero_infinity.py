@@ -288,3 +288,23 @@ def test_fp32_parameters_in_cpu_memory_are_the_offloaded_master_and_train_as_on_
     strategy = assert_offload_param_changes_nothing(["zero.offload_optimizer=cpu"], tmp_path)["cpu"].strategy
     assert strategy.parts[-1].weights_are_master
     assert strategy.memory_bytes()["mem_offload_bytes"] == 12 * strategy.layout.numel
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_stage_3_releases_each_units_full_buffer_before_the_gradient_shard_and_optimizer_exist(param, monkeypatch):
+    """The device holds the whole model only while it is built: every unit's full buffer is released before the
+    gradient shard and the optimizer's parts are allocated (on the H200 a 28.4B model's bf16 weights beside them ran
+    out of memory)."""
+    from toolkit.runtime.zero.stage3 import Stage3Strategy
+
+    seen = []
+    original = Stage3Strategy._init_master
+
+    def init_master(self):
+        seen.append([f.untyped_storage().size() for f in self.full])
+        original(self)
+
+    monkeypatch.setattr(Stage3Strategy, "_init_master", init_master)
+    _, engine, stream = tiny_engine(1, ["zero.stage=3", f"zero.offload_param={param}"])
+    assert len(seen) == 1 and len(seen[0]) == len(engine.strategy.full) > 1 and not any(seen[0])
+    engine.train_batch(stream.next_step())  # and the units gather again when needed

@@ -139,26 +139,28 @@ class Stage3Strategy(ShardedStrategy):
         self.model = model
         self.prefetch = zero.prefetch_units
         # This rank's chunk of every unit, contiguous, on the tier zero.offload_param names (param_offload.py);
-        # then the full buffers on the device, released.
+        # then the unit's full buffer on the device, released at once.
+        # NOTE: released before the gradient shard and the optimizer's device part exist, so the device never holds
+        # the whole model beside them (a 28B model's bf16 weights are 53 GiB: issue 35's ZeRO-Infinity run)
         self.weights = make_weights(zero.offload_param, self.layout, dtype, device, self.swap_dir, info.rank)
         self.full: list[torch.Tensor] = []
+        self.state: list[str] = []
+        self._works: dict[int, object] = {}
+        self._fetches: dict[int, object] = {}   # units whose chunk is on its way to the device
+        self._sources: dict[int, torch.Tensor] = {}  # the chunk a gather in flight reads
         for gi, g in enumerate(groups):
             full = torch.empty(g.padded_numel, dtype=dtype, device=device)
             g.flatten_into(full, [p.detach() for p in g.params])
             g.point_params_at(full)
             self.weights.write(gi, 0, full[slice(*g.chunk_range(info.rank))])
             self.full.append(full)
+            self.state.append(GATHERED)
+            self._release(gi)
         self.param_chunks = self.weights.chunks  # empty under offload_param nvme: the chunks are in the file
         self.grad_shard = torch.zeros(self.layout.numel, dtype=self.grad_dtype, device=device)
         self.grad_chunks = [self.layout.chunk_of(self.grad_shard, g) for g in range(len(groups))]
         self._init_master()
-        self.state = [GATHERED] * len(groups)
         self.peak_gathered = 0  # most units holding whole parameters at once (root included)
-        self._works: dict[int, object] = {}
-        self._fetches: dict[int, object] = {}   # units whose chunk is on its way to the device
-        self._sources: dict[int, torch.Tensor] = {}  # the chunk a gather in flight reads
-        for g in range(len(groups)):
-            self._release(g)
         self.forward_order = list(range(len(self.blocks)))  # replaced by the order seen in the first forward
         self._seen_order: list[int] = []
         self._group_of = {id(p): gi for gi, g in enumerate(groups) for p in g.params}
