@@ -17,7 +17,8 @@ it as zero there: `second_moment_chunk`).
 
 Offloaded (zero.offload_optimizer cpu): the momentum, AdamW's moments and the fp32 master live in CPU memory and
 step there; the bf16 updates are gathered and orthogonalized on the training device (`compute_device`), and each
-rank's slice of the result comes back to the CPU. What does not live here: the maths per matrix
+rank's slice of the result comes back to the CPU. In swap files (zero.offload_optimizer nvme) the same states are
+streamed a piece at a time (`step_group_streamed`). What does not live here: the maths per matrix
 (toolkit/runtime/muon.py), the shard's tiers (shard_part.py).
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ class ShardedMuon:
             for slot, a, b in (piece for piece in pieces if not piece[0].muon):
                 self.second_at[-1].append((a, b, offset))
                 offset += b - a
-        # NOTE: a swapped part (numel 0) keeps exp_avg_sq in its file in the chunk layout (`step_group`)
+        # NOTE: a swapped part (numel 0) keeps exp_avg_sq in its file in the chunk layout (`step_group_streamed`)
         self.adamw.exp_avg_sq = torch.zeros(offset if numel else 0, dtype=torch.float32, device=device)
 
     # -- what ShardPart and the strategy read, as from ShardedAdamW ------------------------
@@ -122,7 +123,7 @@ class ShardedMuon:
     # -- the step ------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Count the step (AdamW's bias corrections); then `step_group` each group (a swapped part's way)."""
+        """Count the step (AdamW's bias corrections); then `step_group_streamed` each group (a swapped part's way)."""
         self.adamw.begin_step()
 
     @torch.no_grad()
@@ -199,7 +200,8 @@ class ShardedMuon:
     def _orthogonalized(self, g: int, chunk: torch.Tensor, piece_numel: int | None = None):
         """Gather group g's updates (`chunk`: this rank's, in the Newton-Schulz dtype) and yield (slot, a, b, its
         orthogonalized update at chunk elements a:b), runs of at most `piece_numel` (None: whole slices), per Muon
-        matrix this rank owns a slice of. Every rank joins the gather of a group holding a matrix, owning a slice of one or not."""
+        matrix this rank owns a slice of. Every rank joins the gather of a group holding a matrix, owning a slice of
+        one or not."""
         group = self.layout.groups[g]
         if not any(slot.muon for slot in group.slots):
             return
