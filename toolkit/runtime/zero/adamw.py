@@ -79,7 +79,8 @@ class ShardedAdamW:
 
     def apply(self, params: dict[bool, list[torch.Tensor]], grads: dict[bool, list[torch.Tensor]],
               moments: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-        """`step` after its `begin_step`: Muon's swapped step (zero/muon.py) applies it group by group."""
+        """`step` after its `begin_step`: Muon (zero/muon.py) applies it to its AdamW pieces, in swap files a piece at a
+        time."""
         for group in self.param_groups:
             decay = group["decay"]
             ps, gs = params[decay], grads[decay]

@@ -145,7 +145,7 @@ class ShardedMuon:
         then, after the gather, Muon's update of the master (read twice: 4 bytes more of I/O per matrix element)."""
         settings = self.muon_group
         beta = settings["momentum"]
-        chunk = torch.zeros(self.layout.groups[g].chunk, dtype=self.ns_dtype, device=self.compute_device)
+        chunk = self._update_buffer(g)
         for slot, a, b in self.pieces[g]:
             for lo, hi in _runs(a, b, piece_numel):
                 grad_piece = grad[lo:hi].to("cpu")
@@ -186,7 +186,9 @@ class ShardedMuon:
     def _muon_group_step(self, g: int, master: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor) -> None:
         settings = self.muon_group
         beta, lr = settings["momentum"], float(settings["lr"])
-        chunk = torch.zeros(self.layout.groups[g].chunk, dtype=self.ns_dtype, device=self.compute_device)
+        chunk = self._update_buffer(g)
+        if chunk is None:
+            return
         for slot, a, b in self.pieces[g]:  # torch.optim.Muon's momentum, on this rank's slices of the matrices
             if slot.muon:
                 m, grad_slice = momentum[a:b], grad[a:b]
@@ -197,13 +199,21 @@ class ShardedMuon:
             p.mul_(1 - lr * settings["weight_decay"])
             p.add_(update.to(p.device), alpha=-adjusted_lr(lr, settings["adjust_lr_fn"], slot.shape))
 
-    def _orthogonalized(self, g: int, chunk: torch.Tensor, piece_numel: int | None = None):
+    def _update_buffer(self, g: int) -> torch.Tensor | None:
+        """Group g's chunk of updates to gather, zeros in the Newton-Schulz dtype on the compute device; None when the
+        group holds no Muon matrix (nothing is gathered for it)."""
+        group = self.layout.groups[g]
+        if not any(slot.muon for slot in group.slots):
+            return None
+        return torch.zeros(group.chunk, dtype=self.ns_dtype, device=self.compute_device)
+
+    def _orthogonalized(self, g: int, chunk: torch.Tensor | None, piece_numel: int | None = None):
         """Gather group g's updates (`chunk`: this rank's, in the Newton-Schulz dtype) and yield (slot, a, b, its
         orthogonalized update at chunk elements a:b), runs of at most `piece_numel` (None: whole slices), per Muon
         matrix this rank owns a slice of. Every rank joins the gather of a group holding a matrix, owning a slice of
         one or not."""
         group = self.layout.groups[g]
-        if not any(slot.muon for slot in group.slots):
+        if chunk is None:  # no Muon matrix in the group (`_update_buffer`)
             return
         if group.world_size > 1:
             whole = torch.empty(group.padded_numel, dtype=self.ns_dtype, device=self.compute_device)

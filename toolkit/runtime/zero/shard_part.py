@@ -25,6 +25,15 @@ def state_dtype(spec: OptimizerSpec) -> torch.dtype:
     return torch.bfloat16 if spec.state_dtype == "bf16" else torch.float32
 
 
+def optimizer_swap_bytes(spec: OptimizerSpec, numel: int) -> int:
+    """Bytes of a part's swap files for `numel` elements (what ShardPart reserves, and the disk check counts): master,
+    exp_avg and exp_avg_sq in the state dtype (fp32 12 bytes an element, bf16 6), or under int8 moments an fp32 master
+    file and the 8-bit moments' file."""
+    if spec.state_dtype == "int8":
+        return 4 * numel + swapped_moments_bytes(numel)
+    return 3 * torch.empty(0, dtype=state_dtype(spec)).element_size() * numel
+
+
 class ShardPart:
     """A run of consecutive groups whose master weights and AdamW moments live on one tier: the device,
     CPU memory (offload_optimizer cpu) or a swap file (offload_optimizer nvme: `swap` is set)."""
@@ -46,7 +55,7 @@ class ShardPart:
         regions = 1 if spec.state_dtype == "int8" else 3
         name = f"rank{rank}-units{groups.start}-{groups.stop}.bin"
         self.swap = (swap_dir.file(f"optimizer-{name}", regions * self.state_bytes * numel)
-                     if offloaded and swap_dir is not None else None)
+                     if offloaded and swap_dir is not None else None)  # with the moments' file: optimizer_swap_bytes
         self.optimizer = build_optimizer(spec, FlatShard(0 if self.swap else numel, opt_device, offloaded,
                                                          self.layout, comm, compute_device=device))
         self.swap_files = [self.swap] if self.swap is not None else []

@@ -31,11 +31,9 @@ from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.strategy import StrategyBase
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.param_offload import DeviceWeights
-from toolkit.runtime.zero.shard_part import ShardPart, split_groups, state_dtype
+from toolkit.runtime.zero.shard_part import ShardPart, optimizer_swap_bytes, split_groups, state_dtype
 from toolkit.runtime.zero.swap import SwapDir
-from toolkit.runtime.zero.swapped_moments import swapped_moments_bytes
 from toolkit.observe.disk_fit import check_nvme_path
-from toolkit.observe.estimate import BF16_OFFLOAD_K, OFFLOAD_K
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
@@ -87,11 +85,8 @@ class ShardedStrategy(StrategyBase):
         zero = self.zero
         need = 0
         if zero.offload_optimizer == "nvme":
-            swapped = sum(self.groups[g].chunk for g in self._optimizer_tiers()[2])
-            if self.optimizer_spec.state_dtype == "int8":  # an fp32 master and the 8-bit moments' file
-                need += 4 * swapped + swapped_moments_bytes(swapped)
-            else:  # master and moments, bf16 or fp32
-                need += (BF16_OFFLOAD_K if self.bf16_states else OFFLOAD_K) * swapped
+            need += optimizer_swap_bytes(self.optimizer_spec,
+                                         sum(self.groups[g].chunk for g in self._optimizer_tiers()[2]))
         if zero.offload_param == "nvme":
             need += self.layout.numel * torch.empty(0, dtype=self.param_dtype).element_size()
         return need * int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size))
