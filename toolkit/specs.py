@@ -96,7 +96,8 @@ class ZeroSpec:
     prefetch_units: int
     overlap_comm: bool = True
     nvme_ratio: float = 1.0  # of the offloaded optimizer, the part in swap files (the rest: CPU memory)
-    offload_update: str = "exact"  # delayed: the CPU step of step t overlaps step t+1 (zero/delayed_update.py)
+    offload_update: str = "exact"  # overlapped: the CPU step starts during backward (zero/overlapped_update.py);
+    # delayed: the CPU step of step t overlaps step t+1 (zero/delayed_update.py)
     offload_update_warmup: int = 100  # applied steps taken exactly before updates are delayed
     grad_dtype: str = "fp32"  # the reduced gradient shard (stages 1-3): fp32, or bf16 under bf16 states
 

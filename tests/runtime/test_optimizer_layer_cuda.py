@@ -7,6 +7,9 @@ tests/runtime/zero_helpers.py in one process, fp32 compute with TF32 off:
 - Muon (fp32 Newton-Schulz) at ZeRO 2 and 3 ends within 1e-5 of stage 0;
 - the delayed offloaded update, whose background step waits on CUDA events, follows the delayed rule
   written out by hand around a stage-0 CUDA engine (tests/runtime/test_delayed_offload.py), within 1e-5;
+- the overlapped offloaded update (its thread copies each bucket after a CUDA event recorded in backward) gives
+  exact offload's losses and weights bit for bit at stages 2 and 3, also with the parameters in pinned CPU memory
+  and the optimizer in swap files;
 - the 16-bit layout at stage 3 (bf16 states, parameters in pinned CPU memory as the offloaded master, a bf16
   gradient shard): without clipping, bit for bit the same run with the parameters on the GPU and an fp32 shard.
 """
@@ -82,3 +85,17 @@ def test_the_16_bit_layout_at_stage_3_trains_as_the_fp32_shard_with_the_paramete
         assert losses == reference[2], param
         want = on_cpu(reference[0].strategy.full_parameters())
         assert all(torch.equal(got, want[name]) for name, got in on_cpu(engine.strategy.full_parameters()).items())
+
+
+@pytest.mark.parametrize("overrides", [["zero.stage=2", SMALL_BUCKETS], ["zero.stage=3", "precision.dtype=bf16"],
+                                       ["zero.stage=3", "zero.offload_param=cpu", "zero.offload_optimizer=nvme"]],
+                         ids=["stage2", "stage3 bf16", "stage3 params cpu, nvme"])
+def test_the_overlapped_update_is_exact_offload_bit_for_bit(overrides, tmp_path, monkeypatch):
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 1000)  # several pieces a bucket
+    base = [*CUDA, "zero.offload_optimizer=cpu", "training.grad_clip=0", f"zero.nvme_path={tmp_path}", *overrides]
+    exact = train(1, base)
+    engine, _, losses, _ = train(1, [*base, "zero.offload_update=overlapped"])
+    assert engine.device.type == "cuda" and engine.strategy.parts[-1].overlapped is not None
+    assert losses == exact[2]
+    want = on_cpu(exact[0].strategy.full_parameters())
+    assert all(torch.equal(got, want[name]) for name, got in on_cpu(engine.strategy.full_parameters()).items())

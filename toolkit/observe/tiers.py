@@ -64,10 +64,11 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
             optim += master * (shard - host)                # (zero/shard_part.py), not the weights' chunk
     param_shard = PARAM_BYTES[dtype] * shard
     cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
-    if offload_update != "exact" and offload_optimizer != "none":
+    delayed = offload_update in ("delayed", "delayed_extrapolated")  # overlapped adds nothing: exact mode's staging
+    if delayed and offload_optimizer != "none":
         cpu += (4 + PARAM_BYTES[dtype]) * host
     swapped = round(nvme_ratio * host) if offload_optimizer == "nvme" else 0
-    if offload_param == "cpu" and offload_update == "exact" and master == PARAM_BYTES[dtype]:
+    if offload_param == "cpu" and not delayed and master == PARAM_BYTES[dtype]:
         cpu -= master * (host - swapped)  # the host's weights are the master of the part in CPU memory (shard_part.py)
     nvme = read = written = 0
     if offload_optimizer == "nvme" and state_dtype == "int8":  # an fp32 master file and the 8-bit moments' file

@@ -50,8 +50,18 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
         errors.append(f"recipe.zero.nvme_ratio: {zero['nvme_ratio']} needs zero.offload_optimizer 'nvme' (it is the "
                       "part of the offloaded optimizer kept in swap files; the rest stays in CPU memory)")
     if zero["offload_update"] != "exact" and zero["offload_optimizer"] == "none":
-        errors.append(f"recipe.zero.offload_update: {zero['offload_update']!r} overlaps the CPU optimizer step with the next step, so "
-                      "it needs zero.offload_optimizer 'cpu' or 'nvme' (it is 'none')")
+        errors.append(f"recipe.zero.offload_update: {zero['offload_update']!r} moves the CPU optimizer step (under "
+                      "the backward or the next step), so it needs zero.offload_optimizer 'cpu' or 'nvme' (it is 'none')")
+    if zero["offload_update"] == "overlapped" and zero["offload_optimizer"] != "none":
+        # NOTE: the thread steps each bucket during backward, before anything global about the step is known
+        if r["training"]["grad_clip"] > 0:
+            errors.append(f"recipe.training.grad_clip: {r['training']['grad_clip']:g} with zero.offload_update "
+                          "'overlapped': the CPU step starts during backward, before the global gradient norm exists; "
+                          "set training.grad_clip 0, or zero.offload_update 'exact'")
+        if r["precision"]["dtype"] == "fp16":
+            errors.append("recipe.precision.dtype: 'fp16' with zero.offload_update 'overlapped': the CPU step starts "
+                          "during backward, before the loss scaler's overflow check has seen every gradient; use "
+                          "'bf16', or zero.offload_update 'exact'")
     if zero["offload_param"] != "none" and zero["stage"] != 3:
         errors.append(f"recipe.zero.offload_param: {zero['offload_param']!r} needs zero.stage 3 (stage is "
                       f"{zero['stage']}; only stage 3 partitions the parameters)")
@@ -139,7 +149,7 @@ def recipe_warnings(r: dict, given: dict, max_steps: int) -> list[str]:
         warnings.append(f"recipe.scheduler.warmup_max_lr: not given, so WarmupDecayLR warms up to "
                         f"{sched['warmup_max_lr']:g} (DeepSpeed's default), not optimizer.lr {lr:g}; set it")
     zero = r["zero"]
-    if zero["offload_update"] != "exact" and sched["type"] != "constant" \
+    if zero["offload_update"] in ("delayed", "delayed_extrapolated") and sched["type"] != "constant" \
             and zero["offload_update_warmup"] < sched["warmup_num_steps"]:
         # NOTE: measured (benchmarks/RESULTS.md "Delayed offload update"): on python-stdlib a delay from step 10 of
         # a 50-step lr warm-up ended 25.7% above exact offload's held-out loss after 1,000 steps

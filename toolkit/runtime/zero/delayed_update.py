@@ -19,7 +19,6 @@ shard_part.py and sharded.py) and the CPU AdamW itself (offload.py, adamw.py).
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 
@@ -27,6 +26,7 @@ import torch
 
 from toolkit.runtime.zero.flat import ShardLayout
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
+from toolkit.runtime.zero.step_thread import StepThread
 
 
 class HostWeightBuffer:
@@ -48,11 +48,12 @@ class HostWeightBuffer:
         self.chunks[g][start:start + values.numel()].copy_(values)
 
 
-class DelayedUpdate:
+class DelayedUpdate(StepThread):
     """One offloaded part's CPU step, run on a background thread between two optimizer steps."""
 
     def __init__(self, layout: ShardLayout, optimizer, master: torch.Tensor | None, swap, grad_chunks: list[torch.Tensor],
                  weights, groups: range, device: torch.device, dtype: torch.dtype, extrapolate: bool = False):
+        super().__init__("toolkit-delayed-update")
         self.optimizer, self.grad_chunks, self.weights, self.groups = optimizer, grad_chunks, weights, groups
         self.cuda = device.type == "cuda"
         self.grad_host = torch.empty(layout.numel, dtype=torch.float32, pin_memory=self.cuda)
@@ -67,18 +68,11 @@ class DelayedUpdate:
         # delayed_extrapolated: the landed weights are 2 M_t - M_{t-1}, a guess at the weights the next gradient
         # meets; evaluation and checkpoints then publish the master itself (shard_part.py ShardPart.land)
         self.extrapolate = self.cpu_step.extrapolate = extrapolate
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
         self.copied = torch.cuda.Event() if self.cuda else None   # the gradients reached grad_host
         self.landed = torch.cuda.Event() if self.cuda else None   # the new weights left new_weights
-        # perf_counter (start, end) of the last updates, for timelines (tutorials/18): the thread's step, landing's wait
+        # perf_counter (start, end) of the thread's last updates, for timelines (tutorials/18; landing's waits:
+        # StepThread.wait_spans)
         self.cpu_spans: deque[tuple[float, float]] = deque(maxlen=256)
-        self.wait_spans: deque[tuple[float, float]] = deque(maxlen=256)
-
-    @property
-    def in_flight(self) -> bool:
-        """True while a launched update has not landed."""
-        return self.thread is not None
 
     @torch.no_grad()
     def launch(self) -> None:
@@ -88,32 +82,22 @@ class DelayedUpdate:
         if self.cuda:
             self.copied.record()
         self.optimizer.begin_step()  # the step count and this step's lr and betas, before the schedule moves on
-        self.error = None
-        self.thread = threading.Thread(target=self._run, name="toolkit-delayed-update", daemon=True)
-        self.thread.start()
+        self.start(self._run)
 
     def _run(self) -> None:
-        try:
-            if self.cuda:
-                self.copied.synchronize()
-                self.landed.synchronize()  # the last landing's copies out of new_weights are done
-            start = time.perf_counter()
-            self.cpu_step.run_pieces()
-            self.cpu_spans.append((start, time.perf_counter()))
-        except BaseException as exc:  # NOTE: raised on the main thread by `land`, where the run can stop cleanly
-            self.error = exc
+        if self.cuda:
+            self.copied.synchronize()
+            self.landed.synchronize()  # the last landing's copies out of new_weights are done
+        start = time.perf_counter()
+        self.cpu_step.run_pieces()
+        self.cpu_spans.append((start, time.perf_counter()))
 
     @torch.no_grad()
     def land(self) -> bool:
         """Wait for the update in flight and copy its weights into the model's; False when none was in flight."""
-        if self.thread is None:
+        if not self.in_flight:
             return False
-        start = time.perf_counter()
-        self.thread.join()
-        self.wait_spans.append((start, time.perf_counter()))
-        self.thread = None
-        if self.error is not None:
-            raise self.error
+        self.join()
         for local, g in enumerate(self.groups):
             self.weights.write(g, 0, self.new_weights.read(local))
         if self.cuda:

@@ -39,6 +39,32 @@ class Piece:
     decay: bool
 
 
+class PieceSequence:
+    """The order a step takes its pieces in: all of them in shard order (their gradients are final when the step
+    starts), or, given `arrivals` (zero.offload_update overlapped, overlapped_update.py), each group's pieces as
+    soon as backward has finished that group's gradients, groups in the order they arrive."""
+
+    def __init__(self, pieces: list[Piece], arrivals=None, on_arrival=None):
+        self.arrivals, self.on_arrival = arrivals, on_arrival
+        self.queue = list(range(len(pieces))) if arrivals is None else []
+        self.by_group: dict[int, list[int]] = {}
+        for k, piece in enumerate(pieces):
+            self.by_group.setdefault(piece.group, []).append(k)
+
+    def next(self, block: bool) -> int | None:
+        """The next piece; None when every piece has been taken, or (block False) when the next group's gradients
+        are not final yet."""
+        while not self.queue and self.arrivals is not None:
+            arrived = self.arrivals.take(block)
+            if arrived is None:
+                return None
+            local, event = arrived
+            if self.on_arrival is not None:
+                self.on_arrival(event)  # the copies wait for backward's work on that group (CUDA streams)
+            self.queue = list(self.by_group.get(local, []))
+        return self.queue.pop(0) if self.queue else None
+
+
 def split_pieces(layout: ShardLayout, piece_numel: int) -> list[Piece]:
     """The layout's weight-decay segments cut into pieces of at most `piece_numel` elements."""
     pieces = []
@@ -65,6 +91,7 @@ class OffloadedStep:
         # in_place: the gradients and the weights are CPU buffers this step owns (a delayed update's,
         # delayed_update.py), read and written where they are, with no staging copies
         self.in_place = in_place
+        self.piece_spans: list[tuple[float, float]] = []  # perf_counter (start, end) of the last step's pieces' AdamW
         size = 0 if in_place else max((p.numel for p in self.pieces), default=0)
         dtype = weights.read(groups[0]).dtype if len(groups) else torch.float32
         # NOTE: two of each, so piece k+1 arrives and piece k-1 leaves while piece k is stepped.
@@ -75,10 +102,10 @@ class OffloadedStep:
             self.arrived = [torch.cuda.Event() for _ in range(2)]
             self.sent = [torch.cuda.Event() for _ in range(2)]
 
-    def _fetch(self, k: int) -> None:
+    def _fetch(self, k: int, slot: int) -> None:
         if self.in_place:
             return
-        piece, slot = self.pieces[k], k % 2
+        piece = self.pieces[k]
         source = self.grad_chunks[piece.group][piece.start:piece.start + piece.numel]
         target = self.grad_staging[slot][:piece.numel]
         if not self.cuda:
@@ -88,7 +115,7 @@ class OffloadedStep:
             target.copy_(source, non_blocking=True)
             self.arrived[slot].record()
 
-    def _send(self, k: int, weights: torch.Tensor) -> None:
+    def _send(self, k: int, slot: int, weights: torch.Tensor) -> None:
         if self.in_place or self.master_is_weights:  # `weights` is the destination itself (_arrived)
             return
         piece = self.pieces[k]
@@ -98,20 +125,23 @@ class OffloadedStep:
         target = self.weights.chunks[self.groups[piece.group]][piece.start:piece.start + piece.numel]
         with torch.cuda.stream(self.h2d):
             target.copy_(weights, non_blocking=True)
-            self.sent[k % 2].record()
+            self.sent[slot].record()
 
-    def _begin(self) -> bool:
-        if not self.pieces:
-            return False
-        if self.cuda:  # the gradients are final (unscaled, clipped) once the compute stream gets here
+    def _sequence(self, arrivals) -> PieceSequence:
+        """The pieces in the order this step takes them (see PieceSequence), the copy streams ordered after the work
+        that made their gradients final."""
+        if arrivals is None and self.cuda:  # the gradients are final (unscaled, clipped) once the compute stream gets here
             self.d2h.wait_stream(torch.cuda.current_stream())
             self.h2d.wait_stream(torch.cuda.current_stream())
-        self._fetch(0)
-        return True
+        return PieceSequence(self.pieces, arrivals, self._after_event if self.cuda else None)
 
-    def _arrived(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _after_event(self, event) -> None:
+        self.d2h.wait_event(event)
+        self.h2d.wait_event(event)  # backward's reads of these weights were queued before it
+
+    def _arrived(self, k: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Piece k's gradients and where its new weights go: staging slots once their copies are done, or in place."""
-        slot, piece = k % 2, self.pieces[k]
+        piece = self.pieces[k]
         n = piece.numel
         if self.in_place:
             window = slice(piece.start, piece.start + n)
@@ -143,21 +173,36 @@ class OffloadedStep:
         self.run_pieces()
 
     @torch.no_grad()
-    def run_pieces(self) -> None:
-        """The step's pieces, after the optimizer's `begin_step` (a delayed update runs them on its thread)."""
-        if not self._begin():
-            return
+    def run_pieces(self, arrivals=None) -> None:
+        """The step's pieces, after the optimizer's `begin_step` (a delayed or overlapped update runs them on its
+        thread; `arrivals`: PieceSequence's)."""
+        sequence = self._sequence(arrivals)
+        k = sequence.next(block=True)
+        if k is not None:
+            self._fetch(k, 0)
         waited = stepped = 0.0
-        for k, piece in enumerate(self.pieces):
-            if k + 1 < len(self.pieces):
-                self._fetch(k + 1)  # its staging slot was read by piece k-1's CPU step, which has returned
+        self.piece_spans = []
+        i = 0
+        while k is not None:
+            # NOTE: piece i+1 is fetched before piece i steps when its gradients are final; its staging slot was read
+            # by piece i-1's CPU step, which has returned
+            ahead = sequence.next(block=False)
+            if ahead is not None:
+                self._fetch(ahead, (i + 1) % 2)
+            piece = self.pieces[k]
             sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
             start = time.perf_counter()
-            grads, out = self._arrived(k)
+            grads, out = self._arrived(k, i % 2)
             arrived = time.perf_counter()
             self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
-            waited, stepped = waited + arrived - start, stepped + time.perf_counter() - arrived
-            self._send(k, out)
+            self.piece_spans.append((arrived, time.perf_counter()))
+            waited, stepped = waited + arrived - start, stepped + self.piece_spans[-1][1] - arrived
+            self._send(k, i % 2, out)
+            if ahead is None:  # overlapped: wait for backward's next group
+                ahead = sequence.next(block=True)
+                if ahead is not None:
+                    self._fetch(ahead, (i + 1) % 2)
+            k, i = ahead, i + 1
         self.optimizer.end_pieces()
         self._end()
         # the last step's CPU seconds: blocked on a piece's transfers, and in its AdamW (benchmarks/offload_profile.py)
@@ -187,36 +232,50 @@ class SwappedStep(OffloadedStep):
         self.slots = [torch.empty(self.regions, size, dtype=dtype) for _ in range(3)]
         self._writes: dict[int, list] = {}
 
-    def _read(self, k: int) -> list:
-        slot, piece = k % 3, self.pieces[k]
+    def _read(self, k: int, slot: int) -> list:
+        piece = self.pieces[k]
         wait(self._writes.pop(slot, []))  # piece k-3 has left this slot
         return [f for kind in range(self.regions) for f in self.swap.read_async(
             self.slots[slot][kind, :piece.numel], kind * self.region + self.element * piece.shard_offset)]
 
-    def _write(self, k: int) -> None:
-        slot, piece = k % 3, self.pieces[k]
+    def _write(self, k: int, slot: int) -> None:
+        piece = self.pieces[k]
         self._writes[slot] = [f for kind in range(self.regions) for f in self.swap.write_async(
             self.slots[slot][kind, :piece.numel], kind * self.region + self.element * piece.shard_offset)]
 
     @torch.no_grad()
-    def run_pieces(self) -> None:
+    def run_pieces(self, arrivals=None) -> None:
         """The step's pieces, states read from and written back to the swap file."""
-        if not self._begin():
-            return
-        reading = self._read(0)
-        for k, piece in enumerate(self.pieces):
-            ahead = None
-            if k + 1 < len(self.pieces):
-                self._fetch(k + 1)
-                ahead = self._read(k + 1)
+        sequence = self._sequence(arrivals)
+        k = sequence.next(block=True)
+        reading = None
+        if k is not None:
+            self._fetch(k, 0)
+            reading = self._read(k, 0)
+        self.piece_spans = []
+        i = 0
+        while k is not None:
+            ahead = sequence.next(block=False)
+            ahead_reading = None
+            if ahead is not None:
+                self._fetch(ahead, (i + 1) % 2)
+                ahead_reading = self._read(ahead, (i + 1) % 3)
             wait(reading)
-            states = self.slots[k % 3][:, :piece.numel]
+            piece = self.pieces[k]
+            states = self.slots[i % 3][:, :piece.numel]
             master, m, v = states if self.regions == 3 else (states[0], None, None)  # int8: moments not here
-            grads, out = self._arrived(k)
+            grads, out = self._arrived(k, i % 2)
+            start = time.perf_counter()
             self._update(piece, master, grads, m, v, out)
-            self._write(k)
-            self._send(k, out)
-            reading = ahead
+            self.piece_spans.append((start, time.perf_counter()))
+            self._write(k, i % 3)
+            self._send(k, i % 2, out)
+            if ahead is None:  # overlapped: wait for backward's next group
+                ahead = sequence.next(block=True)
+                if ahead is not None:
+                    self._fetch(ahead, (i + 1) % 2)
+                    ahead_reading = self._read(ahead, (i + 1) % 3)
+            k, reading, i = ahead, ahead_reading, i + 1
         self.optimizer.end_pieces()  # int8: the last open blocks back to their file
         for slot in list(self._writes):
             wait(self._writes.pop(slot))

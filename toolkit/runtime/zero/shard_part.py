@@ -15,6 +15,7 @@ from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero import offload
 from toolkit.runtime.zero.delayed_update import DelayedUpdate
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
+from toolkit.runtime.zero.overlapped_update import OverlappedUpdate
 from toolkit.runtime.zero.swap import SwapDir
 from toolkit.runtime.zero.swapped_moments import SwappedMoments, swapped_moments_bytes
 from toolkit.specs import OptimizerSpec
@@ -40,7 +41,7 @@ class ShardPart:
 
     def __init__(self, spec: OptimizerSpec, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
                  device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None,
-                 comm=None, delay_after: int | None = None, extrapolate: bool = False):
+                 comm=None, delay_after: int | None = None, extrapolate: bool = False, overlap: bool = False):
         self.groups = groups
         self.layout = ShardLayout([all_groups[g] for g in groups], rank)
         self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
@@ -101,6 +102,10 @@ class ShardPart:
         self.delayed = (DelayedUpdate(self.layout, self.optimizer, self.master, self.swap, self.grad_chunks, weights,
                                       groups, device, dtype, extrapolate=extrapolate)
                         if offloaded and delay_after is not None else None)
+        # zero.offload_update overlapped: the exact step's pieces, each group's from when backward makes it final
+        self.overlapped = (OverlappedUpdate(self.offloaded_step, len(groups), in_order=self.int8 is not None,
+                                            device=device)
+                           if offloaded and overlap and self.offloaded_step is not None else None)
 
     @property
     def tier(self) -> str:
@@ -114,6 +119,9 @@ class ShardPart:
         if self.delayed is not None and self.optimizer.step_count >= self.delay_after:
             self.delayed.land()
             self.delayed.launch()
+            return
+        if self.overlapped is not None and self.overlapped.in_flight:  # begun in the last micro-step's backward
+            self.overlapped.finish()
             return
         if self.offloaded_step is not None:
             self.offloaded_step.step()

@@ -136,7 +136,9 @@ class ShardedStrategy(StrategyBase):
                    if any(p.weights_are_master for p in self.parts) else "")
                 + (f"; update delayed one step after {self._delay_after()} exact steps (zero.offload_update "
                    f"{self.zero.offload_update})"
-                   if self._delay_after() is not None else ""))
+                   if self._delay_after() is not None else "")
+                + ("; CPU step started during backward (zero.offload_update overlapped)"
+                   if any(p.overlapped is not None for p in self.parts) else ""))
 
     def describe_tiers(self) -> str:
         """One line for the start-up table: where parameters, gradients, master + moments live (bytes per
@@ -190,16 +192,20 @@ class ShardedStrategy(StrategyBase):
         self.parts = [ShardPart(self.optimizer_spec, groups, self.groups, self.info.rank, self.weights,
                                 self.grad_chunks, self.device, offloaded=on_cpu, dtype=self.param_dtype,
                                 swap_dir=swap, comm=self.comm, delay_after=self._delay_after(),
-                                extrapolate=self.zero.offload_update == "delayed_extrapolated")
+                                extrapolate=self.zero.offload_update == "delayed_extrapolated",
+                                overlap=self.zero.offload_update == "overlapped")
                       for groups, on_cpu, swap in ((kept, False, None), (in_memory, True, None),
                                                    (swapped, True, self.swap_dir)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
+        self._part_of = {g: (part, local) for part in self.parts for local, g in enumerate(part.groups)}
+        self._final_round = False  # in the accumulation's last micro-step (begin_micro_step)
         for part in self.parts[1:]:  # NOTE: one set of param_groups, so the schedule's lr reaches every part
             part.optimizer.param_groups = self.optimizer.param_groups
 
     def _delay_after(self) -> int | None:
         """zero.offload_update delayed: the applied steps taken exactly first; None: every step exact."""
-        return self.zero.offload_update_warmup if self.zero.offload_update != "exact" else None
+        return (self.zero.offload_update_warmup if self.zero.offload_update in ("delayed", "delayed_extrapolated")
+                else None)
 
     def complete_pending_update(self) -> None:
         """Land a delayed update in flight (zero/delayed_update.py) and give every rank the new weights; every
@@ -209,6 +215,15 @@ class ShardedStrategy(StrategyBase):
             self.after_step()
 
     # -- reduced gradients: accepted in launch order, as soon as each completes ---------
+
+    def begin_micro_step(self, boundary: bool) -> None:
+        """Before backward (subclasses extend it): in the accumulation's last micro-step, an overlapped update
+        (zero.offload_update overlapped) starts its thread, which steps each group once `_drain` accepts it."""
+        self._final_round = boundary
+        if boundary:
+            for part in self.parts:
+                if part.overlapped is not None:
+                    part.overlapped.begin()
 
     def _queue_reduced(self, g: int, work, out: torch.Tensor) -> None:
         """A reduce-scatter in flight (work None: one process, `out` is the whole bucket); take what is done."""
@@ -228,6 +243,9 @@ class ShardedStrategy(StrategyBase):
                 out = out[:self.groups[g].chunk]
             self._pending.pop(0)
             self._accept_reduced(g, out)
+            part, local = self._part_of[g]
+            if self._final_round and part.overlapped is not None:  # the group's gradient is final
+                part.overlapped.ready(local)
 
     def _accept_reduced(self, g: int, out: torch.Tensor) -> None:
         """Add a reduced chunk into this rank's gradient shard (stage 1 overrides: it copies)."""

@@ -1,0 +1,159 @@
+"""zero.offload_update overlapped (toolkit/runtime/zero/overlapped_update.py): exact offload's step, each bucket's
+pieces started as soon as the last micro-step's backward makes its gradient final.
+
+The reference is exact mode itself: the same pieces through the same kernel, so every configuration must give
+its losses and final weights bit for bit, in one process and on 2 gloo ranks, and resume bit-exactly.
+"""
+import threading
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import become_rank, free_port, leave_rank
+from tests.runtime.zero_helpers import BASE, SMALL_BUCKETS, STEPS, save_and_resume, tiny_engine, train
+from toolkit.errors import UserError
+
+NO_CLIP = "training.grad_clip=0"  # the overlapped step needs it (the clip coefficient needs every gradient)
+EXACT = ["zero.offload_optimizer=cpu", NO_CLIP]
+OVERLAPPED = [*EXACT, "zero.offload_update=overlapped"]
+
+CONFIGS = {
+    "stage1 accum2": ["zero.stage=1", SMALL_BUCKETS, "batch.grad_accum_steps=2"],
+    "stage2 accum2": ["zero.stage=2", SMALL_BUCKETS, "batch.grad_accum_steps=2"],
+    "stage3": ["zero.stage=3"],
+    "stage2 half on the device": ["zero.stage=2", SMALL_BUCKETS, "zero.offload_ratio=0.5"],
+    "stage2 bf16 states": ["zero.stage=2", SMALL_BUCKETS, "precision.dtype=bf16", "optimizer.state_dtype=bf16"],
+    "stage2 int8 moments": ["zero.stage=2", SMALL_BUCKETS, "optimizer.state_dtype=int8"],
+    "stage3 params in CPU memory": ["zero.stage=3", "zero.offload_param=cpu"],
+}
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 1,000 elements, so a bucket is several pieces and both staging slots turn over."""
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 1000)
+
+
+def assert_same_run(a, b):
+    engine_a, _, losses_a, _ = a
+    engine_b, _, losses_b, _ = b
+    assert losses_a == losses_b
+    want = engine_a.strategy.full_parameters()
+    got = engine_b.strategy.full_parameters()
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize("overrides", CONFIGS.values(), ids=CONFIGS.keys())
+def test_one_process_is_exact_offload_bit_for_bit(overrides, small_pieces):
+    exact = train(1, overrides + EXACT)
+    overlapped = train(1, overrides + OVERLAPPED)
+    part = overlapped[0].strategy.parts[-1]
+    assert part.overlapped is not None and not part.overlapped.in_flight and len(part.offloaded_step.piece_spans) > 2
+    assert_same_run(exact, overlapped)
+
+
+def test_swap_files_are_exact_offload_bit_for_bit(tmp_path, small_pieces):
+    base = ["zero.stage=3", "zero.offload_optimizer=nvme", NO_CLIP, f"zero.nvme_path={tmp_path}"]
+    exact = train(1, base)
+    overlapped = train(1, [*base, "zero.offload_update=overlapped"])
+    assert overlapped[0].strategy.parts[-1].tier == "nvme"
+    assert_same_run(exact, overlapped)
+
+
+def test_the_cpu_step_runs_while_backward_computes(small_pieces):
+    """The thread steps a piece of the first final bucket while backward is still to finish the others: backward's
+    hook for the second final bucket waits for that piece (an exact-mode step, run only after backward, would never
+    set it: the wait would time out)."""
+    _, engine, stream = tiny_engine(1, ["zero.stage=2", SMALL_BUCKETS, *OVERLAPPED])
+    part = engine.strategy.parts[-1]
+    assert len(part.groups) > 2
+    stepped, waited = threading.Event(), []
+    update, ready = part.offloaded_step._update, part.overlapped.ready
+
+    def first_update(*args):
+        update(*args)
+        stepped.set()
+
+    def ready_then_wait(local):
+        ready(local)
+        if part.overlapped.arrivals.taken >= 1 and not waited:
+            waited.append(stepped.wait(timeout=30))
+    part.offloaded_step._update = first_update
+    part.overlapped.ready = ready_then_wait
+    engine.train_batch(stream.next_step())
+    assert waited == [True]
+
+
+def test_an_error_in_the_thread_is_raised_by_the_step(monkeypatch):
+    _, engine, stream = tiny_engine(1, ["zero.stage=2", SMALL_BUCKETS, *OVERLAPPED])
+    part = engine.strategy.parts[-1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the CPU step failed")
+    monkeypatch.setattr(part.optimizer, "update", broken)
+    with pytest.raises(RuntimeError, match="the CPU step failed"):
+        engine.train_batch(stream.next_step())
+    assert not part.overlapped.in_flight
+
+
+def test_a_second_boundary_backward_before_the_step_is_refused():
+    _, engine, stream = tiny_engine(1, ["zero.stage=2", *OVERLAPPED])
+    batch = stream.next_step()[0]
+    engine.backward(engine(batch))
+    with pytest.raises(RuntimeError, match="call engine.step"):
+        engine.backward(engine(batch))
+
+
+def test_a_checkpoint_resumes_bit_exactly(tmp_path):
+    overrides = ["zero.stage=2", SMALL_BUCKETS, *OVERLAPPED]
+    saved, restored, uninterrupted, resumed, _ = save_and_resume(tmp_path, overrides, overrides, save_after=5)
+    assert all(torch.equal(saved[k], restored[k]) for k in saved)
+    assert resumed == uninterrupted
+
+
+def test_the_start_up_lines_name_the_mode_and_add_no_buffer():
+    _, exact, _ = tiny_engine(1, ["zero.stage=2", *EXACT])
+    _, engine, _ = tiny_engine(1, ["zero.stage=2", *OVERLAPPED])
+    assert "CPU step started during backward (zero.offload_update overlapped)" in engine.strategy.describe()
+    assert engine.strategy.memory_bytes() == exact.strategy.memory_bytes()
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_update=overlapped"], "recipe.training.grad_clip"),
+    (["zero.stage=2", *OVERLAPPED, "precision.dtype=fp16"], "recipe.precision.dtype: 'fp16' with zero.offload_update"),
+    (["zero.stage=2", NO_CLIP, "zero.offload_update=overlapped"], "recipe.zero.offload_update: 'overlapped'"),
+], ids=["clipping", "fp16", "no offload"])
+def test_what_the_overlapped_step_cannot_be_exact_with_is_one_line_naming_the_field(overrides, field):
+    from toolkit.recipe.load import recipe_from_dict
+
+    with pytest.raises(UserError, match=field):
+        recipe_from_dict(BASE, overrides)
+
+
+# ---------------------------------------------------------------------------
+# 2 gloo ranks
+
+DIST = {"stage2": ["zero.stage=2", SMALL_BUCKETS], "stage3": ["zero.stage=3"]}
+
+
+def _rank_main(rank, world, port, out_dir):
+    become_rank(rank, world, port)
+    results = {}
+    for name, overrides in DIST.items():
+        for mode, extra in (("exact", EXACT), ("overlapped", OVERLAPPED)):
+            engine, _, losses, _ = train(world, overrides + extra)
+            results[name, mode] = {"losses": losses, "params": engine.strategy.full_parameters()}
+    torch.save(results, out_dir / f"rank{rank}.pt")
+    leave_rank()
+
+
+@pytest.mark.dist
+def test_two_gloo_ranks_are_exact_offload_bit_for_bit(tmp_path):
+    mp.spawn(_rank_main, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for name in DIST:
+            exact, overlapped = results[name, "exact"], results[name, "overlapped"]
+            assert len(exact["losses"]) == STEPS and overlapped["losses"] == exact["losses"], (rank, name)
+            assert all(torch.equal(overlapped["params"][n], p) for n, p in exact["params"].items()), (rank, name)

@@ -1,0 +1,114 @@
+"""zero.offload_update overlapped: the exact offload step, started during the last micro-step's backward.
+
+The exact step (offload.py) waits for backward to end, then streams the gradient shard to the CPU piece by piece.
+Here a thread takes each group (reduce bucket, or stage-3 unit) as soon as backward has made its reduced gradient
+final, so the CPU AdamW of the groups backward finished first runs while backward computes the rest:
+
+    last micro-step:  forward | backward: group 0 final, group 1 final, ...  | optimizer step: join the thread
+    thread:                   |           CPU AdamW group 0, group 1, ... (same pieces, same kernel)
+
+The maths, the pieces and the kernel are exact mode's; only the time each piece starts moves, so results are bit
+for bit exact mode's. That needs the update to depend on nothing but the group's own gradient: no global-norm
+clipping (training.grad_clip 0) and no fp16 loss scaling (its overflow check reads every gradient), which the
+recipe checks (toolkit/recipe/checks.py). No buffer is added: the pieces go through exact mode's staging.
+
+Why a group's new weights may go to the device during backward: a group is final when every parameter in it has
+had its gradient accumulated (post-accumulate-grad hooks), which autograd does after the last backward node that
+reads the parameter; the copies wait for an event recorded after that point (CUDA), and nothing reads the weights
+again before the next forward.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from toolkit.runtime.zero.step_thread import StepThread
+
+
+class GroupArrivals:
+    """Groups whose gradients are final, handed from backward (`put`) to the step's thread (`take`): in arrival order,
+    or in shard order (`in_order`: int8 moments open their blocks in shard order, adamw.py `_open_window`)."""
+
+    def __init__(self, groups: int, in_order: bool):
+        self.groups, self.in_order = groups, in_order
+        self.arrived: dict[int, object] = {}
+        self.order: deque[int] = deque()
+        self.taken = 0
+        self.cancelled = False
+        self.lock = threading.Condition()
+
+    def put(self, local: int, event) -> None:
+        """Group `local` is final (`event`: a CUDA event after the work that made it so, or None)."""
+        with self.lock:
+            self.arrived[local] = event
+            self.order.append(local)
+            self.lock.notify_all()
+
+    def cancel(self) -> None:
+        """Wake a waiting thread for good (the round will never finish)."""
+        with self.lock:
+            self.cancelled = True
+            self.lock.notify_all()
+
+    def take(self, block: bool) -> tuple[int, object] | None:
+        """(group, event) of the next final group; None when all have been taken, or (block False) none is ready."""
+        with self.lock:
+            while True:
+                if self.taken == self.groups or self.cancelled:
+                    return None
+                local = self.taken if self.in_order else (self.order[0] if self.order else None)
+                if local is not None and local in self.arrived:
+                    if not self.in_order:
+                        self.order.popleft()
+                    self.taken += 1
+                    return local, self.arrived[local]
+                if not block:
+                    return None
+                self.lock.wait()
+
+
+class OverlappedUpdate(StepThread):
+    """One offloaded part's exact step run on a thread from the start of the last micro-step: `begin`, then `ready`
+    for each group as backward finishes it, then `finish` in the optimizer step."""
+
+    def __init__(self, step, groups: int, in_order: bool, device: torch.device):
+        super().__init__("toolkit-overlapped-update")
+        self.step, self.groups, self.in_order = step, groups, in_order
+        self.device, self.cuda = device, device.type == "cuda"
+        self.arrivals: GroupArrivals | None = None
+
+    def begin(self) -> None:
+        """The last micro-step starts: count the step (its lr and betas are final: the schedule moved on after the
+        last step) and start the thread, which waits for the first group."""
+        if self.in_flight:
+            raise RuntimeError("zero.offload_update overlapped: a backward at the accumulation boundary ran again "
+                               "before engine.step(); the CPU update of that step has begun, so call engine.step() "
+                               "after each boundary's backward")
+        self.step.optimizer.begin_step()
+        self.arrivals = GroupArrivals(self.groups, self.in_order)
+        self.start(self._run)
+
+    def ready(self, local: int) -> None:
+        """Backward has made group `local`'s reduced gradient final (called where it was accepted)."""
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.arrivals.put(local, event)
+
+    def _run(self) -> None:
+        if self.cuda:  # a new thread's current device is the first GPU, not necessarily this rank's
+            torch.cuda.set_device(self.device)
+        self.step.run_pieces(self.arrivals)  # the pieces' spans: OffloadedStep.piece_spans
+
+    def failed(self) -> None:
+        self.arrivals.cancel()
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """The optimizer step: wait for the thread's last pieces (every group is final by now)."""
+        self.join()
+        if self.cuda:  # the model's next use waits for the thread's last weight copies
+            torch.cuda.current_stream().wait_stream(self.step.h2d)
