@@ -94,8 +94,10 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
           --label "cached, bytecode kept (run $i)" --markdown "$OUT/first_step.md" -- "${run[@]}" 2>&1 \
           | tee -a "$OUT/pycache.txt"
       done ;;
-    offloadprofile)  # issue 36 item 1: where GPT-2 1.5B's ZeRO-2 + CPU offload step goes (benchmarks/offload_profile.py)
-      timeout 240 python3 -m benchmarks.offload_profile --markdown "$OUT/offload_profile.md" 2>&1 \
+    offloadprofile)  # issue 36 item 1: where GPT-2 1.5B's ZeRO-2 + CPU offload step goes (benchmarks/offload_profile.py;
+                     # PROFILE_ARGS: more of its arguments, e.g. "--modes exact,overlapped training.grad_clip=0")
+      timeout ${PROFILE_S:-240} python3 -m benchmarks.offload_profile --markdown "$OUT/offload_profile.md" \
+        ${PROFILE_ARGS:-} 2>&1 \
         | tee "$OUT/offload_profile.txt" ;;
     recipes)  # the shipped recipes' tokens/s as `toolkit run` reports them (issue 33's goals). RECIPES: words
               # name:steps[:override,override...], e.g. gpt2-1.5b-h200:20:zero.stage=2,zero.offload_optimizer=cpu

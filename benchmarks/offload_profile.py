@@ -1,14 +1,19 @@
 """Where ZeRO-Offload's step goes on one GPU (issue 36 item 1): a recipe's step split into the forward and
 backward, the optimizer step's CPU seconds blocked on a piece's transfers and those in its CPU AdamW
-(`OffloadedStep.last_seconds`), and the GPU's copy time each way (torch.profiler's Memcpy rows, one step).
+(`OffloadedStep.last_seconds`), the CPU AdamW's seconds that ran during the backward (zero.offload_update
+overlapped: `OffloadedStep.piece_spans`), and the GPU's copy time each way (torch.profiler's Memcpy rows, one step).
 
-    python -m benchmarks.offload_profile [--recipe gpt2-1.5b-h200] [--steps 5] [--markdown FILE] [OVERRIDES ...]
+    python -m benchmarks.offload_profile [--recipe gpt2-1.5b-h200] [--steps 5] [--modes exact,overlapped]
+                                         [--markdown FILE] [OVERRIDES ...]
 
 Default overrides: ZeRO stage 2, zero.offload_optimizer cpu, micro 16 x 1024, accumulation 1 (the issue's setting).
+--modes: zero.offload_update values, one engine after the other in this process (overlapped needs
+training.grad_clip=0 among the overrides, which then holds for every mode).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -34,9 +39,13 @@ def timed_step(engine, stream) -> dict:
     backward_end = time.perf_counter()
     engine.step()
     sync()
-    parts = [p.offloaded_step.last_seconds for p in engine.strategy.parts if p.offloaded_step is not None]
+    steps = [p.offloaded_step for p in engine.strategy.parts if p.offloaded_step is not None]
+    parts = [step.last_seconds for step in steps]
+    under_backward = sum(max(0.0, min(end, backward_end) - max(begin, start))
+                         for step in steps for begin, end in step.piece_spans)
     return {"fwd_bwd": backward_end - start, "step": time.perf_counter() - backward_end,
-            "waited": sum(p["waited"] for p in parts), "stepped": sum(p["stepped"] for p in parts)}
+            "waited": sum(p["waited"] for p in parts), "stepped": sum(p["stepped"] for p in parts),
+            "under_backward": under_backward}
 
 
 def copy_ms(engine, stream) -> dict:
@@ -59,34 +68,51 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="gpt2-1.5b-h200")
     parser.add_argument("--steps", type=int, default=5, help="timed steps, after 3 warm-up steps")
+    parser.add_argument("--modes", type=lambda text: text.split(","), default=["exact"],
+                        help="zero.offload_update values to profile, comma-separated")
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    from toolkit.data.batches import BatchStream, Dataset
-    from toolkit.recipe.load import load_recipe
-    from toolkit.runtime.engine import Engine
-
-    recipe = load_recipe(args.recipe, [*DEFAULT, *args.overrides])
-    engine = Engine(recipe)
-    stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=0, seed=recipe.training.seed)
-    for _ in range(3):
-        timed_step(engine, stream)
-    rows = [timed_step(engine, stream) for _ in range(args.steps)]
-    copies = copy_ms(engine, stream)
-    median = {key: 1e3 * statistics.median(r[key] for r in rows) for key in rows[0]}
-    tokens = recipe.batch.global_batch * recipe.data.seq_len
-    total = median["fwd_bwd"] + median["step"]
-    lines = [f"{args.recipe} {' '.join(args.overrides)}: {tokens:,} tokens a step, {args.steps} steps (median ms), "
-             f"{tokens / total * 1e3:,.0f} tokens/s; {engine.device}, torch {torch.__version__}", "",
-             "| forward + backward | optimizer step | of which CPU blocked on transfers | of which CPU AdamW | "
-             "D2H GPU ms (one step) | H2D GPU ms (one step) |", "| --- | --- | --- | --- | --- | --- |",
-             f"| {median['fwd_bwd']:.0f} | {median['step']:.0f} | {median['waited']:.0f} | {median['stepped']:.0f} | "
-             f"{copies['DtoH']:.0f} | {copies['HtoD']:.0f} |"]
+    lines, device = [], None
+    for mode in args.modes:
+        row, tokens, device = profile_mode(args.recipe, [*args.overrides, f"zero.offload_update={mode}"], args.steps)
+        lines.append(f"| {mode} | {row}")
+    lines = [f"{args.recipe} {' '.join(args.overrides)}: {tokens:,} tokens a step, {args.steps} steps (median ms); "
+             f"{device}, torch {torch.__version__}", "",
+             "| zero.offload_update | forward + backward | optimizer step | of which CPU blocked on transfers | "
+             "CPU AdamW (all of it) | of it during the backward | D2H GPU ms (one step) | H2D GPU ms (one step) | "
+             "tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *lines]
     print("\n".join(lines))
     if args.markdown:
         with args.markdown.open("a") as out:
             out.write("\n".join(lines) + "\n\n")
     return 0
+
+
+def profile_mode(recipe_name: str, overrides: list[str], steps: int) -> tuple[str, int, torch.device]:
+    """(the table's cells after the mode, tokens a step, the device) of one engine of `recipe_name`."""
+    from toolkit.data.batches import BatchStream, Dataset
+    from toolkit.recipe.load import load_recipe
+    from toolkit.runtime.engine import Engine
+
+    recipe = load_recipe(recipe_name, [*DEFAULT, *overrides])
+    engine = Engine(recipe)
+    stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=0, seed=recipe.training.seed)
+    for _ in range(3):
+        timed_step(engine, stream)
+    rows = [timed_step(engine, stream) for _ in range(steps)]
+    copies = copy_ms(engine, stream)
+    median = {key: 1e3 * statistics.median(r[key] for r in rows) for key in rows[0]}
+    tokens = recipe.batch.global_batch * recipe.data.seq_len
+    total = median["fwd_bwd"] + median["step"]
+    device = engine.device
+    del engine, stream
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the next mode's engine starts from an empty device
+    return (f"{median['fwd_bwd']:.0f} | {median['step']:.0f} | {median['waited']:.0f} | {median['stepped']:.0f} | "
+            f"{median['under_backward']:.0f} | {copies['DtoH']:.0f} | {copies['HtoD']:.0f} | {tokens / total * 1e3:,.0f} |",
+            tokens, device)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ class PartitionedStrategy(ShardedStrategy):
 
     def begin_micro_step(self, boundary: bool) -> None:
         """Called before backward: stage 2 reduces every micro-step, stage 1 only at the boundary."""
-        super().begin_micro_step(boundary)
+        self._begin_round(boundary)
         self._reducing = self.stage == 2 or boundary
         self._reset_round()
 

@@ -198,7 +198,7 @@ class ShardedStrategy(StrategyBase):
                                                    (swapped, True, self.swap_dir)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
         self._part_of = {g: (part, local) for part in self.parts for local, g in enumerate(part.groups)}
-        self._final_round = False  # in the accumulation's last micro-step (begin_micro_step)
+        self._final_round = False  # in the accumulation's last micro-step (_begin_round)
         for part in self.parts[1:]:  # NOTE: one set of param_groups, so the schedule's lr reaches every part
             part.optimizer.param_groups = self.optimizer.param_groups
 
@@ -216,9 +216,10 @@ class ShardedStrategy(StrategyBase):
 
     # -- reduced gradients: accepted in launch order, as soon as each completes ---------
 
-    def begin_micro_step(self, boundary: bool) -> None:
-        """Before backward (subclasses extend it): in the accumulation's last micro-step, an overlapped update
-        (zero.offload_update overlapped) starts its thread, which steps each group once `_drain` accepts it."""
+    def _begin_round(self, boundary: bool) -> None:
+        """Before backward (the subclasses' begin_micro_step calls it): in the accumulation's last micro-step, an
+        overlapped update (zero.offload_update overlapped) starts its thread, which steps each group once `_drain`
+        accepts it."""
         self._final_round = boundary
         if boundary:
             for part in self.parts:

@@ -261,7 +261,7 @@ class Stage3Strategy(ShardedStrategy):
 
     def begin_micro_step(self, boundary: bool) -> None:
         """Called before backward (stage 3 reduces every micro-step)."""
-        super().begin_micro_step(boundary)
+        self._begin_round(boundary)
         self._reset_round()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
