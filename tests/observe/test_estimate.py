@@ -228,3 +228,14 @@ def test_estimate_names_a_reshaped_model_and_states_the_run_memory_line_terms_wi
     assert main(["estimate", "quickstart", "training.device=cpu"]) == 0
     out = capsys.readouterr().out
     assert "the process's peak RSS" in out and "headroom on this host" in out and "a lower bound" in out
+
+
+@pytest.mark.parametrize("mode, words", [
+    ("exact", "zero.offload_update exact: the CPU step runs after each backward"),
+    ("overlapped", "zero.offload_update overlapped: exact results, each bucket's CPU step started during"),
+    ("delayed", "zero.offload_update delayed: one step stale after 100 exact steps; a 4-byte gradient"),
+])
+def test_estimate_names_the_offload_update_mode_and_its_buffers(mode, words, capsys):
+    assert main(["estimate", "quickstart", "training.device=cpu", "zero.stage=2", "zero.offload_optimizer=cpu",
+                 f"zero.offload_update={mode}", "training.grad_clip=0"]) == 0
+    assert words in capsys.readouterr().out

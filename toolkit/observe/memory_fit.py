@@ -199,6 +199,18 @@ def _local_gpu() -> tuple[str, int, int] | None:
         return None
 
 
+def offload_update_note(mode: str, warmup: int) -> str:
+    """When the offloaded CPU step runs under `mode` (zero.offload_update) and what buffers it adds."""
+    if mode == "exact":
+        return "the CPU step runs after each backward; no buffers beyond two pieces of staging"
+    if mode == "overlapped":
+        return ("exact results, each bucket's CPU step started during the last backward; no buffers beyond exact "
+                "mode's staging")
+    ahead = " (the weights extrapolated one update ahead)" if mode == "delayed_extrapolated" else ""
+    return (f"one step stale after {warmup} exact steps{ahead}; a 4-byte gradient and a weight copy per offloaded "
+            "element in CPU memory (in the cpu column below)")
+
+
 def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:
     """What `toolkit estimate` says first: the recipe's predicted peak per rank in the run's memory-line terms,
     and the headroom on the device it is checked against (--device, this machine's GPU, or this host)."""
@@ -217,6 +229,9 @@ def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:
              f"{recipe.batch.micro_batch_per_rank} x {recipe.data.seq_len} x accumulation {recipe.batch.grad_accum_steps}",
              f"predicted peak per rank ({where}, as the run's `memory | peak` line shows it): "
              f"{format_bytes(p.allocated)} = " + " + ".join(parts)]
+    if z.offload_optimizer != "none":
+        lines.append(f"  zero.offload_update {z.offload_update}: " + offload_update_note(z.offload_update,
+                                                                                      z.offload_update_warmup))
     if recipe.parallel.active:  # NOTE: the model is of one data-parallel rank holding the whole model
         lines.append("  (tensor / pipeline parallelism not counted here: the busiest mesh rank is in the table below)")
     if on_cuda:

@@ -5,12 +5,15 @@ checkpoints, the communication ledger and the loop may ask of it), so the engine
 same for every stage.
 
 Files: flat.py (flat sharded layout), adamw.py (the shard's AdamW: torch's, or the
-CPU Adam kernel of toolkit/ops/cpu_adam.py under offload), offload.py (the CPU step),
-ddp.py (stage 0, and its one-pass step over the fused AdamW), onebit_adam.py and onebit_optimizer.py (1-bit Adam), partition.py (stages 1-2), stage3.py (stage 3), sharded.py (what 1-3
-share), shard_part.py (one tier of the optimizer shard: device, CPU memory or swap file), muon.py (Muon over a shard:
-sharded momentum, each matrix's update all-gathered for its Newton-Schulz iteration). The process group is toolkit/distributed.py; the shard checkpoint format
-toolkit/checkpoint/zero_shards.py; the benchmarks benchmarks/zero_cpu.py and
-benchmarks/zero_gpu.py.
+CPU Adam kernel of toolkit/ops/cpu_adam.py under offload), offload.py (the CPU step, in pieces),
+overlapped_update.py and delayed_update.py (zero.offload_update: that step started during backward, or run
+behind the next step; their thread: step_thread.py), swap.py and swapped_moments.py (swap files),
+param_offload.py (where stage 3's parameter shard lives), ddp.py (stage 0, and its one-pass step over the fused
+AdamW), onebit_adam.py and onebit_optimizer.py (1-bit Adam), partition.py (stages 1-2), stage3.py (stage 3),
+sharded.py (what 1-3 share), shard_part.py (one tier of the optimizer shard: device, CPU memory or swap file),
+muon.py (Muon over a shard: sharded momentum, each matrix's update all-gathered for its Newton-Schulz iteration).
+The process group is toolkit/distributed.py; the shard checkpoint format toolkit/checkpoint/zero_shards.py; the
+benchmarks benchmarks/zero_cpu.py and benchmarks/zero_gpu.py.
 """
 from __future__ import annotations
 
