@@ -153,8 +153,10 @@ class OffloadedStep:
             return self.grad_staging[slot][:n], self.master[piece.shard_offset:piece.shard_offset + n]
         return self.grad_staging[slot][:n], self.out_staging[slot][:n]
 
-    def _end(self) -> None:
-        if self.cuda:
+    def _end(self, arrivals) -> None:
+        # NOTE: an overlapped step's thread leaves this to OverlappedUpdate.finish, on the training thread: here it
+        # would make the compute stream wait in the middle of the backward
+        if self.cuda and arrivals is None:
             torch.cuda.current_stream().wait_stream(self.h2d)
 
     # zero.offload_update delayed_extrapolated (delayed_update.py): `out` gets the master one update ahead,
@@ -204,7 +206,7 @@ class OffloadedStep:
                     self._fetch(ahead, (i + 1) % 2)
             k, i = ahead, i + 1
         self.optimizer.end_pieces()
-        self._end()
+        self._end(arrivals)
         # the last step's CPU seconds: blocked on a piece's transfers, and in its AdamW (benchmarks/offload_profile.py)
         self.last_seconds = {"waited": waited, "stepped": stepped}
 
@@ -279,4 +281,4 @@ class SwappedStep(OffloadedStep):
         self.optimizer.end_pieces()  # int8: the last open blocks back to their file
         for slot in list(self._writes):
             wait(self._writes.pop(slot))
-        self._end()
+        self._end(arrivals)
