@@ -24,6 +24,7 @@ from collections import deque
 
 import torch
 
+from toolkit.runtime.pinned import pinned_empty
 from toolkit.runtime.zero.flat import ShardLayout
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
 from toolkit.runtime.zero.step_thread import StepThread
@@ -36,7 +37,7 @@ class HostWeightBuffer:
     on_device = False
 
     def __init__(self, layout: ShardLayout, dtype: torch.dtype, pinned: bool):
-        self.shard = torch.empty(layout.numel, dtype=dtype, pin_memory=pinned)
+        self.shard = pinned_empty(layout.numel, dtype, pinned)
         self.chunks = [layout.chunk_of(self.shard, g) for g in range(len(layout.groups))]
 
     def read(self, g: int) -> torch.Tensor:
@@ -56,7 +57,7 @@ class DelayedUpdate(StepThread):
         super().__init__("toolkit-delayed-update")
         self.optimizer, self.grad_chunks, self.weights, self.groups = optimizer, grad_chunks, weights, groups
         self.cuda = device.type == "cuda"
-        self.grad_host = torch.empty(layout.numel, dtype=torch.float32, pin_memory=self.cuda)
+        self.grad_host = pinned_empty(layout.numel, torch.float32, self.cuda)
         self.grad_views = [layout.chunk_of(self.grad_host, g) for g in range(len(groups))]
         self.new_weights = HostWeightBuffer(layout, dtype, pinned=self.cuda)
         local = range(len(groups))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.runtime.pinned import pinned_empty
 from toolkit.runtime.zero.flat import ShardLayout
 from toolkit.runtime.zero.swap import SwapDir, wait
 
@@ -64,7 +65,7 @@ class HostWeights(DeviceWeights):
 
     def __init__(self, layout: ShardLayout, dtype: torch.dtype, device: torch.device):
         self.device = device
-        self.shard = torch.empty(layout.numel, dtype=dtype, pin_memory=device.type == "cuda")
+        self.shard = pinned_empty(layout.numel, dtype, pinned=device.type == "cuda")  # exactly its size (pinned.py)
         super().__init__([layout.chunk_of(self.shard, g) for g in range(len(layout.groups))])
 
     def write(self, g: int, start: int, values: torch.Tensor) -> None:
