@@ -53,11 +53,15 @@ def test_one_process_is_exact_offload_bit_for_bit(overrides, small_pieces):
     assert_same_run(exact, overlapped)
 
 
-def test_swap_files_are_exact_offload_bit_for_bit(tmp_path, small_pieces):
-    base = ["zero.stage=3", "zero.offload_optimizer=nvme", NO_CLIP, f"zero.nvme_path={tmp_path}"]
+@pytest.mark.parametrize("params", ["none", "nvme"])
+def test_swap_files_are_exact_offload_bit_for_bit(params, tmp_path, small_pieces):
+    """The optimizer in swap files; with offload_param nvme the thread writes new weights into the parameters' swap
+    file while backward's gathers read the units it has not reached."""
+    base = ["zero.stage=3", "zero.offload_optimizer=nvme", NO_CLIP, f"zero.nvme_path={tmp_path}",
+            f"zero.offload_param={params}"]
     exact = train(1, base)
     overlapped = train(1, [*base, "zero.offload_update=overlapped"])
-    assert overlapped[0].strategy.parts[-1].tier == "nvme"
+    assert overlapped[0].strategy.parts[-1].tier == "nvme" and overlapped[0].strategy.weights.tier == params
     assert_same_run(exact, overlapped)
 
 
