@@ -161,3 +161,18 @@ def test_two_gloo_ranks_are_exact_offload_bit_for_bit(tmp_path):
             exact, overlapped = results[name, "exact"], results[name, "overlapped"]
             assert len(exact["losses"]) == STEPS and overlapped["losses"] == exact["losses"], (rank, name)
             assert all(torch.equal(overlapped["params"][n], p) for n, p in exact["params"].items()), (rank, name)
+
+
+def test_arrivals_hand_over_wanted_groups_in_arrival_or_shard_order():
+    from toolkit.runtime.zero.overlapped_update import GroupArrivals
+
+    for in_order, want in ((False, [2, 0, 1]), (True, [0, 1, 2])):
+        arrivals = GroupArrivals([0, 1, 2], in_order)
+        for local in (2, 3, 0):  # 3 holds no piece of this rank: ignored
+            arrivals.put(local, None)
+        assert arrivals.missing() == [1]
+        got = [arrivals.take(block=False) for _ in range(2 if not in_order else 1)]
+        assert arrivals.take(block=False) is None  # group 1 has not arrived
+        arrivals.put(1, None)
+        got += [arrivals.take(block=True) for _ in range(3 - len(got))]
+        assert [g for g, _ in got] == want and arrivals.take(block=True) is None, in_order

@@ -29,10 +29,11 @@ from toolkit.runtime.zero.step_thread import StepThread
 
 class GroupArrivals:
     """Groups whose gradients are final, handed from backward (`put`) to the step's thread (`take`): in arrival order,
-    or in shard order (`in_order`: int8 moments open their blocks in shard order, adamw.py `_open_window`)."""
+    or in shard order (`in_order`: int8 moments open their blocks in shard order, adamw.py `_open_window`). Only
+    `wanted` groups count (those holding pieces: a unit without parameters is never reduced)."""
 
-    def __init__(self, groups: int, in_order: bool):
-        self.groups, self.in_order = groups, in_order
+    def __init__(self, wanted: list[int], in_order: bool):
+        self.wanted, self.in_order = wanted, in_order
         self.arrived: dict[int, object] = {}
         self.order: deque[int] = deque()
         self.taken = 0
@@ -46,6 +47,11 @@ class GroupArrivals:
             self.order.append(local)
             self.lock.notify_all()
 
+    def missing(self) -> list[int]:
+        """Wanted groups that have not arrived."""
+        with self.lock:
+            return [g for g in self.wanted if g not in self.arrived]
+
     def cancel(self) -> None:
         """Wake a waiting thread for good (the round will never finish)."""
         with self.lock:
@@ -56,12 +62,15 @@ class GroupArrivals:
         """(group, event) of the next final group; None when all have been taken, or (block False) none is ready."""
         with self.lock:
             while True:
-                if self.taken == self.groups or self.cancelled:
+                if self.taken == len(self.wanted) or self.cancelled:
                     return None
-                local = self.taken if self.in_order else (self.order[0] if self.order else None)
-                if local is not None and local in self.arrived:
-                    if not self.in_order:
-                        self.order.popleft()
+                if self.in_order:
+                    local = self.wanted[self.taken] if self.wanted[self.taken] in self.arrived else None
+                else:
+                    while self.order and self.order[0] not in self.wanted:
+                        self.order.popleft()  # a group without pieces
+                    local = self.order.popleft() if self.order else None
+                if local is not None:
                     self.taken += 1
                     return local, self.arrived[local]
                 if not block:
@@ -73,9 +82,10 @@ class OverlappedUpdate(StepThread):
     """One offloaded part's exact step run on a thread from the start of the last micro-step: `begin`, then `ready`
     for each group as backward finishes it, then `finish` in the optimizer step."""
 
-    def __init__(self, step, groups: int, in_order: bool, device: torch.device):
+    def __init__(self, step, in_order: bool, device: torch.device):
         super().__init__("toolkit-overlapped-update")
-        self.step, self.groups, self.in_order = step, groups, in_order
+        self.step, self.in_order = step, in_order
+        self.wanted = sorted({piece.group for piece in step.pieces})  # the groups holding elements of this rank
         self.device, self.cuda = device, device.type == "cuda"
         self.arrivals: GroupArrivals | None = None
 
@@ -87,7 +97,7 @@ class OverlappedUpdate(StepThread):
                                "before engine.step(); the CPU update of that step has begun, so call engine.step() "
                                "after each boundary's backward")
         self.step.optimizer.begin_step()
-        self.arrivals = GroupArrivals(self.groups, self.in_order)
+        self.arrivals = GroupArrivals(self.wanted, self.in_order)
         self.start(self._run)
 
     def ready(self, local: int) -> None:
@@ -109,6 +119,11 @@ class OverlappedUpdate(StepThread):
     @torch.no_grad()
     def finish(self) -> None:
         """The optimizer step: wait for the thread's last pieces (every group is final by now)."""
+        missing = self.arrivals.missing()
+        if missing:  # NOTE: never expected (end_micro_step drains every group); an error rather than a hang
+            self.arrivals.cancel()
+            self.join()
+            raise RuntimeError(f"zero.offload_update overlapped: the gradients of groups {missing} never became final")
         self.join()
         if self.cuda:  # the model's next use waits for the thread's last weight copies
             torch.cuda.current_stream().wait_stream(self.step.h2d)

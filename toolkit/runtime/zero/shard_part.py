@@ -103,8 +103,7 @@ class ShardPart:
                                       groups, device, dtype, extrapolate=extrapolate)
                         if offloaded and delay_after is not None else None)
         # zero.offload_update overlapped: the exact step's pieces, each group's from when backward makes it final
-        self.overlapped = (OverlappedUpdate(self.offloaded_step, len(groups), in_order=self.int8 is not None,
-                                            device=device)
+        self.overlapped = (OverlappedUpdate(self.offloaded_step, in_order=self.int8 is not None, device=device)
                            if offloaded and overlap and self.offloaded_step is not None else None)
 
     @property
