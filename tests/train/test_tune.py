@@ -206,3 +206,30 @@ def test_candidates_run_the_delayed_update_only_when_the_recipe_allows_it(tmp_pa
             recipe = recipe_from_dict(base, trial_overrides(trial))  # valid: no "delayed needs offload" error
             expected = "exact" if offload == "none" else want
             assert recipe.zero.offload_update == expected, (base is allowed, offload)
+
+
+def test_offloading_candidates_step_overlapped_on_a_gpu_only_where_it_is_exact():
+    """zero.offload_update overlapped gives exact mode's results when nothing global gates the step: the tuner uses
+    it for offloading candidates on a GPU then, and never with clipping, fp16, a delayed recipe or on a CPU."""
+    from toolkit.recipe.load import recipe_from_dict
+    from toolkit.train.tune import TuneSpace, candidates
+
+    def offloading(overrides, on_cuda=True):
+        recipe = recipe_from_dict(TINY, overrides)
+        found = [c for c in candidates(recipe, TuneSpace(), 1, on_cuda) if c[OFFLOAD] != "none"]
+        assert found
+        return {c.get("zero.offload_update") for c in found}
+
+    assert offloading(["training.grad_clip=0"]) == {"overlapped"}
+    assert offloading(["training.grad_clip=0"], on_cuda=False) == {None}
+    assert offloading(["training.grad_clip=1.0"]) == {None}
+    assert offloading(["training.grad_clip=0", "zero.stage=1", "zero.offload_optimizer=cpu",
+                       "zero.offload_update=delayed"]) == {None}
+    recipe = recipe_from_dict(TINY, ["training.grad_clip=0"])
+    found = candidates(recipe, TuneSpace(), 1, True)
+    assert all(c.get("zero.offload_update") is None for c in found if c[OFFLOAD] == "none")
+    from toolkit.train.tune import Trial, trial_overrides
+
+    trial = Trial(changes=next(c for c in found if c[OFFLOAD] == "cpu"))
+    assert trial.label.endswith("offload cpu, overlapped")
+    assert recipe_from_dict(TINY, ["training.grad_clip=0", *trial_overrides(trial)]).zero.offload_update == "overlapped"
