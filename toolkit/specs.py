@@ -84,6 +84,11 @@ class PrecisionSpec:
     fp16: LossScaleSpec
 
 
+# zero.offload_update values whose CPU step lands one step late (zero/delayed_update.py); exact and overlapped
+# step within their own optimizer step
+DELAYED_UPDATES = ("delayed", "delayed_extrapolated")
+
+
 @dataclass(frozen=True)
 class ZeroSpec:
     stage: int

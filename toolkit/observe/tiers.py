@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from toolkit.observe.estimate import (BF16_OFFLOAD_K, MUON_SAVED, OFFLOAD_K, PARAM_BYTES, estimate_model_state_bytes,
                                       format_bytes, int8_moment_bytes)
 from toolkit.observe.estimate_input import EstimateInput
+from toolkit.specs import DELAYED_UPDATES
 
 # NOTE: toolkit/runtime/zero/offload.py's PIECE_NUMEL (this layer may not import runtime; a test
 # checks the two agree).
@@ -64,7 +65,7 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
             optim += master * (shard - host)                # (zero/shard_part.py), not the weights' chunk
     param_shard = PARAM_BYTES[dtype] * shard
     cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
-    delayed = offload_update in ("delayed", "delayed_extrapolated")  # overlapped adds nothing: exact mode's staging
+    delayed = offload_update in DELAYED_UPDATES  # overlapped adds nothing: exact mode's staging
     if delayed and offload_optimizer != "none":
         cpu += (4 + PARAM_BYTES[dtype]) * host
     swapped = round(nvme_ratio * host) if offload_optimizer == "nvme" else 0

@@ -11,7 +11,7 @@ import os
 import shutil
 
 from toolkit.recipe.schema import load_schema, section_defaults
-from toolkit.specs import BatchSpec, ParallelSpec
+from toolkit.specs import DELAYED_UPDATES, BatchSpec, ParallelSpec
 
 
 def training_max_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[int, list[str]]:
@@ -27,6 +27,22 @@ def training_max_steps(training: dict, data: dict, batch: BatchSpec) -> tuple[in
 def steps_per_epoch(data: dict, batch: BatchSpec) -> int:
     """Optimizer steps in one pass over synthetic data: the whole global batches that fit (the stream drops the rest)."""
     return data["num_samples"] // batch.global_batch
+
+
+def overlapped_update_errors(r: dict) -> list[str]:
+    """What keeps zero.offload_update overlapped from giving exact mode's results for the resolved recipe `r`, one
+    error line per key (none: it may step overlapped). The thread steps each bucket during backward, before anything
+    global about the step is known."""
+    errors = []
+    if r["training"]["grad_clip"] > 0:
+        errors.append(f"recipe.training.grad_clip: {r['training']['grad_clip']:g} with zero.offload_update "
+                      "'overlapped': the CPU step starts during backward, before the global gradient norm exists; "
+                      "set training.grad_clip 0, or zero.offload_update 'exact'")
+    if r["precision"]["dtype"] == "fp16":
+        errors.append("recipe.precision.dtype: 'fp16' with zero.offload_update 'overlapped': the CPU step starts "
+                      "during backward, before the loss scaler's overflow check has seen every gradient; use "
+                      "'bf16', or zero.offload_update 'exact'")
+    return errors
 
 
 def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int) -> list[str]:
@@ -53,15 +69,7 @@ def cross_section_errors(r: dict, given: dict, batch: BatchSpec, max_steps: int)
         errors.append(f"recipe.zero.offload_update: {zero['offload_update']!r} moves the CPU optimizer step (under "
                       "the backward or the next step), so it needs zero.offload_optimizer 'cpu' or 'nvme' (it is 'none')")
     if zero["offload_update"] == "overlapped" and zero["offload_optimizer"] != "none":
-        # NOTE: the thread steps each bucket during backward, before anything global about the step is known
-        if r["training"]["grad_clip"] > 0:
-            errors.append(f"recipe.training.grad_clip: {r['training']['grad_clip']:g} with zero.offload_update "
-                          "'overlapped': the CPU step starts during backward, before the global gradient norm exists; "
-                          "set training.grad_clip 0, or zero.offload_update 'exact'")
-        if r["precision"]["dtype"] == "fp16":
-            errors.append("recipe.precision.dtype: 'fp16' with zero.offload_update 'overlapped': the CPU step starts "
-                          "during backward, before the loss scaler's overflow check has seen every gradient; use "
-                          "'bf16', or zero.offload_update 'exact'")
+        errors += overlapped_update_errors(r)
     if zero["offload_param"] != "none" and zero["stage"] != 3:
         errors.append(f"recipe.zero.offload_param: {zero['offload_param']!r} needs zero.stage 3 (stage is "
                       f"{zero['stage']}; only stage 3 partitions the parameters)")
@@ -149,7 +157,7 @@ def recipe_warnings(r: dict, given: dict, max_steps: int) -> list[str]:
         warnings.append(f"recipe.scheduler.warmup_max_lr: not given, so WarmupDecayLR warms up to "
                         f"{sched['warmup_max_lr']:g} (DeepSpeed's default), not optimizer.lr {lr:g}; set it")
     zero = r["zero"]
-    if zero["offload_update"] in ("delayed", "delayed_extrapolated") and sched["type"] != "constant" \
+    if zero["offload_update"] in DELAYED_UPDATES and sched["type"] != "constant" \
             and zero["offload_update_warmup"] < sched["warmup_num_steps"]:
         # NOTE: measured (benchmarks/RESULTS.md "Delayed offload update"): on python-stdlib a delay from step 10 of
         # a 50-step lr warm-up ended 25.7% above exact offload's held-out loss after 1,000 steps

@@ -37,6 +37,7 @@ from pathlib import Path
 from toolkit.errors import UserError
 from toolkit.observe.estimate import USABLE_FRACTION, format_bytes
 from toolkit.observe.memory_fit import host_available_bytes, size_terms
+from toolkit.recipe.checks import overlapped_update_errors
 from toolkit.recipe.load import find_recipe_file, load_recipe
 from toolkit.train import tune_order
 from toolkit.train.tune_decide import AB_PAIRS, Decision, measure_ab
@@ -146,10 +147,11 @@ def candidates(recipe, space: TuneSpace, world_size: int, on_cuda: bool = False)
 
 
 def overlap_is_exact(recipe) -> bool:
-    """True when zero.offload_update overlapped gives the recipe's exact results: it steps exactly (not delayed), without
-    clipping or fp16 loss scaling (whose global checks the overlapped step cannot wait for)."""
-    return (recipe.zero.offload_update == "exact" and recipe.training.grad_clip == 0
-            and recipe.precision.dtype != "fp16" and recipe.optimizer.type != "muon")
+    """True when zero.offload_update overlapped gives the recipe's exact results: it steps exactly (not delayed), and
+    nothing the recipe checks refuses for overlapped (clipping, fp16: recipe/checks.py) or for any non-exact update
+    (Muon)."""
+    return (recipe.zero.offload_update == "exact" and recipe.optimizer.type != "muon"
+            and not overlapped_update_errors(recipe.resolved))
 
 
 def memory_cap(on_cuda: bool) -> tuple[int, str]:

@@ -34,7 +34,7 @@ from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, optimizer_swap_bytes, split_groups, state_dtype
 from toolkit.runtime.zero.swap import SwapDir
 from toolkit.observe.disk_fit import check_nvme_path
-from toolkit.specs import OptimizerSpec, ZeroSpec
+from toolkit.specs import DELAYED_UPDATES, OptimizerSpec, ZeroSpec
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
 
@@ -204,7 +204,7 @@ class ShardedStrategy(StrategyBase):
 
     def _delay_after(self) -> int | None:
         """zero.offload_update delayed: the applied steps taken exactly first; None: every step exact."""
-        return (self.zero.offload_update_warmup if self.zero.offload_update in ("delayed", "delayed_extrapolated")
+        return (self.zero.offload_update_warmup if self.zero.offload_update in DELAYED_UPDATES
                 else None)
 
     def complete_pending_update(self) -> None:
