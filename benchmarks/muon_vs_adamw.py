@@ -2,7 +2,7 @@
 reach AdamW's final held-out loss, and the time per step, with the two engines stepping in turn (so a busy moment of
 a shared machine falls on both alike).
 
-    python -m benchmarks.muon_vs_adamw [--steps N] [--eval-every K] [--muon-lr LR] [recipe]
+    python -m benchmarks.muon_vs_adamw [--steps N] [--eval-every K] [--muon-lr LR] [recipe [key.path=value ...]]
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default="python-stdlib")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for both optimizers, e.g. batch.grad_accum_steps=2")
     parser.add_argument("--steps", type=int, default=None, help="default: the recipe's training.max_steps")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=16)
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     steps = [f"training.max_steps={args.steps}"] if args.steps else []
     variants = {"adamw": ["optimizer.type=adamw"], "muon": ["optimizer.type=muon", f"optimizer.muon_lr={args.muon_lr}"]}
-    recipes = {name: toolkit.load_recipe(args.recipe, [*steps, *extra]) for name, extra in variants.items()}
+    recipes = {name: toolkit.load_recipe(args.recipe, [*args.overrides, *steps, *extra]) for name, extra in variants.items()}
     total = recipes["adamw"].training.max_steps
     engines = {name: toolkit.initialize(recipe) for name, recipe in recipes.items()}
     data = Dataset(recipes["adamw"].data)

@@ -1,7 +1,7 @@
 """zero.offload_update exact against delayed on a recipe (default: python-stdlib, real text, on the CPU): held-out
 loss along the run and at the end, and the mean step time, with the optimizer offloaded to CPU memory.
 
-    python -m benchmarks.offload_update [--steps N] [--stage S] [--warmup W] [--offload-ratio R] [recipe]
+    python -m benchmarks.offload_update [--steps N] [--stage S] [--warmup W] [--offload-ratio R] [recipe [key.path=value ...]]
 
 On a CPU-only machine the "device" is the CPU too, so the delayed update's thread competes with the forward and
 backward for the same cores: the time column says what that costs or saves here; the GPU's figure is
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run exact and delayed offload; print one line each: final held-out loss, its ratio to exact, tokens/s."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default="python-stdlib")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every variant, e.g. batch.grad_accum_steps=2")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=None, help="zero.offload_update_warmup (default: the schema's)")
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="zero.reduce_bucket_size (python-stdlib's 1.3M parameters fill one default bucket: "
                              "the ratio splits whole buckets, so give smaller ones, e.g. 100000)")
     args = parser.parse_args(argv)
-    common = [f"training.max_steps={args.steps}", f"training.eval_interval={max(args.steps // 10, 1)}",
+    common = [*args.overrides, f"training.max_steps={args.steps}", f"training.eval_interval={max(args.steps // 10, 1)}",
               f"zero.stage={args.stage}", "zero.offload_optimizer=cpu", "checkpoint.save_final=false",
               f"zero.offload_ratio={args.offload_ratio}"]
     common += [f"zero.reduce_bucket_size={args.reduce_bucket_size}"] if args.reduce_bucket_size else []
