@@ -3,9 +3,10 @@ offload, on any recipe and device: is a gap between delayed and exact the rule's
 
     python -m benchmarks.delayed_rule [--steps N] [--warmup W] [--eval-every K] [recipe [key.path=value ...]]
 
-"rule": a stage-0 engine whose forward and backward see the weights one update old after the warm-up (the rule of
-tests/runtime/zero_helpers.py `delayed_reference`, at any size); "delayed" and "exact": the engine at ZeRO stage 1
-with the optimizer in CPU memory. The three step in turn on the same batches. Printed: the held-out loss of each
+"rule": an exact engine (ZeRO stage 1, optimizer in CPU memory) whose forward and backward are given the weights one
+update old after the warm-up (the rule of tests/runtime/zero_helpers.py `delayed_reference`, at any size, in the
+same numerics as the other two); "delayed" and "exact": the same engine in those modes. The three step in turn on
+the same batches. Printed: the held-out loss of each
 every K steps (an evaluation lands the update in flight, in the rule as in the engine), and the largest
 relative gap between the rule's and delayed's training losses.
 """
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     common = [*args.overrides, "checkpoint.save_final=false"]
     offload = ["zero.stage=1", "zero.offload_optimizer=cpu", f"zero.offload_update_warmup={args.warmup}"]
-    variants = {"rule": ["zero.stage=0", "zero.offload_optimizer=none"],
+    variants = {"rule": [*offload, "zero.offload_update=exact"],
                 "delayed": [*offload, "zero.offload_update=delayed"],
                 "exact": [*offload, "zero.offload_update=exact"]}
     recipes = {name: toolkit.load_recipe(args.recipe, [*common, *extra]) for name, extra in variants.items()}
@@ -41,9 +42,12 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or recipes["rule"].training.max_steps
     held_out = eval_batches(data.eval, recipes["rule"].batch, rank=0, count=args.eval_batches)
 
-    rule = engines["rule"]
-    params = dict(rule.model.named_parameters())
-    master = {n: p.detach().clone() for n, p in params.items()}
+    # The rule on an exact engine of the same numerics: its step writes every weight from the CPU master, so the
+    # weights the forward sees can be set between steps without touching the master
+    params = dict(engines["rule"].model.named_parameters())
+
+    def snapshot() -> dict:
+        return {n: p.detach().clone() for n, p in params.items()}
 
     def put(weights: dict) -> None:
         with torch.no_grad():
@@ -52,22 +56,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     losses = {name: [] for name in engines}
     curves = {name: [] for name in engines}
+    newest = snapshot()
     for t in range(1, steps + 1):
-        for batch in streams["rule"].next_step():  # gradients at the weights the model holds
-            rule.backward(rule(batch))
-        put(master)  # the optimizer steps the master
-        losses["rule"].append(rule.step().loss)
-        stepped = {n: p.detach().clone() for n, p in params.items()}
-        if t > args.warmup:  # the next forward sees the master before this update
-            put(master)
-        master = stepped
-        for name in ("delayed", "exact"):
-            losses[name].append(engines[name].train_batch(streams[name].next_step()).loss)
+        for name, engine in engines.items():
+            losses[name].append(engine.train_batch(streams[name].next_step()).loss)
+        previous, newest = newest, snapshot()  # the weights of M_{t-1} and M_t
+        if t > args.warmup:  # the next forward sees the weights before this update
+            put(previous)
         if t % args.eval_every == 0 or t == steps:
-            put(master)  # evaluation lands the update in flight: the next step's forward sees it too
-            curves["rule"].append((t, rule.evaluate(held_out)))
-            for name in ("delayed", "exact"):
-                curves[name].append((t, engines[name].evaluate(held_out)))
+            put(newest)  # evaluation lands the update in flight: the next step's forward sees it too
+            for name, engine in engines.items():
+                curves[name].append((t, engine.evaluate(held_out)))
             print(f"step {t}: held-out " + ", ".join(f"{n} {c[-1][1]:.4f}" for n, c in curves.items()), flush=True)
     gaps = [abs(a / b - 1) for a, b in zip(losses["delayed"], losses["rule"])]
     worst = max(range(len(gaps)), key=gaps.__getitem__)
