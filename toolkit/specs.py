@@ -88,6 +88,10 @@ class PrecisionSpec:
 # step within their own optimizer step
 DELAYED_UPDATES = ("delayed", "delayed_extrapolated")
 
+# zero.offload_update overlapped with training.grad_clip > 0 (zero/speculation.py): the CPU step may step this share
+# of an offloaded part's elements before the clip coefficient is known, keeping their states to roll back to
+SPECULATED_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class ZeroSpec:

@@ -8,13 +8,12 @@ import threading
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import become_rank, free_port, leave_rank
-from tests.runtime.zero_helpers import BASE, SMALL_BUCKETS, STEPS, save_and_resume, tiny_engine, train
+from tests.runtime.zero_helpers import (BASE, SMALL_BUCKETS, assert_modes_bit_for_bit_on_two_ranks, save_and_resume,
+                                        tiny_engine, train)
 from toolkit.errors import UserError
 
-NO_CLIP = "training.grad_clip=0"  # the overlapped step needs it (the clip coefficient needs every gradient)
+NO_CLIP = "training.grad_clip=0"  # clipped runs speculate on the coefficient: test_overlapped_speculation.py
 EXACT = ["zero.offload_optimizer=cpu", NO_CLIP]
 OVERLAPPED = [*EXACT, "zero.offload_update=overlapped"]
 
@@ -127,10 +126,9 @@ def test_the_start_up_lines_name_the_mode_and_add_no_buffer():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["zero.stage=2", "zero.offload_optimizer=cpu", "zero.offload_update=overlapped"], "recipe.training.grad_clip"),
     (["zero.stage=2", *OVERLAPPED, "precision.dtype=fp16"], "recipe.precision.dtype: 'fp16' with zero.offload_update"),
     (["zero.stage=2", NO_CLIP, "zero.offload_update=overlapped"], "recipe.zero.offload_update: 'overlapped'"),
-], ids=["clipping", "fp16", "no offload"])
+], ids=["fp16", "no offload"])
 def test_what_the_overlapped_step_cannot_be_exact_with_is_one_line_naming_the_field(overrides, field):
     from toolkit.recipe.load import recipe_from_dict
 
@@ -144,26 +142,9 @@ def test_what_the_overlapped_step_cannot_be_exact_with_is_one_line_naming_the_fi
 DIST = {"stage2": ["zero.stage=2", SMALL_BUCKETS], "stage3": ["zero.stage=3"]}
 
 
-def _rank_main(rank, world, port, out_dir):
-    become_rank(rank, world, port)
-    results = {}
-    for name, overrides in DIST.items():
-        for mode, extra in (("exact", EXACT), ("overlapped", OVERLAPPED)):
-            engine, _, losses, _ = train(world, overrides + extra)
-            results[name, mode] = {"losses": losses, "params": engine.strategy.full_parameters()}
-    torch.save(results, out_dir / f"rank{rank}.pt")
-    leave_rank()
-
-
 @pytest.mark.dist
 def test_two_gloo_ranks_are_exact_offload_bit_for_bit(tmp_path):
-    mp.spawn(_rank_main, args=(2, free_port(), tmp_path), nprocs=2, join=True)
-    for rank in range(2):
-        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        for name in DIST:
-            exact, overlapped = results[name, "exact"], results[name, "overlapped"]
-            assert len(exact["losses"]) == STEPS and overlapped["losses"] == exact["losses"], (rank, name)
-            assert all(torch.equal(overlapped["params"][n], p) for n, p in exact["params"].items()), (rank, name)
+    assert_modes_bit_for_bit_on_two_ranks(tmp_path, DIST, {"exact": EXACT, "overlapped": OVERLAPPED})
 
 
 def test_arrivals_hand_over_wanted_groups_in_arrival_or_shard_order():

@@ -181,3 +181,28 @@ def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None, extra
                         p.copy_(2 * master[n].double() - previous[n].double() if ahead else master[n])
         previous, master = master, stepped
     return losses, master
+
+
+def _modes_rank_main(rank, world, port, out_dir, configs: dict, modes: dict) -> None:
+    from tests.conftest import become_rank, leave_rank
+
+    become_rank(rank, world, port)
+    results = {}
+    for name, overrides in configs.items():
+        for mode, extra in modes.items():
+            engine, _, losses, _ = train(world, overrides + extra)
+            results[name, mode] = {"losses": losses, "params": engine.strategy.full_parameters()}
+    torch.save(results, out_dir / f"rank{rank}.pt")
+    leave_rank()
+
+
+def assert_modes_bit_for_bit_on_two_ranks(out_dir, configs: dict, modes: dict) -> None:
+    """Each config (name: overrides) trained STEPS steps in each of two modes (name: extra overrides) on 2 spawned
+    gloo ranks: the second mode's losses and final parameters equal the first's on every rank."""
+    first, second = modes
+    for rank, results in enumerate(spawn_ranks(_modes_rank_main, 2, lambda r: out_dir / f"rank{r}.pt", out_dir,
+                                               configs, modes)):
+        for name in configs:
+            a, b = results[name, first], results[name, second]
+            assert len(a["losses"]) == STEPS and b["losses"] == a["losses"], (rank, name)
+            assert all(torch.equal(b["params"][n], p) for n, p in a["params"].items()), (rank, name)

@@ -38,6 +38,7 @@ class EstimateInput:
     # int8 keeps the moments in 1 byte each plus an fp32 scale per 256 elements
     offload_update: str = "exact"  # zero.offload_update: delayed adds host copies of gradients and weights
     grad_dtype: str = "fp32"  # zero.grad_dtype: bf16 halves the reduced gradient shard (stages 1-3)
+    clipped: bool = False  # training.grad_clip > 0: an overlapped update keeps rollback copies (zero/speculation.py)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> EstimateInput:
@@ -54,7 +55,7 @@ class EstimateInput:
                    fused=(norm != "off", k.bias_gelu != "off", k.cross_entropy != "off"),
                    token_buffer_bytes=tokens, parallel=recipe.parallel, optimizer=recipe.optimizer.type,
                    state_dtype=recipe.optimizer.state_dtype, offload_update=z.offload_update,
-                   grad_dtype=z.grad_dtype)
+                   grad_dtype=z.grad_dtype, clipped=recipe.training.grad_clip > 0)
 
     @cached_property
     def _resolved(self) -> tuple[ModelSpec, bool | None]:

@@ -22,6 +22,7 @@ from toolkit.errors import UserError
 from toolkit.observe.estimate import format_bytes
 from toolkit.observe.estimate_input import EstimateInput
 from toolkit.observe.peak import CALIBRATION_TOLERANCE, CPU_RSS_BAND, CPU_RUNTIME_BYTES, predict_peak
+from toolkit.specs import SPECULATED_SHARE
 from toolkit.recipe.checks import gpu_driver_visible
 from toolkit.specs import Recipe
 
@@ -199,10 +200,15 @@ def _local_gpu() -> tuple[str, int, int] | None:
         return None
 
 
-def offload_update_note(mode: str, warmup: int) -> str:
-    """When the offloaded CPU step runs under `mode` (zero.offload_update) and what buffers it adds."""
+def offload_update_note(mode: str, warmup: int, clipped: bool = False) -> str:
+    """When the offloaded CPU step runs under `mode` (zero.offload_update) and what buffers it adds (`clipped`:
+    training.grad_clip > 0)."""
     if mode == "exact":
         return "the CPU step runs after each backward; no buffers beyond two pieces of staging"
+    if mode == "overlapped" and clipped:
+        return (f"exact results, each bucket's CPU step started during the last backward as if the clip coefficient "
+                f"were 1, redone when it is not; rollback copies of up to {SPECULATED_SHARE:.0%} of the offloaded "
+                "states (in the cpu column below)")
     if mode == "overlapped":
         return ("exact results, each bucket's CPU step started during the last backward; no buffers beyond exact "
                 "mode's staging")
@@ -230,8 +236,8 @@ def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:
              f"predicted peak per rank ({where}, as the run's `memory | peak` line shows it): "
              f"{format_bytes(p.allocated)} = " + " + ".join(parts)]
     if z.offload_optimizer != "none":
-        lines.append(f"  zero.offload_update {z.offload_update}: " + offload_update_note(z.offload_update,
-                                                                                      z.offload_update_warmup))
+        lines.append(f"  zero.offload_update {z.offload_update}: " + offload_update_note(
+            z.offload_update, z.offload_update_warmup, clipped=recipe.training.grad_clip > 0))
     if recipe.parallel.active:  # NOTE: the model is of one data-parallel rank holding the whole model
         lines.append("  (tensor / pipeline parallelism not counted here: the busiest mesh rank is in the table below)")
     if on_cuda:

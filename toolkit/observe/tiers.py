@@ -15,12 +15,13 @@ Torch-free, like estimate.py.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from toolkit.observe.estimate import (BF16_OFFLOAD_K, MUON_SAVED, OFFLOAD_K, PARAM_BYTES, estimate_model_state_bytes,
                                       format_bytes, int8_moment_bytes)
 from toolkit.observe.estimate_input import EstimateInput
-from toolkit.specs import DELAYED_UPDATES
+from toolkit.specs import DELAYED_UPDATES, SPECULATED_SHARE
 
 # NOTE: toolkit/runtime/zero/offload.py's PIECE_NUMEL (this layer may not import runtime; a test
 # checks the two agree).
@@ -44,12 +45,14 @@ class TierBytes:
 def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, offload_optimizer: str = "none",
                    offload_param: str = "none", offload_ratio: float = 1.0, nvme_ratio: float = 1.0,
                    grad_accum_steps: int = 1, muon_params: int = 0, state_dtype: str = "fp32",
-                   offload_update: str = "exact", grad_dtype: str = "fp32") -> TierBytes:
+                   offload_update: str = "exact", grad_dtype: str = "fp32", clipped: bool = False) -> TierBytes:
     """Bytes per tier for one rank and one offload combination (offload_param needs stage 3); `muon_params`
     step with Muon (one moment, not two: estimate.py MUON_SAVED); `state_dtype` bf16: the bf16 weights are the master,
     2-byte moments (estimate.py BF16_STATE_K); int8: 8-bit blockwise moments (estimate.py int8_moment_bytes);
     `offload_update` delayed: a gradient (4 bytes) and a weight copy per offloaded element in CPU memory
-    (zero/delayed_update.py); `grad_dtype` bf16 (zero.grad_dtype): a 2-byte gradient shard on the device."""
+    (zero/delayed_update.py); overlapped and `clipped` (training.grad_clip > 0): the states of SPECULATED_SHARE of the
+    offloaded elements kept to roll back to (zero/speculation.py); `grad_dtype` bf16 (zero.grad_dtype): a 2-byte
+    gradient shard on the device."""
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param {offload_param!r} needs stage 3, not {stage}")
     states = estimate_model_state_bytes(num_params, stage=stage, world_size=world_size, dtype=dtype,
@@ -65,9 +68,11 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
             optim += master * (shard - host)                # (zero/shard_part.py), not the weights' chunk
     param_shard = PARAM_BYTES[dtype] * shard
     cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
-    delayed = offload_update in DELAYED_UPDATES  # overlapped adds nothing: exact mode's staging
+    delayed = offload_update in DELAYED_UPDATES  # overlapped adds nothing unclipped: exact mode's staging
     if delayed and offload_optimizer != "none":
         cpu += (4 + PARAM_BYTES[dtype]) * host
+    if offload_update == "overlapped" and clipped and offload_optimizer == "cpu":  # the rollback arena: master + moments
+        cpu += math.ceil(SPECULATED_SHARE * host) * (BF16_OFFLOAD_K if state_dtype == "bf16" else OFFLOAD_K)
     swapped = round(nvme_ratio * host) if offload_optimizer == "nvme" else 0
     if offload_param == "cpu" and not delayed and master == PARAM_BYTES[dtype]:
         cpu -= master * (host - swapped)  # the host's weights are the master of the part in CPU memory (shard_part.py)
@@ -101,7 +106,7 @@ def input_tiers(inp: EstimateInput, *, num_params: int | None = None, offload_ra
                           offload_ratio=inp.offload_ratio if offload_ratio is None else offload_ratio,
                           nvme_ratio=inp.nvme_ratio, grad_accum_steps=inp.grad_accum_steps,
                           muon_params=inp.muon_params, state_dtype=inp.state_dtype,
-                          offload_update=inp.offload_update, grad_dtype=inp.grad_dtype)
+                          offload_update=inp.offload_update, grad_dtype=inp.grad_dtype, clipped=inp.clipped)
 
 
 def tier_rows(num_params: int, *, stage: int, world_size: int, dtype: str, offload_ratio: float = 1.0,

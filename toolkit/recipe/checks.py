@@ -34,10 +34,15 @@ def overlapped_update_errors(r: dict) -> list[str]:
     error line per key (none: it may step overlapped). The thread steps each bucket during backward, before anything
     global about the step is known."""
     errors = []
-    if r["training"]["grad_clip"] > 0:
+    # clipping: the pieces speculate on the coefficient and roll back from saved states (runtime/zero/speculation.py),
+    # which needs the states in memory as a master and two moments
+    unsaved = ("the optimizer in swap files (zero.offload_optimizer 'nvme')" if r["zero"]["offload_optimizer"] == "nvme"
+               else "int8 moments (optimizer.state_dtype 'int8')" if r["optimizer"]["state_dtype"] == "int8" else None)
+    if r["training"]["grad_clip"] > 0 and unsaved:
         errors.append(f"recipe.training.grad_clip: {r['training']['grad_clip']:g} with zero.offload_update "
-                      "'overlapped': the CPU step starts during backward, before the global gradient norm exists; "
-                      "set training.grad_clip 0, or zero.offload_update 'exact'")
+                      "'overlapped': the CPU step starts during backward, before the global gradient norm exists, and "
+                      f"its speculation cannot save {unsaved} to roll back to; set training.grad_clip 0, or "
+                      "zero.offload_update 'exact'")
     if r["precision"]["dtype"] == "fp16":
         errors.append("recipe.precision.dtype: 'fp16' with zero.offload_update 'overlapped': the CPU step starts "
                       "during backward, before the loss scaler's overflow check has seen every gradient; use "

@@ -153,7 +153,7 @@ class Engine:
                             "or training.compile false")
         return build_strategy(self.model, recipe.zero, recipe.optimizer, recipe.precision.dtype, self.device,
                               self.dist, adamw=adamw, comm=self.comm, zero3_units=zero3_units,
-                              grad_accum_steps=recipe.batch.grad_accum_steps)
+                              grad_accum_steps=recipe.batch.grad_accum_steps, grad_clip=recipe.training.grad_clip)
 
     def _init_step_state(self, recipe: Recipe) -> None:
         """torch.compile, the schedule, the loss scaler and the step counters."""

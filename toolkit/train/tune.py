@@ -133,25 +133,27 @@ def original_changes(recipe) -> dict:
 
 def candidates(recipe, space: TuneSpace, world_size: int, on_cuda: bool = False) -> list[dict]:
     """Every point of the space but the recipe's own, as changes (tune_order.candidates: the table's order).
-    Offloading candidates step overlapped where that is exact for the recipe (`overlap_is_exact`) on a GPU: the same
-    results, the CPU step started under the backward (1.39x exact's tokens/s on GPT-2 1.5B, benchmarks/RESULTS.md)."""
+    Offloading candidates step overlapped where that is exact and measured faster (`overlapped_for_offload`) on a GPU:
+    the same results, the CPU step started under the backward (1.39x exact's tokens/s on GPT-2 1.5B,
+    benchmarks/RESULTS.md)."""
     per_rank = recipe.batch.global_batch // world_size
     micros = space.micro_batches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64) if per_rank % m == 0)
     original = original_changes(recipe)
     found = [c for c in tune_order.candidates(list(micros), per_rank, space.stages or (0, 1, 2, 3),
                                               space.checkpointing, space.offloads)
              if any(original.get(k) != v for k, v in c.items())]
-    if on_cuda and overlap_is_exact(recipe):
+    if on_cuda and overlapped_for_offload(recipe):
         found = [{**c, "zero.offload_update": "overlapped"} if c.get("offload", "none") != "none" else c for c in found]
     return found
 
 
-def overlap_is_exact(recipe) -> bool:
-    """True when zero.offload_update overlapped gives the recipe's exact results: it steps exactly (not delayed), and
-    nothing the recipe checks refuses for overlapped (clipping, fp16: recipe/checks.py) or for any non-exact update
-    (Muon)."""
+def overlapped_for_offload(recipe) -> bool:
+    """True when zero.offload_update overlapped gives the recipe's exact results and its speed-up is measured: it steps
+    exactly (not delayed), nothing the recipe checks refuses for overlapped (fp16, clipping with swap files or int8
+    moments: recipe/checks.py) or for any non-exact update (Muon), and it clips nothing (training.grad_clip 0: the
+    speculation of a clipped run, zero/speculation.py, is exact but not yet timed on a GPU)."""
     return (recipe.zero.offload_update == "exact" and recipe.optimizer.type != "muon"
-            and not overlapped_update_errors(recipe.resolved))
+            and recipe.training.grad_clip == 0 and not overlapped_update_errors(recipe.resolved))
 
 
 def memory_cap(on_cuda: bool) -> tuple[int, str]:

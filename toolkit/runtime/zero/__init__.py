@@ -37,12 +37,13 @@ def broadcast_parameters(model: nn.Module, comm: Communicator) -> None:
 
 def build_strategy(model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, dtype: str, device: torch.device,
                    info: DistInfo, *, adamw: str | None, comm: Communicator, zero3_units=None,
-                   grad_accum_steps: int = 1):
+                   grad_accum_steps: int = 1, grad_clip: float = 0.0):
     """The strategy for `zero` (stage 0-3, offload) stepping `optimizer` in precision `dtype` over the process
     group in `info`, issuing its collectives through `comm` (counted: toolkit/runtime/communicator.py); `zero3_units`
     names stage 3's units (toolkit/runtime/zero/stage3.py find_units); `adamw` is stage 0's optimizer,
     as the engine chose it (toolkit.runtime.optim.choose_adamw). Stages 1-3 step their shards with
-    ShardedAdamW (adamw.py), which never uses the CUDA AdamW kernel; `grad_accum_steps` counts their swap reads."""
+    ShardedAdamW (adamw.py), which never uses the CUDA AdamW kernel; `grad_accum_steps` counts their swap reads;
+    `grad_clip` (training.grad_clip) tells an overlapped offload step that a clip coefficient will come (speculation.py)."""
     stage = zero.stage
     broadcast_parameters(model, comm)
     weights = sixteen_bit_weights(dtype, stage)
@@ -63,7 +64,7 @@ def build_strategy(model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, d
     if stage in (1, 2):
         from toolkit.runtime.zero.partition import PartitionedStrategy
 
-        return PartitionedStrategy(model, zero, optimizer, device, info, stage, comm, grad_accum_steps)
+        return PartitionedStrategy(model, zero, optimizer, device, info, stage, comm, grad_accum_steps, grad_clip)
     from toolkit.runtime.zero.stage3 import Stage3Strategy
 
-    return Stage3Strategy(model, zero, optimizer, device, info, zero3_units, comm, grad_accum_steps)
+    return Stage3Strategy(model, zero, optimizer, device, info, zero3_units, comm, grad_accum_steps, grad_clip)

@@ -97,14 +97,21 @@ class OffloadedStep:
         # NOTE: two of each, so piece k+1 arrives and piece k-1 leaves while piece k is stepped.
         self.grad_staging = [torch.empty(size, dtype=torch.float32, pin_memory=self.cuda) for _ in range(2)]
         self.out_staging = [torch.empty(size, dtype=dtype, pin_memory=self.cuda) for _ in range(2)]
+        self.unclipped = [False, False]  # a speculating overlapped step: each slot's gradient read before the clip
         if self.cuda:
             self.d2h, self.h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
             self.arrived = [torch.cuda.Event() for _ in range(2)]
             self.sent = [torch.cuda.Event() for _ in range(2)]
 
-    def _fetch(self, k: int, slot: int) -> None:
+    def _fetch(self, k: int, slot: int, speculation=None) -> None:
         if self.in_place:
             return
+        if speculation is not None:  # whether the copy reads the gradient before the clip (speculation.py)
+            self.unclipped[slot] = speculation.fetch(lambda: self._copy_in(k, slot))
+            return
+        self._copy_in(k, slot)
+
+    def _copy_in(self, k: int, slot: int) -> None:
         piece = self.pieces[k]
         source = self.grad_chunks[piece.group][piece.start:piece.start + piece.numel]
         target = self.grad_staging[slot][:piece.numel]
@@ -175,13 +182,13 @@ class OffloadedStep:
         self.run_pieces()
 
     @torch.no_grad()
-    def run_pieces(self, arrivals=None) -> None:
+    def run_pieces(self, arrivals=None, speculation=None) -> None:
         """The step's pieces, after the optimizer's `begin_step` (a delayed or overlapped update runs them on its
-        thread; `arrivals`: PieceSequence's)."""
+        thread; `arrivals`: PieceSequence's; `speculation`: an overlapped step's clip coefficient, speculation.py)."""
         sequence = self._sequence(arrivals)
         k = sequence.next(block=True)
         if k is not None:
-            self._fetch(k, 0)
+            self._fetch(k, 0, speculation)
         waited = stepped = 0.0
         self.piece_spans = []
         i = 0
@@ -190,11 +197,15 @@ class OffloadedStep:
             # by piece i-1's CPU step, which has returned
             ahead = sequence.next(block=False)
             if ahead is not None:
-                self._fetch(ahead, (i + 1) % 2)
+                self._fetch(ahead, (i + 1) % 2, speculation)
             piece = self.pieces[k]
             sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
             start = time.perf_counter()
             grads, out = self._arrived(k, i % 2)
+            if speculation is not None and speculation.before_update(k, piece.shard_offset, piece.numel,
+                                                                     self.unclipped[i % 2]):
+                self._fetch(k, i % 2, speculation)  # fetched before the clip: its clipped gradient now
+                grads, out = self._arrived(k, i % 2)
             arrived = time.perf_counter()
             self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
             self.piece_spans.append((arrived, time.perf_counter()))
@@ -203,12 +214,36 @@ class OffloadedStep:
             if ahead is None:  # overlapped: wait for backward's next group
                 ahead = sequence.next(block=True)
                 if ahead is not None:
-                    self._fetch(ahead, (i + 1) % 2)
+                    self._fetch(ahead, (i + 1) % 2, speculation)
             k, i = ahead, i + 1
+        if speculation is not None:
+            self._settle(speculation, i)
         self.optimizer.end_pieces()
         self._end(arrivals)
         # the last step's CPU seconds: blocked on a piece's transfers, and in its AdamW (benchmarks/offload_profile.py)
         self.last_seconds = {"waited": waited, "stepped": stepped}
+
+
+    def _settle(self, speculation, i: int) -> None:
+        """The speculated pieces stand when the coefficient is 1; else each is restored, its clipped gradient fetched
+        and stepped, its weights sent again (`i`: the staging slots' turn)."""
+        if not speculation.saved:
+            speculation.outcomes.append("waited")
+            return
+        coef = speculation.wait()
+        if coef is None:  # cancelled: the step will not finish
+            return
+        speculation.outcomes.append("stood" if coef == 1.0 else "rolled back")
+        if coef == 1.0:
+            return
+        for k in speculation.restore():
+            piece = self.pieces[k]
+            sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
+            self._fetch(k, i % 2, speculation)
+            grads, out = self._arrived(k, i % 2)
+            self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
+            self._send(k, i % 2, out)
+            i += 1
 
 
 class SwappedStep(OffloadedStep):

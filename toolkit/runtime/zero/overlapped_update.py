@@ -8,9 +8,11 @@ final, so the CPU AdamW of the groups backward finished first runs while backwar
     thread:                   |           CPU AdamW group 0, group 1, ... (same pieces, same kernel)
 
 The maths, the pieces and the kernel are exact mode's; only the time each piece starts moves, so results are bit
-for bit exact mode's. That needs the update to depend on nothing but the group's own gradient: no global-norm
-clipping (training.grad_clip 0) and no fp16 loss scaling (its overflow check reads every gradient), which the
-recipe checks (toolkit/recipe/checks.py). No buffer is added: the pieces go through exact mode's staging.
+for bit exact mode's. A group's update then depends on the group's own gradient, but for global-norm clipping
+(training.grad_clip > 0), whose coefficient the pieces speculate on (speculation.py: stepped as if it were 1, redone
+from saved states when it is not), and fp16 loss scaling (its overflow check reads every gradient), which the
+recipe checks refuse (toolkit/recipe/checks.py). Without clipping no buffer is added: the pieces go through exact
+mode's staging.
 
 Why a group's new weights may go to the device during backward: a group is final when every parameter in it has
 had its gradient accumulated (post-accumulate-grad hooks), which autograd does after the last backward node that
@@ -24,6 +26,7 @@ from collections import deque
 
 import torch
 
+from toolkit.runtime.zero.speculation import ClipSpeculation
 from toolkit.runtime.zero.step_thread import StepThread
 
 
@@ -82,9 +85,12 @@ class OverlappedUpdate(StepThread):
     """One offloaded part's exact step run on a thread from the start of the last micro-step: `begin`, then `ready`
     for each group as backward finishes it, then `finish` in the optimizer step."""
 
-    def __init__(self, step, in_order: bool, device: torch.device):
+    def __init__(self, step, in_order: bool, device: torch.device, speculate: bool = False):
         super().__init__("toolkit-overlapped-update")
         self.step, self.in_order = step, in_order
+        # speculate (training.grad_clip > 0): the pieces run before the clip coefficient, which `clip` delivers
+        self.speculation = (ClipSpeculation([step.master, step.optimizer.exp_avg, step.optimizer.exp_avg_sq])
+                            if speculate else None)
         self.wanted = sorted({piece.group for piece in step.pieces})  # the groups holding elements of this rank
         self.device, self.cuda = device, device.type == "cuda"
         self.arrivals: GroupArrivals | None = None
@@ -98,6 +104,8 @@ class OverlappedUpdate(StepThread):
                                "after each boundary's backward")
         self.step.optimizer.begin_step()
         self.arrivals = GroupArrivals(self.wanted, self.in_order)
+        if self.speculation is not None:
+            self.speculation.reset()
         self.start(self._run)
 
     def ready(self, local: int) -> None:
@@ -111,10 +119,28 @@ class OverlappedUpdate(StepThread):
     def _run(self) -> None:
         if self.cuda:  # a new thread's current device is the first GPU, not necessarily this rank's
             torch.cuda.set_device(self.device)
-        self.step.run_pieces(self.arrivals)  # the pieces' spans: OffloadedStep.piece_spans
+        if self.speculation is None:  # the pieces' spans: OffloadedStep.piece_spans
+            self.step.run_pieces(self.arrivals)
+        else:  # NOTE: OffloadedStep only (the recipe checks refuse clipping with swap files: SwappedStep)
+            self.step.run_pieces(self.arrivals, self.speculation)
+
+    def clip(self, coef: float, chunks: list[torch.Tensor]) -> None:
+        """The step's clip coefficient (strategy.clip_grad_norm) for the pieces stepped before it and after; this part's
+        gradient `chunks` are clipped in place as exact mode does, after the thread's fetches so far (CUDA: the
+        compute stream waits for the copy stream) and before its later ones (the copy stream waits for the clip)."""
+        def scale() -> None:
+            if self.cuda:
+                torch.cuda.current_stream().wait_stream(self.step.d2h)
+            torch._foreach_mul_(chunks, coef)
+            if self.cuda:
+                self.step.d2h.wait_stream(torch.cuda.current_stream())
+
+        self.speculation.deliver(coef, scale)
 
     def failed(self) -> None:
         self.arrivals.cancel()
+        if self.speculation is not None:
+            self.speculation.cancel()
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -122,8 +148,12 @@ class OverlappedUpdate(StepThread):
         missing = self.arrivals.missing()
         if missing:  # NOTE: never expected (end_micro_step drains every group); an error rather than a hang
             self.arrivals.cancel()
+            if self.speculation is not None:
+                self.speculation.cancel()
             self.join()
             raise RuntimeError(f"zero.offload_update overlapped: the gradients of groups {missing} never became final")
+        if self.speculation is not None and self.speculation.coef is None:  # a step without clip_grad_norm: unclipped
+            self.speculation.deliver(1.0, lambda: None)
         self.join()
         if self.cuda:  # the model's next use waits for the thread's last weight copies
             torch.cuda.current_stream().wait_stream(self.step.h2d)

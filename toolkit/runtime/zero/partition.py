@@ -32,14 +32,14 @@ class PartitionedStrategy(ShardedStrategy):
     """ZeRO stage 1 or 2 over the process group in `info`."""
 
     def __init__(self, model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device,
-                 info: DistInfo, stage: int, comm: Communicator, grad_accum_steps: int = 1):
+                 info: DistInfo, stage: int, comm: Communicator, grad_accum_steps: int = 1, grad_clip: float = 0.0):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = named[0][1].dtype
         decay_ids = decay_param_ids(model)
         buckets = bucket_params(list(reversed(named)), zero.reduce_bucket_size)
         muon_ids = muon_ids_for(model, optimizer.type)
         groups = [FlatGroup(b, decay_ids, info.world_size, muon_ids) for b in buckets]
-        super().__init__(zero, optimizer, device, info, groups, dtype, comm, grad_accum_steps)
+        super().__init__(zero, optimizer, device, info, groups, dtype, comm, grad_accum_steps, grad_clip)
         self.stage = stage
         self.model = model
         self.flat_params = []

@@ -41,7 +41,8 @@ class ShardPart:
 
     def __init__(self, spec: OptimizerSpec, groups: range, all_groups: list[FlatGroup], rank: int, weights, grad_chunks,
                  device: torch.device, offloaded: bool, dtype: torch.dtype, swap_dir: SwapDir | None = None,
-                 comm=None, delay_after: int | None = None, extrapolate: bool = False, overlap: bool = False):
+                 comm=None, delay_after: int | None = None, extrapolate: bool = False, overlap: bool = False,
+                 speculate: bool = False):
         self.groups = groups
         self.layout = ShardLayout([all_groups[g] for g in groups], rank)
         self.weights, self.grad_chunks = weights, [grad_chunks[g] for g in groups]
@@ -103,7 +104,13 @@ class ShardPart:
                                       groups, device, dtype, extrapolate=extrapolate)
                         if offloaded and delay_after is not None else None)
         # zero.offload_update overlapped: the exact step's pieces, each group's from when backward makes it final
-        self.overlapped = (OverlappedUpdate(self.offloaded_step, in_order=self.int8 is not None, device=device)
+        # (speculate: training.grad_clip > 0, so each step's clip coefficient comes after the pieces begin; the states
+        # it saves to roll back to are a master and two moments in memory: not swap files, not int8 codes)
+        if speculate and overlap and offloaded and (self.swap is not None or self.int8 is not None):
+            raise ValueError("zero.offload_update overlapped with training.grad_clip > 0 needs the optimizer states in "
+                             "CPU memory in fp32 or bf16 (recipe checks say so first)")
+        self.overlapped = (OverlappedUpdate(self.offloaded_step, in_order=self.int8 is not None, device=device,
+                                            speculate=speculate)
                            if offloaded and overlap and self.offloaded_step is not None else None)
 
     @property
@@ -247,9 +254,11 @@ class ShardPart:
         return self.optimizer.moment_tensors()
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Moments, the separate master and a delayed update's buffers, those in memory (a swapped part holds no
-        master or moments)."""
+        """Moments, the separate master and a delayed or speculating update's buffers, those in memory (a swapped part
+        holds no master or moments)."""
         delayed = self.delayed.host_tensors() if self.delayed is not None else []
+        if self.overlapped is not None and self.overlapped.speculation is not None:
+            delayed += self.overlapped.speculation.host_tensors()
         return self.moment_tensors() + ([self.master] if self.master is not None else []) + delayed
 
 

@@ -57,8 +57,10 @@ class ShardedStrategy(StrategyBase):
     sharded_checkpoint = True  # each rank writes its shard (toolkit/checkpoint/zero_shards.py)
 
     def __init__(self, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device, info: DistInfo,
-                 groups: list[FlatGroup], param_dtype: torch.dtype, comm: Communicator, grad_accum_steps: int):
+                 groups: list[FlatGroup], param_dtype: torch.dtype, comm: Communicator, grad_accum_steps: int,
+                 grad_clip: float = 0.0):
         self.zero, self.optimizer_spec, self.device, self.info, self.comm = zero, optimizer, device, info, comm
+        self.grad_clip = grad_clip  # > 0: an overlapped offload step speculates on the clip coefficient
         self.grad_accum_steps = grad_accum_steps  # the swap reads per step (describe_tiers)
         self.groups = groups
         self.layout = ShardLayout(groups, info.rank)
@@ -169,6 +171,10 @@ class ShardedStrategy(StrategyBase):
         delayed = [t for part in self.parts if part.delayed is not None for t in part.delayed.host_tensors()]
         if delayed:
             states.append(f"delayed-update gradient + weight copies CPU memory ({format_bytes(tensor_bytes(delayed))})")
+        arena = [t for part in self.parts if part.overlapped is not None and part.overlapped.speculation is not None
+                 for t in part.overlapped.speculation.host_tensors()]
+        if arena:
+            states.append(f"overlapped-update rollback copies CPU memory ({format_bytes(tensor_bytes(arena))})")
         text = "; ".join(states)
         if self.swap_dir is None:
             return text
@@ -193,7 +199,7 @@ class ShardedStrategy(StrategyBase):
                                 self.grad_chunks, self.device, offloaded=on_cpu, dtype=self.param_dtype,
                                 swap_dir=swap, comm=self.comm, delay_after=self._delay_after(),
                                 extrapolate=self.zero.offload_update == "delayed_extrapolated",
-                                overlap=self.zero.offload_update == "overlapped")
+                                overlap=self.zero.offload_update == "overlapped", speculate=self.grad_clip > 0)
                       for groups, on_cpu, swap in ((kept, False, None), (in_memory, True, None),
                                                    (swapped, True, self.swap_dir)) if len(groups)]
         self.optimizer = self.parts[0].optimizer
@@ -270,10 +276,19 @@ class ShardedStrategy(StrategyBase):
                                     dtype=torch.float32 if self.grad_dtype != torch.float32 else None)
         local = float(torch.stack(norms).double().square().sum()) if norms else 0.0
         total = math.sqrt(self.comm.sum_floats([local])[0])
-        if max_norm > 0 and math.isfinite(max_norm):
-            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1
-            coef = min(max_norm / (total + 1e-6), 1.0)
-            torch._foreach_mul_(self.grad_chunks, coef)
+        clipping = max_norm > 0 and math.isfinite(max_norm)
+        # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1
+        coef = min(max_norm / (total + 1e-6), 1.0) if clipping else 1.0
+        # NOTE: an overlapped step speculating on the coefficient (speculation.py) reads its part's chunks on its
+        # thread: their clip is ordered against its fetches there
+        speculating = [p for p in self.parts if p.overlapped is not None and p.overlapped.speculation is not None
+                       and p.overlapped.in_flight]
+        for part in speculating:
+            part.overlapped.clip(coef, [self.grad_chunks[g] for g in part.groups])
+        skip = {g for part in speculating for g in part.groups}
+        scaled = [c for g, c in enumerate(self.grad_chunks) if g not in skip]
+        if clipping and scaled:
+            torch._foreach_mul_(scaled, coef)
         return total
 
     def optimizer_step(self) -> None:

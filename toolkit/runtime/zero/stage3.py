@@ -116,7 +116,8 @@ class Stage3Strategy(ShardedStrategy):
     group_kind = "units"
 
     def __init__(self, model: nn.Module, zero: ZeroSpec, optimizer: OptimizerSpec, device: torch.device,
-                 info: DistInfo, units=None, comm: Communicator | None = None, grad_accum_steps: int = 1):
+                 info: DistInfo, units=None, comm: Communicator | None = None, grad_accum_steps: int = 1,
+                 grad_clip: float = 0.0):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         dtype = named[0][1].dtype
         decay_ids = decay_param_ids(model)
@@ -135,7 +136,7 @@ class Stage3Strategy(ShardedStrategy):
         self.root = len(groups)
         groups.append(FlatGroup(root, decay_ids, info.world_size, muon_ids))
         super().__init__(zero, optimizer, device, info, groups, dtype, comm or Communicator(info, device),
-                         grad_accum_steps)
+                         grad_accum_steps, grad_clip)
         self.model = model
         self.prefetch = zero.prefetch_units
         # This rank's chunk of every unit, contiguous, on the tier zero.offload_param names (param_offload.py);
