@@ -9,7 +9,8 @@ tests/runtime/zero_helpers.py in one process, fp32 compute with TF32 off:
   written out by hand around a stage-0 CUDA engine (tests/runtime/test_delayed_offload.py), within 1e-5;
 - the overlapped offloaded update (its thread copies each bucket after a CUDA event recorded in backward) gives
   exact offload's losses and weights bit for bit at stages 2 and 3, also with the parameters in pinned CPU memory
-  and the optimizer in swap files;
+  and the optimizer in swap files; and with clipping, speculating on the coefficient (the device's in-place clip
+  ordered between the thread's copies);
 - the 16-bit layout at stage 3 (bf16 states, parameters in pinned CPU memory as the offloaded master, a bf16
   gradient shard): without clipping, bit for bit the same run with the parameters on the GPU and an fp32 shard.
 """
@@ -96,6 +97,22 @@ def test_the_overlapped_update_is_exact_offload_bit_for_bit(overrides, tmp_path,
     exact = train(1, base)
     engine, _, losses, _ = train(1, [*base, "zero.offload_update=overlapped"])
     assert engine.device.type == "cuda" and engine.strategy.parts[-1].overlapped is not None
+    assert losses == exact[2]
+    want = on_cpu(exact[0].strategy.full_parameters())
+    assert all(torch.equal(got, want[name]) for name, got in on_cpu(engine.strategy.full_parameters()).items())
+
+
+@pytest.mark.parametrize("overrides", [["zero.stage=2", SMALL_BUCKETS], ["zero.stage=3", "precision.dtype=bf16"]],
+                         ids=["stage2", "stage3 bf16"])
+def test_the_overlapped_update_speculating_on_the_clip_is_exact_offload_bit_for_bit(overrides, monkeypatch):
+    """training.grad_clip 0.9 (the tiny run's norms are 0.84-1.0: some steps clip): the pieces step before the
+    coefficient, the device clips the chunks between the thread's copies (CUDA streams), the clipped steps redo."""
+    monkeypatch.setattr("toolkit.runtime.zero.offload.PIECE_NUMEL", 1000)
+    base = [*CUDA, "zero.offload_optimizer=cpu", "training.grad_clip=0.9", *overrides]
+    exact = train(1, base)
+    engine, _, losses, _ = train(1, [*base, "zero.offload_update=overlapped"])
+    speculation = engine.strategy.parts[-1].overlapped.speculation
+    assert engine.device.type == "cuda" and speculation is not None and len(speculation.outcomes) == len(losses)
     assert losses == exact[2]
     want = on_cpu(exact[0].strategy.full_parameters())
     assert all(torch.equal(got, want[name]) for name, got in on_cpu(engine.strategy.full_parameters()).items())
