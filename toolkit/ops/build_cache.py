@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 import platform
 import shutil
 import sys
