@@ -223,7 +223,6 @@ class OffloadedStep:
         # the last step's CPU seconds: blocked on a piece's transfers, and in its AdamW (benchmarks/offload_profile.py)
         self.last_seconds = {"waited": waited, "stepped": stepped}
 
-
     def _settle(self, speculation, i: int) -> None:
         """The speculated pieces stand when the coefficient is 1; else each is restored, its clipped gradient fetched
         and stepped, its weights sent again (`i`: the staging slots' turn)."""

@@ -55,12 +55,12 @@ class ClipSpeculation:
 
     def deliver(self, coef: float, scale) -> None:
         """The step's clip coefficient (1.0: no clipping), from the optimizer step's thread; `scale()` clips the part's
-        gradient chunks in place (when coef < 1), between the fetches before the verdict and those after."""
+        gradient chunks in place (when coef is not 1), between the fetches before the verdict and those after."""
         with self.lock:
-            if coef < 1.0:
+            if coef != 1.0:  # NOTE: not `< 1`: a NaN norm's coefficient scales too, as exact mode's multiply does
                 scale()
             self.coef = coef
-            self.last_clipped = coef < 1.0
+            self.last_clipped = coef != 1.0
             self.lock.notify_all()
 
     def cancel(self) -> None:
@@ -91,7 +91,7 @@ class ClipSpeculation:
             speculate = self.coef is None and not self.cancelled and self.enabled and self.used + numel <= self.limit
         if not speculate:
             coef = self.wait()
-            return unclipped and coef is not None and coef < 1.0
+            return unclipped and coef is not None and coef != 1.0
         for saved, state in zip(self.arena, self.states):
             saved[self.used:self.used + numel].copy_(state[offset:offset + numel])
         self.saved.append((k, offset, numel))
