@@ -169,6 +169,22 @@ def exit_process(code: int) -> None:
     # that finished into a SIGABRT its launcher reports as failed. By now the run's files are closed and the
     # group destroyed (shutdown); what is left is the exit handlers (swap folders: runtime/zero/swap.py) and
     # the streams.
+    _exit_without_teardown(code)
+
+
+def end_rank(code: int = 0) -> None:
+    """The end of a rank script that joined a process group itself (a tutorial's, launched by torchrun), once its
+    results are written: wait for the other ranks, leave the group, then end the process without the interpreter's
+    teardown, where gloo's threads can abort it (exit_process says why). Not for a multiprocessing child: it runs
+    its parent's exit handlers, and multiprocessing ends its children with os._exit already."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _exit_without_teardown(code)
+
+
+def _exit_without_teardown(code: int) -> None:
+    """Exit handlers (swap folders: runtime/zero/swap.py), the streams, then os._exit."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
