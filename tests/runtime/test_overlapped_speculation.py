@@ -8,8 +8,8 @@ the arena too small for the whole shard (the rest of the pieces wait for the coe
 import pytest
 import torch
 
-from tests.runtime.zero_helpers import (BASE, SMALL_BUCKETS, STEPS, assert_modes_bit_for_bit_on_two_ranks, tiny_engine,
-                                        train)
+from tests.runtime.zero_helpers import (BASE, SMALL_BUCKETS, STEPS, assert_modes_bit_for_bit_on_two_ranks,
+                                        save_and_resume, tiny_engine, train)
 from toolkit.errors import UserError
 
 # The tiny run's gradient norms are 0.84-1.0 over its 10 steps: at 0.9 some steps clip and some do not.
@@ -102,6 +102,15 @@ def test_an_arena_smaller_than_the_shard_is_still_exact(small_pieces, monkeypatc
     numel = speculation.states[0].numel()
     assert 0 < speculation.limit <= 0.1 * numel + 1
     assert all(t.numel() == speculation.limit for t in speculation.host_tensors())
+
+
+def test_a_checkpoint_resumes_bit_exactly(tmp_path, small_pieces):
+    """The resumed engine does not know whether the step before the save clipped, so its first step may speculate
+    where the uninterrupted run waited: the guess changes when pieces run, never what they compute."""
+    overrides = ["zero.stage=2", SMALL_BUCKETS, *OVERLAPPED]
+    saved, restored, uninterrupted, resumed, _ = save_and_resume(tmp_path, overrides, overrides, save_after=5)
+    assert all(torch.equal(saved[k], restored[k]) for k in saved)
+    assert resumed == uninterrupted
 
 
 def test_without_clipping_nothing_is_saved(small_pieces):
