@@ -7,8 +7,9 @@ overlapped: `OffloadedStep.piece_spans`), and the GPU's copy time each way (torc
                                          [--markdown FILE] [OVERRIDES ...]
 
 Default overrides: ZeRO stage 2, zero.offload_optimizer cpu, micro 16 x 1024, accumulation 1 (the issue's setting).
---modes: zero.offload_update values, one engine after the other in this process (overlapped needs
-training.grad_clip=0 among the overrides, which then holds for every mode).
+--modes: zero.offload_update values, one engine after the other in this process. Under the recipe's clipping
+(training.grad_clip > 0) overlapped speculates on the clip coefficient (runtime/zero/speculation.py); the last
+column counts what its guesses came to over the timed steps (stood, rolled back, waited).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{device}, torch {torch.__version__}", "",
              "| zero.offload_update | forward + backward | optimizer step | of which CPU blocked on transfers | "
              "CPU AdamW (all of it) | of it during the backward | D2H GPU ms (one step) | H2D GPU ms (one step) | "
-             "tokens/s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *lines]
+             "tokens/s | clip guesses |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *lines]
     print("\n".join(lines))
     if args.markdown:
         with args.markdown.open("a") as out:
@@ -101,6 +102,10 @@ def profile_mode(recipe_name: str, overrides: list[str], steps: int) -> tuple[st
     for _ in range(3):
         timed_step(engine, stream)
     rows = [timed_step(engine, stream) for _ in range(steps)]
+    overlapped = engine.strategy.parts[-1].overlapped if hasattr(engine.strategy, "parts") else None
+    speculation = overlapped.speculation if overlapped is not None else None
+    guesses = (", ".join(f"{name} {list(speculation.outcomes)[-steps:].count(name)}"
+                         for name in ("stood", "rolled back", "waited")) if speculation is not None else "-")
     copies = copy_ms(engine, stream)
     median = {key: 1e3 * statistics.median(r[key] for r in rows) for key in rows[0]}
     tokens = recipe.batch.global_batch * recipe.data.seq_len
@@ -111,7 +116,8 @@ def profile_mode(recipe_name: str, overrides: list[str], steps: int) -> tuple[st
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next mode's engine starts from an empty device
     return (f"{median['fwd_bwd']:.0f} | {median['step']:.0f} | {median['waited']:.0f} | {median['stepped']:.0f} | "
-            f"{median['under_backward']:.0f} | {copies['DtoH']:.0f} | {copies['HtoD']:.0f} | {tokens / total * 1e3:,.0f} |",
+            f"{median['under_backward']:.0f} | {copies['DtoH']:.0f} | {copies['HtoD']:.0f} | {tokens / total * 1e3:,.0f} | "
+            f"{guesses} |",
             tokens, device)
 
 
