@@ -85,7 +85,7 @@ class ClipSpeculation:
 
     def before_update(self, k: int, offset: int, numel: int, unclipped: bool) -> bool:
         """Whether piece k, fetched `unclipped` or not, must be fetched again before its update: after the verdict,
-        when it was fetched unclipped and the coefficient is below 1. A piece that may speculate (no verdict yet,
+        when it was fetched unclipped and the coefficient is not 1. A piece that may speculate (no verdict yet,
         room in the arena) has its states saved first; one that may not waits for the verdict."""
         with self.lock:
             speculate = self.coef is None and not self.cancelled and self.enabled and self.used + numel <= self.limit
@@ -99,7 +99,7 @@ class ClipSpeculation:
         return False
 
     def restore(self) -> list[int]:
-        """After a verdict below 1: the speculated pieces' states put back; the pieces to step again."""
+        """After a verdict other than 1: the speculated pieces' states put back; the pieces to step again."""
         at = 0
         for _, offset, numel in self.saved:
             for saved, state in zip(self.arena, self.states):
