@@ -175,6 +175,12 @@ class OffloadedStep:
         self.optimizer.update(piece.decay, master, grads, m, v, out, offset=piece.shard_offset,
                               extrapolate=self.extrapolate)
 
+    def _update_held(self, piece: Piece, grads: torch.Tensor, out: torch.Tensor) -> None:
+        """`_update` on the piece's master and moments where this step holds them, in CPU memory (SwappedStep reads
+        them into its slots instead)."""
+        sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
+        self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
+
     @torch.no_grad()
     def step(self) -> None:
         """One AdamW step over every piece; on return the device's weights are the new ones (stream-ordered)."""
@@ -199,7 +205,6 @@ class OffloadedStep:
             if ahead is not None:
                 self._fetch(ahead, (i + 1) % 2, speculation)
             piece = self.pieces[k]
-            sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
             start = time.perf_counter()
             grads, out = self._arrived(k, i % 2)
             if speculation is not None and speculation.before_update(k, piece.shard_offset, piece.numel,
@@ -207,7 +212,7 @@ class OffloadedStep:
                 self._fetch(k, i % 2, speculation)  # fetched before the clip: its clipped gradient now
                 grads, out = self._arrived(k, i % 2)
             arrived = time.perf_counter()
-            self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
+            self._update_held(piece, grads, out)
             self.piece_spans.append((arrived, time.perf_counter()))
             waited, stepped = waited + arrived - start, stepped + self.piece_spans[-1][1] - arrived
             self._send(k, i % 2, out)
@@ -236,11 +241,9 @@ class OffloadedStep:
         if coef == 1.0:
             return
         for k in speculation.restore():
-            piece = self.pieces[k]
-            sl = slice(piece.shard_offset, piece.shard_offset + piece.numel)
             self._fetch(k, i % 2, speculation)
             grads, out = self._arrived(k, i % 2)
-            self._update(piece, self.master[sl], grads, self.optimizer.exp_avg[sl], self.optimizer.exp_avg_sq[sl], out)
+            self._update_held(self.pieces[k], grads, out)
             self._send(k, i % 2, out)
             i += 1
 
