@@ -22,9 +22,8 @@ from toolkit.errors import UserError
 from toolkit.observe.estimate import format_bytes
 from toolkit.observe.estimate_input import EstimateInput
 from toolkit.observe.peak import CALIBRATION_TOLERANCE, CPU_RSS_BAND, CPU_RUNTIME_BYTES, predict_peak
-from toolkit.specs import SPECULATED_SHARE
 from toolkit.recipe.checks import gpu_driver_visible
-from toolkit.specs import Recipe
+from toolkit.specs import SPECULATED_SHARE, Recipe
 
 
 @dataclass(frozen=True)
