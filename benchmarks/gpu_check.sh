@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|offloadprofile|muon|delayed124m|delayedrule|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
+#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|infinity|infinity-train|tp1pp1 ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -113,6 +113,9 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
       timeout ${RULE_S:-300} python3 -m benchmarks.delayed_rule ${RULE_ARGS:-gpt2-124m scheduler.warmup_num_steps=30 \
         batch.grad_accum_steps=2 training.max_steps=300 --steps 160 --warmup 100 --eval-every 10} 2>&1 \
         | tee "$OUT/delayedrule.txt" ;;
+    speculation)  # issue 36: the overlapped step with clipping against exact mode, run twice, on tutorial 18's GPU
+                  # recipe (benchmarks/speculation_exactness.py: every loss and norm printed)
+      timeout 200 python3 -m benchmarks.speculation_exactness --device cuda 2>&1 | tee "$OUT/speculation.txt" ;;
     recipes)  # the shipped recipes' tokens/s as `toolkit run` reports them (issue 33's goals). RECIPES: words
               # name:steps[:override,override...], e.g. gpt2-1.5b-h200:20:zero.stage=2,zero.offload_optimizer=cpu
       local item name steps extra
