@@ -79,9 +79,17 @@ def test_clipped_runs_are_exact_offload_bit_for_bit(overrides, small_pieces, thr
     assert any(clipped) and not all(clipped)
 
 
-def test_a_step_after_a_clipped_one_does_not_speculate(small_pieces, thread_first):
+def test_a_step_after_a_clipped_one_does_not_speculate(small_pieces, thread_first, monkeypatch):
+    """...and fetches no gradient before the verdict: an unclipped copy would only be fetched again."""
+    from toolkit.runtime.zero.speculation import ClipSpeculation
+
+    fetched = []  # (the step guesses, the copy read the unclipped gradient)
+    fetch = ClipSpeculation.fetch
+    monkeypatch.setattr(ClipSpeculation, "fetch", lambda self, copy: fetched.append((self.enabled, fetch(self, copy)))
+                        or fetched[-1][1])
     exact = train(1, ["zero.stage=2", SMALL_BUCKETS, *EXACT])
     seen = verdicts(train(1, ["zero.stage=2", SMALL_BUCKETS, *OVERLAPPED])[0])
+    assert (False, True) not in fetched and (True, True) in fetched and (False, False) in fetched
     assert len(seen) == STEPS
     clipped = [norm > 0.9 for norm in exact[3]]
     assert seen[0] == ("rolled back" if clipped[0] else "stood")

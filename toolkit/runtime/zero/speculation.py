@@ -78,8 +78,11 @@ class ClipSpeculation:
 
     def fetch(self, copy) -> bool:
         """Issue a piece's gradient fetch (`copy()`) under the verdict's lock; True when it reads the unclipped
-        gradient (issued before the verdict)."""
+        gradient (issued before the verdict). In a step that does not guess, only after the verdict: an unclipped
+        copy would have to be fetched again (GPT-2 1.5B clipping every step: 468 against exact's 440 ms a step)."""
         with self.lock:
+            while not self.enabled and self.coef is None and not self.cancelled:
+                self.lock.wait()
             copy()
             return self.coef is None
 
