@@ -139,8 +139,9 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
       # shellcheck disable=SC2086  # the names are words
       timeout "${GALLERY_S:-540}" python3 -m toolkit tutorials build --execute --gpu ${GALLERY:-} 2>&1 \
         | tee "$OUT/gallery.txt" || gallery_rc=$?
-      # the executed ones, even after a failure, in one file (a device call returns at most 8 files)
-      tar czf "$OUT/gallery.tgz" -C tutorials/gpu .
+      # the executed ones, even after a failure, with their wall times (run_times.json), in one file (a device
+      # call returns at most 8 files): unpack it in tutorials/
+      tar czf "$OUT/gallery.tgz" -C tutorials gpu run_times.json
       return "$gallery_rc" ;;
     bench)
       timeout 100 python3 -m benchmarks.kernels --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;
