@@ -35,6 +35,14 @@ namespace {
 
 constexpr uint32_t kHash1 = 0x7feb352du, kHash2 = 0x846ca68bu;  // Chris Wellons' lowbias32
 
+inline uint32_t lowbias32_scalar(uint32_t x) {
+  x ^= x >> 16;
+  x *= kHash1;
+  x ^= x >> 15;
+  x *= kHash2;
+  return x ^ (x >> 16);
+}
+
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 
@@ -64,10 +72,13 @@ inline void narrow(uint16_t* dst, __m512 x, __m512i noise16) {
 inline void step_lanes(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, uint64_t index, const Bf16StepScalars& s) {
   const __m512i lo0 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(index)));
   const __m512i lo = _mm512_add_epi32(lo0, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  const __m512i hi0 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(index >> 32)));
-  const __m512i hi = _mm512_mask_add_epi32(hi0, _mm512_cmplt_epu32_mask(lo, lo0), hi0, _mm512_set1_epi32(1));
-  const __m512i r = lowbias32(_mm512_xor_si512(
-      lo, lowbias32(_mm512_xor_si512(hi, _mm512_set1_epi32(static_cast<int>(s.step_key))))));
+  // NOTE: the inner hash depends only on the index's high word, the same for every lane but those past a carry:
+  // two scalar hashes per vector instead of a vector one (the same bits)
+  const uint32_t hi0 = static_cast<uint32_t>(index >> 32);
+  const __m512i inner = _mm512_mask_blend_epi32(
+      _mm512_cmplt_epu32_mask(lo, lo0), _mm512_set1_epi32(static_cast<int>(lowbias32_scalar(hi0 ^ s.step_key))),
+      _mm512_set1_epi32(static_cast<int>(lowbias32_scalar((hi0 + 1u) ^ s.step_key))));
+  const __m512i r = lowbias32(_mm512_xor_si512(lo, inner));
   const __m512i low16 = _mm512_set1_epi32(0xffff);
 
   const __m512 grad = _mm512_loadu_ps(g), m0 = widen(m), v0 = widen(v);
@@ -114,9 +125,11 @@ inline void step_lanes(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, ui
   const __m256i lo = _mm256_add_epi32(lo0, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(lo0, sign), _mm256_xor_si256(lo, sign));  // lo < lo0
-  const __m256i hi = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(index >> 32))), carry);
-  const __m256i r = lowbias32(_mm256_xor_si256(
-      lo, lowbias32(_mm256_xor_si256(hi, _mm256_set1_epi32(static_cast<int>(s.step_key))))));
+  const uint32_t hi0 = static_cast<uint32_t>(index >> 32);  // the inner hash: two scalars, as in the AVX-512 lanes
+  const __m256i inner = _mm256_blendv_epi8(_mm256_set1_epi32(static_cast<int>(lowbias32_scalar(hi0 ^ s.step_key))),
+                                           _mm256_set1_epi32(static_cast<int>(lowbias32_scalar((hi0 + 1u) ^ s.step_key))),
+                                           carry);
+  const __m256i r = lowbias32(_mm256_xor_si256(lo, inner));
   const __m256i low16 = _mm256_set1_epi32(0xffff);
 
   const __m256 grad = _mm256_loadu_ps(g), m0 = widen(m), v0 = widen(v);
@@ -190,13 +203,6 @@ void step_range(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, int64_t b
   }
 }
 
-inline uint32_t lowbias32_scalar(uint32_t x) {
-  x ^= x >> 16;
-  x *= kHash1;
-  x ^= x >> 15;
-  x *= kHash2;
-  return x ^ (x >> 16);
-}
 
 }  // namespace
 

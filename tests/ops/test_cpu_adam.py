@@ -199,19 +199,21 @@ def _bf16_states(numel: int, seed: int):
                  torch.zeros(numel, dtype=torch.bfloat16)]
 
 
-def test_bf16_states_step_matches_its_torch_reference_but_for_rare_one_ulp_roundings(kernel):
+@pytest.mark.parametrize("offset", [5000, 2**32 - 37, 3 * 2**32 - 5], ids=["small", "across 2^32", "across 3*2^32"])
+def test_bf16_states_step_matches_its_torch_reference_but_for_rare_one_ulp_roundings(kernel, offset):
     """adamw_step_bf16 against low_precision_adamw.hashed_bf16_adam_update_ (the same hash, torch's ops): the fp32
     maths may differ by an ulp (fused multiply-adds), which moves a stochastic rounding across a bf16 boundary for
-    a handful of elements: at most 1e-4 of them, by one bf16 ulp."""
+    a handful of elements: at most 1e-4 of them, by one bf16 ulp. Offsets whose lanes cross a multiple of 2^32
+    check the kernel's hash of the index's high word (two per vector, chosen by the carry)."""
     from toolkit.runtime.low_precision_adamw import hashed_bf16_adam_update_
 
-    numel = 300_007
+    numel = 300_007 if offset == 5000 else 20_011
     gen, states = _bf16_states(numel, 0)
     ref = [t.clone() for t in states]
     for step in range(1, 11):
         grad = torch.randn(numel, generator=gen) * 10.0 ** (step % 5 - 2)
-        kernel.adamw_step_bf16(*states[:1], grad, *states[1:], step, LR, *BETAS, EPS, WD, 1234, 5000)
-        hashed_bf16_adam_update_(ref[0], grad, ref[1], ref[2], seed=1234, offset=5000, step=step, lr=LR, wd=WD,
+        kernel.adamw_step_bf16(*states[:1], grad, *states[1:], step, LR, *BETAS, EPS, WD, 1234, offset)
+        hashed_bf16_adam_update_(ref[0], grad, ref[1], ref[2], seed=1234, offset=offset, step=step, lr=LR, wd=WD,
                                  betas=BETAS, eps=EPS, l2=False)
     for got, want in zip(states, ref):
         ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
