@@ -147,13 +147,7 @@ inline void step_lanes(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, ui
 #else
 constexpr int64_t kLanes = 1;
 
-inline uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= kHash1;
-  x ^= x >> 15;
-  x *= kHash2;
-  return x ^ (x >> 16);
-}
+inline uint32_t lowbias32(uint32_t x) { return lowbias32_scalar(x); }
 
 inline float widen(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
