@@ -56,9 +56,6 @@ NO_OUTPUT = {
                                           "same CPU run as the CPU variant)",
     "gpu/10_estimate.ipynb": "not yet executed on a GPU (issue 34 item 7)",
     "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
-    "gpu/15_muon.ipynb": "not yet executed on a GPU (issue 35: no GPU was lent the session that built Muon)",
-    "gpu/16_optimizer_states.ipynb": "not yet executed on a GPU",
-    "gpu/18_offload_overlap.ipynb": "not yet executed on a GPU (issue 36: no GPU was lent the session that built it)",
 }
 
 
