@@ -233,7 +233,7 @@ def test_estimate_names_a_reshaped_model_and_states_the_run_memory_line_terms_wi
 @pytest.mark.parametrize("mode, words", [
     ("exact", "zero.offload_update exact: the CPU step runs after each backward"),
     ("overlapped", "zero.offload_update overlapped: exact results, each bucket's CPU step started during"),
-    ("delayed", "zero.offload_update delayed: one step stale after 100 exact steps; a 4-byte gradient"),
+    ("delayed", "zero.offload_update delayed: one step stale after 100 exact steps; two 4-byte gradient"),
 ])
 def test_estimate_names_the_offload_update_mode_and_its_buffers(mode, words, capsys):
     assert main(["estimate", "quickstart", "training.device=cpu", "zero.stage=2", "zero.offload_optimizer=cpu",

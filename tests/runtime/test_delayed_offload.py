@@ -134,6 +134,21 @@ def test_an_error_in_the_background_step_is_raised_where_the_update_lands(monkey
         engine.train_batch(stream.next_step())
 
 
+def test_a_step_copies_its_gradients_before_landing_the_update_in_flight_into_the_other_buffer(monkeypatch):
+    """Two host buffers of each, taken in turn: the copy of step t's gradients does not wait for step t-1's thread,
+    which reads (and writes its weights to) the other buffer; the run still follows the hand-written rule (above)."""
+    from toolkit.runtime.zero.delayed_update import DelayedUpdate
+
+    seen = []  # at each stage: (an update in flight, the buffer it uses, the buffer the copy goes to)
+    stage = DelayedUpdate.stage
+    monkeypatch.setattr(DelayedUpdate, "stage", lambda self: seen.append((self.in_flight, self.writing, self.turn))
+                        or stage(self))
+    train(1, ["zero.stage=1", *DELAYED], steps=WARMUP + 4)
+    assert len(seen) == 4 and not seen[0][0] and all(flight for flight, _, _ in seen[1:])
+    assert all(writing != turn for _, writing, turn in seen[1:])
+    assert [turn for _, _, turn in seen] == [0, 1, 0, 1]
+
+
 def test_owned_pieces_refuse_an_update_in_flight():
     engine, _, _, _ = train(1, ["zero.stage=1", *DELAYED], steps=WARMUP + 1)
     with pytest.raises(RuntimeError, match="complete_pending_update"):
@@ -147,8 +162,8 @@ def test_the_start_up_lines_name_the_mode_and_its_buffers():
     numel = engine.strategy.layout.numel
     assert f"update delayed one step after {WARMUP} exact steps" in engine.strategy.describe()
     assert "delayed-update gradient + weight copies CPU memory" in engine.strategy.describe_tiers()
-    # master + moments (12 bytes) and the delayed buffers: an fp32 gradient and an fp32 weight copy
-    assert engine.strategy.memory_bytes()["mem_offload_bytes"] == (12 + 4 + 4) * numel
+    # master + moments (12 bytes) and the delayed buffers: two fp32 gradients and two fp32 weight copies
+    assert engine.strategy.memory_bytes()["mem_offload_bytes"] == (12 + 2 * (4 + 4)) * numel
 
 
 def test_delayed_without_offload_is_one_line_naming_the_field():
@@ -197,7 +212,7 @@ def test_the_estimate_counts_the_host_bytes_the_engine_holds(dtype):
                                                                    "zero.offload_optimizer=cpu"])[0]))
     numel = engine.strategy.layout.numel
     extra = input_tiers(inp).cpu - exact.cpu
-    assert extra == (4 + {"fp32": 4, "bf16": 2}[dtype]) * numel  # as the engine's buffers, below
+    assert extra == 2 * (4 + {"fp32": 4, "bf16": 2}[dtype]) * numel  # as the engine's buffers, below
     held = sum(t.untyped_storage().nbytes() for t in engine.strategy.parts[-1].delayed.host_tensors())
     assert extra == held
     assert "<- recipe" in format_tier_estimate(inp)

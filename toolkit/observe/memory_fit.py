@@ -212,8 +212,8 @@ def offload_update_note(mode: str, warmup: int, clipped: bool = False) -> str:
         return ("exact results, each bucket's CPU step started during the last backward; no buffers beyond exact "
                 "mode's staging")
     ahead = " (the weights extrapolated one update ahead)" if mode == "delayed_extrapolated" else ""
-    return (f"one step stale after {warmup} exact steps{ahead}; a 4-byte gradient and a weight copy per offloaded "
-            "element in CPU memory (in the cpu column below)")
+    return (f"one step stale after {warmup} exact steps{ahead}; two 4-byte gradient and two weight copies per "
+            "offloaded element in CPU memory (in the cpu column below)")
 
 
 def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:

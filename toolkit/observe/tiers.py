@@ -49,7 +49,7 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
     """Bytes per tier for one rank and one offload combination (offload_param needs stage 3); `muon_params`
     step with Muon (one moment, not two: estimate.py MUON_SAVED); `state_dtype` bf16: the bf16 weights are the master,
     2-byte moments (estimate.py BF16_STATE_K); int8: 8-bit blockwise moments (estimate.py int8_moment_bytes);
-    `offload_update` delayed: a gradient (4 bytes) and a weight copy per offloaded element in CPU memory
+    `offload_update` delayed: two gradients (4 bytes) and two weight copies per offloaded element in CPU memory
     (zero/delayed_update.py); overlapped and `clipped` (training.grad_clip > 0): the states of SPECULATED_SHARE of the
     offloaded elements kept to roll back to (zero/speculation.py); `grad_dtype` bf16 (zero.grad_dtype): a 2-byte
     gradient shard on the device."""
@@ -70,7 +70,7 @@ def estimate_tiers(num_params: int, *, stage: int, world_size: int, dtype: str, 
     cpu = states.cpu_optim + (param_shard if offload_param == "cpu" else 0)
     delayed = offload_update in DELAYED_UPDATES  # overlapped adds nothing unclipped: exact mode's staging
     if delayed and offload_optimizer != "none":
-        cpu += (4 + PARAM_BYTES[dtype]) * host
+        cpu += 2 * (4 + PARAM_BYTES[dtype]) * host  # two buffers of each, taken in turn (zero/delayed_update.py)
     if offload_update == "overlapped" and clipped and offload_optimizer == "cpu":  # the rollback arena: master + moments
         cpu += math.ceil(SPECULATED_SHARE * host) * (BF16_OFFLOAD_K if state_dtype == "bf16" else OFFLOAD_K)
     swapped = round(nvme_ratio * host) if offload_optimizer == "nvme" else 0

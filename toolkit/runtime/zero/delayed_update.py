@@ -4,15 +4,23 @@ The exact offload step (offload.py) makes every step wait for the CPU AdamW. Her
 only lands the update of step t-1 and launches step t's on a background thread, then returns; step t+1's forward
 and backward run while the CPU steps:
 
-    optimizer step t:  join step t-1's thread -> its new weights into the model (main thread)
-                       copy the reduced gradients to a host buffer -> thread: CPU AdamW (and swap I/O) of step t
+    optimizer step t:  copy the reduced gradients to a host buffer; join step t-1's thread -> its new weights
+                       into the model (main thread) -> thread: CPU AdamW (and swap I/O) of step t
     step t+1:          forward + backward on the weights of step t-1   ||   the thread steps t
 
 So the gradient of step t+1 is computed on weights one update old: staleness is exactly one step. The thread runs
 the exact mode's pieces (the same kernel, the same settings, frozen at launch), but reads a host copy of the
 gradients (the device's are accumulated anew by step t+1's backward) and writes its new weights to a host buffer
-(the model's are in use), which the next optimizer step copies in. Extra CPU memory: 4 bytes of gradient and a
-weight in the model dtype per offloaded element.
+(the model's are in use), which the next optimizer step copies in.
+
+Two of each buffer, taken in turn: step t's gradients go to one while step t-1's thread may still read the other,
+so their copy starts before that thread is joined, and step t's thread writes its weights into one while step
+t-1's are copied into the model from the other, so it need not wait for that copy. An optimizer step:
+
+    gradients of step t -> host buffer t % 2 (a copy stream on CUDA) | join step t-1's thread
+    step t-1's weights (buffer (t-1) % 2) -> the model               | thread: CPU AdamW of step t on buffers t % 2
+
+Extra CPU memory: 2 x (4 bytes of gradient and a weight in the model dtype) per offloaded element.
 
 What does not live here: when a step is delayed (the warm-up, landing before evaluation and checkpoints:
 shard_part.py and sharded.py) and the CPU AdamW itself (offload.py, adamw.py).
@@ -57,38 +65,68 @@ class DelayedUpdate(StepThread):
         super().__init__("toolkit-delayed-update")
         self.optimizer, self.grad_chunks, self.weights, self.groups = optimizer, grad_chunks, weights, groups
         self.cuda = device.type == "cuda"
-        self.grad_host = pinned_empty(layout.numel, torch.float32, self.cuda)
-        self.grad_views = [layout.chunk_of(self.grad_host, g) for g in range(len(groups))]
-        self.new_weights = HostWeightBuffer(layout, dtype, pinned=self.cuda)
         local = range(len(groups))
+        # buffer i: host gradients (as views per group) and new weights; the next update uses buffer `turn`
+        self.grad_hosts = [pinned_empty(layout.numel, torch.float32, self.cuda) for _ in range(2)]
+        self.grad_views = [[layout.chunk_of(host, g) for g in local] for host in self.grad_hosts]
+        self.new_weights = [HostWeightBuffer(layout, dtype, pinned=self.cuda) for _ in range(2)]
+        self.turn = 0
+        self.staged: int | None = None  # the buffer this step's gradients were copied to (`stage`), until launched
+        self.writing: int | None = None  # the buffer the update in flight writes its weights to
         cpu = torch.device("cpu")  # the thread touches host memory (and swap files) only
-        self.cpu_step = (SwappedStep(layout, optimizer, swap, self.grad_views, self.new_weights, local, cpu, in_place=True)
+        # NOTE: one step object, pointed at buffer i before each update (a SwappedStep's slots are 576 MiB)
+        self.cpu_step = (SwappedStep(layout, optimizer, swap, self.grad_views[0], self.new_weights[0], local, cpu,
+                                     in_place=True)
                          if swap is not None else
-                         OffloadedStep(layout, optimizer, master, self.grad_views, self.new_weights, local, cpu,
+                         OffloadedStep(layout, optimizer, master, self.grad_views[0], self.new_weights[0], local, cpu,
                                        in_place=True))
         # delayed_extrapolated: the landed weights are 2 M_t - M_{t-1}, a guess at the weights the next gradient
         # meets; evaluation and checkpoints then publish the master itself (shard_part.py ShardPart.land)
         self.extrapolate = self.cpu_step.extrapolate = extrapolate
-        self.copied = torch.cuda.Event() if self.cuda else None   # the gradients reached grad_host
-        self.landed = torch.cuda.Event() if self.cuda else None   # the new weights left new_weights
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(device)
+        self.copied = [torch.cuda.Event() if self.cuda else None for _ in range(2)]  # gradients reached buffer i
+        self.landed = [torch.cuda.Event() if self.cuda else None for _ in range(2)]  # new weights left buffer i
         # perf_counter (start, end) of the thread's last updates, for timelines (tutorials/18; landing's waits:
         # StepThread.wait_spans)
         self.cpu_spans: deque[tuple[float, float]] = deque(maxlen=256)
 
     @torch.no_grad()
-    def launch(self) -> None:
-        """Start this step's update: copy the reduced gradients to the host, then AdamW on a thread."""
-        for host, chunk in zip(self.grad_views, self.grad_chunks):
-            host.copy_(chunk, non_blocking=self.cuda)  # stream-ordered before zero_grad clears `chunk`
+    def stage(self) -> None:
+        """Copy this step's reduced gradients to the host buffer the next update uses (on CUDA on a copy stream,
+        beside the landing's copies on the compute stream). The update in flight reads the other buffer, so this may
+        run before it is landed."""
+        i = self.turn
         if self.cuda:
-            self.copied.record()
-        self.optimizer.begin_step()  # the step count and this step's lr and betas, before the schedule moves on
-        self.start(self._run)
+            self.d2h.wait_stream(torch.cuda.current_stream())  # the gradients are final (unscaled, clipped)
+            with torch.cuda.stream(self.d2h):
+                for host, chunk in zip(self.grad_views[i], self.grad_chunks):
+                    host.copy_(chunk, non_blocking=True)
+                self.copied[i].record()
+        else:
+            for host, chunk in zip(self.grad_views[i], self.grad_chunks):
+                host.copy_(chunk)
+        self.staged = i
 
-    def _run(self) -> None:
+    @torch.no_grad()
+    def launch(self) -> None:
+        """Start this step's update on a thread, from the gradients `stage` copied (landed the last one first)."""
+        if self.staged is None:
+            self.stage()
+        if self.in_flight:
+            raise RuntimeError("zero.offload_update delayed: launch() before the last update was landed")
+        i, self.staged, self.turn = self.staged, None, 1 - self.staged
+        if self.cuda:  # zero_grad, next on the compute stream, clears what the copy reads
+            torch.cuda.current_stream().wait_stream(self.d2h)
+        self.cpu_step.grad_chunks, self.cpu_step.weights = self.grad_views[i], self.new_weights[i]
+        self.writing = i
+        self.optimizer.begin_step()  # the step count and this step's lr and betas, before the schedule moves on
+        self.start(lambda: self._run(i))
+
+    def _run(self, i: int) -> None:
         if self.cuda:
-            self.copied.synchronize()
-            self.landed.synchronize()  # the last landing's copies out of new_weights are done
+            self.copied[i].synchronize()
+            self.landed[i].synchronize()  # buffer i's last landing (two steps ago) has left it
         start = time.perf_counter()
         self.cpu_step.run_pieces()
         self.cpu_spans.append((start, time.perf_counter()))
@@ -99,12 +137,13 @@ class DelayedUpdate(StepThread):
         if not self.in_flight:
             return False
         self.join()
+        i, self.writing = self.writing, None
         for local, g in enumerate(self.groups):
-            self.weights.write(g, 0, self.new_weights.read(local))
+            self.weights.write(g, 0, self.new_weights[i].read(local))
         if self.cuda:
-            self.landed.record()
+            self.landed[i].record()
         return True
 
     def host_tensors(self) -> list[torch.Tensor]:
-        """The CPU buffers this mode adds: the gradient copy and the new weights."""
-        return [self.grad_host, self.new_weights.shard]
+        """The CPU buffers this mode adds: two gradient copies and two of the new weights."""
+        return [*self.grad_hosts, *(buffer.shard for buffer in self.new_weights)]

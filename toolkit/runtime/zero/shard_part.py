@@ -123,6 +123,7 @@ class ShardPart:
         """AdamW on this part (the device's runs asynchronously; the CPU's returns when done, or, delayed, lands
         the last step's update and launches this one's)."""
         if self.delayed is not None and self.optimizer.step_count >= self.delay_after:
+            self.delayed.stage()  # NOTE: before landing: the copy overlaps the last update's end and its landing
             self.delayed.land()
             self.delayed.launch()
             return
