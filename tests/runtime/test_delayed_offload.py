@@ -38,6 +38,44 @@ def test_one_process_follows_the_hand_written_delayed_rule(overrides, reference)
     assert_params_close(finished(engine), ref_master)
 
 
+@pytest.mark.parametrize("overrides", [["zero.stage=2", SMALL_BUCKETS], ["zero.stage=3"]], ids=" ".join)
+@pytest.mark.parametrize("clip", [0.0, 0.9], ids=["unclipped", "some steps clipped"])
+def test_backward_copies_each_gradient_early_and_again_only_when_the_step_multiplies_it(overrides, clip, monkeypatch):
+    """Each group's gradient is copied to the host when backward makes it final; the optimizer step copies it again
+    only after a clip multiplied it (the recipe's clip 0.5 clips every step of this run; at 0.9 some steps clip)."""
+    from toolkit.runtime.zero.delayed_update import DelayedUpdate
+
+    seen = []  # at each launch's stage: (groups copied during backward, nothing multiplied them since)
+    stage = DelayedUpdate.stage
+    monkeypatch.setattr(DelayedUpdate, "stage", lambda self: seen.append((self.early, self.fresh)) or stage(self))
+    base = [f"training.grad_clip={clip}"]
+    engine, _, losses, norms = train(1, [*overrides, *base, *DELAYED])
+    ref_losses, ref_master = delayed_reference(WARMUP, base=base)
+    assert losses == pytest.approx(ref_losses, rel=RTOL)
+    assert_params_close(finished(engine), ref_master)
+    groups = len(engine.strategy.parts[-1].delayed.grad_chunks)
+    assert len(seen) == STEPS - WARMUP and all(early == groups for early, _ in seen), seen
+    clipped = [clip > 0 and norm + 1e-6 > clip for norm in norms[WARMUP:]]
+    assert [not fresh for _, fresh in seen] == clipped
+    assert not any(clipped) if clip == 0 else 0 < sum(clipped) < len(clipped)
+
+
+def test_an_unscale_after_backward_makes_the_step_copy_the_gradients_again():
+    """fp16's unscale multiplies the gradients after the backward's early copies (fp16 runs on a GPU only, so the
+    strategy's call is made here by hand): by 1 they stand, by anything else they are stale."""
+    engine, stream, _, _ = train(1, ["zero.stage=2", SMALL_BUCKETS, "training.grad_clip=0", *DELAYED], steps=WARMUP)
+    delayed = engine.strategy.parts[-1].delayed
+    for batch in stream.next_step():
+        engine.backward(engine(batch))
+    assert delayed.early == len(delayed.grad_chunks) and delayed.fresh
+    engine.strategy.scale_grads(1.0)
+    assert delayed.fresh
+    engine.strategy.scale_grads(0.5)
+    assert not delayed.fresh
+    engine.step()  # copies them again, then launches
+    assert delayed.in_flight and delayed.early is None
+
+
 def test_with_part_of_the_optimizer_on_the_device_only_the_offloaded_parameters_step_late():
     engine, _, losses, _ = train(1, ["zero.stage=2", SMALL_BUCKETS, "zero.offload_ratio=0.5", *DELAYED])
     kept, offloaded = engine.strategy.parts

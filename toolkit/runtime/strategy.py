@@ -135,3 +135,14 @@ class StrategyBase:
 
     def load_extra_state(self, directory: Path, files: list[str]) -> None:
         """Nothing to restore."""
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the storage behind each distinct tensor (a resized-away buffer counts 0)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

@@ -27,9 +27,8 @@ from toolkit.runtime.int8_adamw import Int8AdamW
 from toolkit.runtime.optim import build_optimizer, optimizer_param_groups
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
-from toolkit.runtime.strategy import StrategyBase
+from toolkit.runtime.strategy import StrategyBase, tensor_bytes
 from toolkit.runtime.zero.flat import bucket_params
-from toolkit.runtime.zero.sharded import tensor_bytes
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
 

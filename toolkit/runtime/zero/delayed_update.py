@@ -20,6 +20,10 @@ t-1's are copied into the model from the other, so it need not wait for that cop
     gradients of step t -> host buffer t % 2 (a copy stream on CUDA) | join step t-1's thread
     step t-1's weights (buffer (t-1) % 2) -> the model               | thread: CPU AdamW of step t on buffers t % 2
 
+The copy of step t's gradients starts earlier still: each group's, as soon as the last micro-step's backward makes
+it final (`ready`, on the copy stream beside the rest of the backward). A clip or an fp16 unscale multiplies the
+gradients after the backward; then the optimizer step copies them again, as before.
+
 Extra CPU memory: 2 x (4 bytes of gradient and a weight in the model dtype) per offloaded element.
 
 What does not live here: when a step is delayed (the warm-up, landing before evaluation and checkpoints:
@@ -72,6 +76,10 @@ class DelayedUpdate(StepThread):
         self.new_weights = [HostWeightBuffer(layout, dtype, pinned=self.cuda) for _ in range(2)]
         self.turn = 0
         self.staged: int | None = None  # the buffer this step's gradients were copied to (`stage`), until launched
+        # the groups copied during the last micro-step's backward (`ready`), None when not collecting; `fresh`:
+        # nothing multiplied the gradients since (a clip or an unscale makes `stage` copy them again)
+        self.early: int | None = None
+        self.fresh = True
         self.writing: int | None = None  # the buffer the update in flight writes its weights to
         cpu = torch.device("cpu")  # the thread touches host memory (and swap files) only
         # NOTE: one step object, pointed at buffer i before each update (a SwappedStep's slots are 576 MiB)
@@ -91,12 +99,40 @@ class DelayedUpdate(StepThread):
         # StepThread.wait_spans)
         self.cpu_spans: deque[tuple[float, float]] = deque(maxlen=256)
 
+    def begin(self) -> None:
+        """The last micro-step of a step that will launch an update starts: copy each group as it becomes final."""
+        self.early, self.fresh = 0, True
+
+    @torch.no_grad()
+    def ready(self, local: int) -> None:
+        """Group `local`'s reduced gradient is final: copy it to the next update's host buffer now, on CUDA on the
+        copy stream, beside the rest of the backward. The update in flight reads the other buffer."""
+        if self.early is None:
+            return
+        host, chunk = self.grad_views[self.turn][local], self.grad_chunks[local]
+        if self.cuda:
+            self.d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.d2h):
+                host.copy_(chunk, non_blocking=True)
+                self.copied[self.turn].record()
+        else:
+            host.copy_(chunk)
+        self.early += 1
+
+    def invalidate(self) -> None:
+        """The gradients were multiplied after their early copies (clipped, unscaled): `stage` copies them again."""
+        self.fresh = False
+
     @torch.no_grad()
     def stage(self) -> None:
         """Copy this step's reduced gradients to the host buffer the next update uses (on CUDA on a copy stream,
-        beside the landing's copies on the compute stream). The update in flight reads the other buffer, so this may
-        run before it is landed."""
+        beside the landing's copies on the compute stream), unless backward's early copies (`ready`) hold them as
+        they are. The update in flight reads the other buffer, so this may run before it is landed."""
         i = self.turn
+        early, self.early = self.early, None
+        if early == len(self.grad_chunks) and self.fresh:
+            self.staged = i
+            return
         if self.cuda:
             self.d2h.wait_stream(torch.cuda.current_stream())  # the gradients are final (unscaled, clipped)
             with torch.cuda.stream(self.d2h):

@@ -38,7 +38,7 @@ from toolkit.errors import UserError
 from toolkit.observe.comm_ledger import wire_bytes
 from toolkit.runtime.communicator import Communicator
 from toolkit.runtime.zero.ddp import DataParallel
-from toolkit.runtime.zero.sharded import tensor_bytes
+from toolkit.runtime.strategy import tensor_bytes
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)

@@ -118,6 +118,27 @@ class ShardPart:
         """Where master and moments live, in the recipe's words: none (the device), cpu or nvme."""
         return "nvme" if self.swap is not None else "cpu" if self.offloaded else "none"
 
+    def begin_final_round(self) -> None:
+        """The accumulation's last micro-step starts: an overlapped update starts its thread; a delayed one will copy
+        each group's gradient to the host as soon as backward makes it final."""
+        if self.overlapped is not None:
+            self.overlapped.begin()
+        if self.delayed is not None and self.optimizer.step_count >= self.delay_after:
+            self.delayed.begin()
+
+    def group_final(self, local: int) -> None:
+        """Backward has made group `local`'s reduced gradient final (in the last micro-step)."""
+        if self.overlapped is not None:
+            self.overlapped.ready(local)
+        if self.delayed is not None:
+            self.delayed.ready(local)
+
+    def grads_scaled(self, factor: float) -> None:
+        """The gradients were multiplied after backward (fp16 unscaling, clipping): a delayed update's early copies
+        of them are stale unless `factor` is 1."""
+        if self.delayed is not None and factor != 1.0:  # NOTE: not `< 1`: a NaN coefficient scales too
+            self.delayed.invalidate()
+
     @torch.no_grad()
     def step(self) -> None:
         """AdamW on this part (the device's runs asynchronously; the CPU's returns when done, or, delayed, lands

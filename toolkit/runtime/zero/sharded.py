@@ -28,7 +28,7 @@ from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
 from toolkit.observe.comm_ledger import expected_step_bytes, wire_bytes
 from toolkit.runtime.communicator import Communicator
-from toolkit.runtime.strategy import StrategyBase
+from toolkit.runtime.strategy import StrategyBase, tensor_bytes
 from toolkit.runtime.zero.flat import FlatGroup, ShardLayout
 from toolkit.runtime.zero.param_offload import DeviceWeights
 from toolkit.runtime.zero.shard_part import ShardPart, optimizer_swap_bytes, split_groups, state_dtype
@@ -37,17 +37,6 @@ from toolkit.observe.disk_fit import check_nvme_path
 from toolkit.specs import DELAYED_UPDATES, OptimizerSpec, ZeroSpec
 
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # what chunk_states returns, named as checkpoints name them
-
-
-def tensor_bytes(tensors) -> int:
-    """Bytes of the storage behind each distinct tensor (a resized-away buffer counts 0)."""
-    seen, total = set(), 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 class ShardedStrategy(StrategyBase):
@@ -229,8 +218,7 @@ class ShardedStrategy(StrategyBase):
         self._final_round = boundary
         if boundary:
             for part in self.parts:
-                if part.overlapped is not None:
-                    part.overlapped.begin()
+                part.begin_final_round()
 
     def _queue_reduced(self, g: int, work, out: torch.Tensor) -> None:
         """A reduce-scatter in flight (work None: one process, `out` is the whole bucket); take what is done."""
@@ -251,8 +239,8 @@ class ShardedStrategy(StrategyBase):
             self._pending.pop(0)
             self._accept_reduced(g, out)
             part, local = self._part_of[g]
-            if self._final_round and part.overlapped is not None:  # the group's gradient is final
-                part.overlapped.ready(local)
+            if self._final_round:  # the group's gradient is final
+                part.group_final(local)
 
     def _accept_reduced(self, g: int, out: torch.Tensor) -> None:
         """Add a reduced chunk into this rank's gradient shard (stage 1 overrides: it copies)."""
@@ -267,6 +255,8 @@ class ShardedStrategy(StrategyBase):
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradient shard by `factor` (unscaling after fp16 loss scaling)."""
         torch._foreach_mul_(self.grad_chunks, factor)
+        for part in self.parts:
+            part.grads_scaled(factor)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every rank's shard; scale the shard down to max_norm (torch's formula)."""
@@ -289,6 +279,8 @@ class ShardedStrategy(StrategyBase):
         scaled = [c for g, c in enumerate(self.grad_chunks) if g not in skip]
         if clipping and scaled:
             torch._foreach_mul_(scaled, coef)
+            for part in self.parts:
+                part.grads_scaled(coef)
         return total
 
     def optimizer_step(self) -> None:
