@@ -93,6 +93,7 @@ def test_ctrl_c_checkpoints_every_rank_then_one_process_resumes_with_the_global_
     assert launcher.returncode == 130, err
     assert len(_told(err)) == 1, err
     [line] = _told(err)
+    assert "at step " in line, err  # NOTE: one CI run (2026-12-05) told a line without it: the whole stderr shows which
     step = int(line.split("at step ")[1].split()[0])
     assert line == (f"stopped by SIGINT at step {step} of 200: checkpoint {run_dir}/checkpoints/step-{step:06d}; "
                     f"to resume, run the same command with --run-dir {run_dir}")
