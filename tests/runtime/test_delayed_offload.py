@@ -177,13 +177,13 @@ def test_a_step_copies_its_gradients_before_landing_the_update_in_flight_into_th
     which reads (and writes its weights to) the other buffer; the run still follows the hand-written rule (above)."""
     from toolkit.runtime.zero.delayed_update import DelayedUpdate
 
-    seen = []  # at each stage: (an update in flight, the buffer it uses, the buffer the copy goes to)
+    seen = []  # at each stage: (an update in flight, the buffer its step reads is the one the copy goes to, that one)
     stage = DelayedUpdate.stage
-    monkeypatch.setattr(DelayedUpdate, "stage", lambda self: seen.append((self.in_flight, self.writing, self.turn))
-                        or stage(self))
+    monkeypatch.setattr(DelayedUpdate, "stage", lambda self: seen.append(
+        (self.in_flight, self.cpu_step.grad_chunks is self.grad_views[self.turn], self.turn)) or stage(self))
     train(1, ["zero.stage=1", *DELAYED], steps=WARMUP + 4)
     assert len(seen) == 4 and not seen[0][0] and all(flight for flight, _, _ in seen[1:])
-    assert all(writing != turn for _, writing, turn in seen[1:])
+    assert not any(same for _, same, _ in seen[1:])
     assert [turn for _, _, turn in seen] == [0, 1, 0, 1]
 
 

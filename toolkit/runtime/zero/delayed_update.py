@@ -70,17 +70,17 @@ class DelayedUpdate(StepThread):
         self.optimizer, self.grad_chunks, self.weights, self.groups = optimizer, grad_chunks, weights, groups
         self.cuda = device.type == "cuda"
         local = range(len(groups))
-        # buffer i: host gradients (as views per group) and new weights; the next update uses buffer `turn`
+        # buffer i: host gradients (as views per group) and new weights; the next update uses buffer `turn`, the
+        # one in flight (if any) the other
         self.grad_hosts = [pinned_empty(layout.numel, torch.float32, self.cuda) for _ in range(2)]
         self.grad_views = [[layout.chunk_of(host, g) for g in local] for host in self.grad_hosts]
         self.new_weights = [HostWeightBuffer(layout, dtype, pinned=self.cuda) for _ in range(2)]
         self.turn = 0
-        self.staged: int | None = None  # the buffer this step's gradients were copied to (`stage`), until launched
+        self.staged = False  # `stage` copied this step's gradients to buffer `turn`; `launch` starts from them
         # the groups copied during the last micro-step's backward (`ready`), None when not collecting; `fresh`:
         # nothing multiplied the gradients since (a clip or an unscale makes `stage` copy them again)
         self.early: int | None = None
         self.fresh = True
-        self.writing: int | None = None  # the buffer the update in flight writes its weights to
         cpu = torch.device("cpu")  # the thread touches host memory (and swap files) only
         # NOTE: one step object, pointed at buffer i before each update (a SwappedStep's slots are 576 MiB)
         self.cpu_step = (SwappedStep(layout, optimizer, swap, self.grad_views[0], self.new_weights[0], local, cpu,
@@ -109,14 +109,7 @@ class DelayedUpdate(StepThread):
         copy stream, beside the rest of the backward. The update in flight reads the other buffer."""
         if self.early is None:
             return
-        host, chunk = self.grad_views[self.turn][local], self.grad_chunks[local]
-        if self.cuda:
-            self.d2h.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.d2h):
-                host.copy_(chunk, non_blocking=True)
-                self.copied[self.turn].record()
-        else:
-            host.copy_(chunk)
+        self._copy([local])
         self.early += 1
 
     def invalidate(self) -> None:
@@ -128,34 +121,34 @@ class DelayedUpdate(StepThread):
         """Copy this step's reduced gradients to the host buffer the next update uses (on CUDA on a copy stream,
         beside the landing's copies on the compute stream), unless backward's early copies (`ready`) hold them as
         they are. The update in flight reads the other buffer, so this may run before it is landed."""
-        i = self.turn
         early, self.early = self.early, None
-        if early == len(self.grad_chunks) and self.fresh:
-            self.staged = i
+        if not (early == len(self.grad_chunks) and self.fresh):
+            self._copy(range(len(self.grad_chunks)))
+        self.staged = True
+
+    def _copy(self, groups) -> None:
+        """The gradients of `groups` (local indices) into buffer `turn`: on CUDA on the copy stream, after what the
+        compute stream has queued (the work that made them final), `copied[turn]` recorded after them."""
+        views = self.grad_views[self.turn]
+        if not self.cuda:
+            for local in groups:
+                views[local].copy_(self.grad_chunks[local])
             return
-        if self.cuda:
-            self.d2h.wait_stream(torch.cuda.current_stream())  # the gradients are final (unscaled, clipped)
-            with torch.cuda.stream(self.d2h):
-                for host, chunk in zip(self.grad_views[i], self.grad_chunks):
-                    host.copy_(chunk, non_blocking=True)
-                self.copied[i].record()
-        else:
-            for host, chunk in zip(self.grad_views[i], self.grad_chunks):
-                host.copy_(chunk)
-        self.staged = i
+        self.d2h.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.d2h):
+            for local in groups:
+                views[local].copy_(self.grad_chunks[local], non_blocking=True)
+            self.copied[self.turn].record()
 
     @torch.no_grad()
     def launch(self) -> None:
         """Start this step's update on a thread, from the gradients `stage` copied (landed the last one first)."""
-        if self.staged is None:
-            self.stage()
-        if self.in_flight:
-            raise RuntimeError("zero.offload_update delayed: launch() before the last update was landed")
-        i, self.staged, self.turn = self.staged, None, 1 - self.staged
+        if self.in_flight or not self.staged:
+            raise RuntimeError("zero.offload_update delayed: launch() needs stage() and the last update landed first")
+        i, self.staged, self.turn = self.turn, False, 1 - self.turn
         if self.cuda:  # zero_grad, next on the compute stream, clears what the copy reads
             torch.cuda.current_stream().wait_stream(self.d2h)
         self.cpu_step.grad_chunks, self.cpu_step.weights = self.grad_views[i], self.new_weights[i]
-        self.writing = i
         self.optimizer.begin_step()  # the step count and this step's lr and betas, before the schedule moves on
         self.start(lambda: self._run(i))
 
@@ -173,7 +166,7 @@ class DelayedUpdate(StepThread):
         if not self.in_flight:
             return False
         self.join()
-        i, self.writing = self.writing, None
+        i = 1 - self.turn  # the buffer `launch` gave the update in flight
         for local, g in enumerate(self.groups):
             self.weights.write(g, 0, self.new_weights[i].read(local))
         if self.cuda:

@@ -123,8 +123,12 @@ class ShardPart:
         each group's gradient to the host as soon as backward makes it final."""
         if self.overlapped is not None:
             self.overlapped.begin()
-        if self.delayed is not None and self.optimizer.step_count >= self.delay_after:
+        if self._delays_this_step():
             self.delayed.begin()
+
+    def _delays_this_step(self) -> bool:
+        """A delayed update lands and launches at the coming optimizer step (after `delay_after` exact ones)."""
+        return self.delayed is not None and self.optimizer.step_count >= self.delay_after
 
     def group_final(self, local: int) -> None:
         """Backward has made group `local`'s reduced gradient final (in the last micro-step)."""
@@ -143,7 +147,7 @@ class ShardPart:
     def step(self) -> None:
         """AdamW on this part (the device's runs asynchronously; the CPU's returns when done, or, delayed, lands
         the last step's update and launches this one's)."""
-        if self.delayed is not None and self.optimizer.step_count >= self.delay_after:
+        if self._delays_this_step():
             self.delayed.stage()  # NOTE: before landing: the copy overlaps the last update's end and its landing
             self.delayed.land()
             self.delayed.launch()
