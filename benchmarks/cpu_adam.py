@@ -15,10 +15,12 @@ for the device, the gradient zeroed for the next accumulation:
   torch offload step     _fused_adamw_, then bf16.copy_(p), then g.zero_()
   toolkit bf16 states    optimizer.state_dtype bf16 offloaded: bf16 master and moments, stochastic rounding
                          (16 bytes per parameter move, not 28: its GB/s column still counts 28)
+  bf16 states + copy     the same with the device's bf16 copy written in the kernel's pass, against a copy_ after
+                         it (what the offloaded step did before), and delayed_extrapolated's copy both ways
   torch foreach      torch.optim.AdamW(foreach=True)
   torch for-loop     torch.optim.AdamW() default on the CPU (single-tensor)
 
-    python -m benchmarks.cpu_adam [--steps 10] [--threads N] [--skip-forloop]
+    python -m benchmarks.cpu_adam [--steps 10] [--threads N] [--skip-forloop] [--only bf16,offload]
     python -m benchmarks.cpu_adam --against OTHER.so   this build against another build of the
         kernel (its cached library, e.g. of an older source): first whether the two give bit-identical
         parameters, moments and bf16 copies over 5 steps, then the flat and offload steps of both,
@@ -114,27 +116,38 @@ def offload_step(numel: int, module=None):
     return toolkit if module is not None else torch_steps
 
 
-def bf16_states_step(numel: int, module):
-    """optimizer.state_dtype bf16 offloaded: the kernel's bf16 master and moments, fp32 gradient, in place."""
+def bf16_states_step(numel: int, module, copy: str | None = None):
+    """optimizer.state_dtype bf16 offloaded: the kernel's bf16 master and moments, fp32 gradient, in place; `copy`:
+    the new weights also written to a send buffer in the kernel's pass ("kernel") or by a copy after it ("torch")."""
     p, g = torch.randn(numel).bfloat16(), torch.randn(numel) * 1e-3
     m, v, count = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16), [0]
+    out = torch.empty(numel, dtype=torch.bfloat16)
 
     def step():
         count[0] += 1
-        module.adamw_step_bf16(p, g, m, v, count[0], LR, BETAS[0], BETAS[1], EPS, WD, 1234, 0)
+        module.adamw_step_bf16(p, g, m, v, count[0], LR, BETAS[0], BETAS[1], EPS, WD, 1234, 0,
+                               out if copy == "kernel" else None)
+        if copy == "torch":
+            out.copy_(p)
     return step
 
 
-def extrapolated_step(numel: int, kernel: bool):
+def extrapolated_step(numel: int, kernel: bool, state_dtype: str = "fp32"):
     """delayed_extrapolated's offload step of one piece through ShardedAdamW.update: the bf16 copy is the weights
     one update ahead, written by the kernel in its pass (kernel) or by torch ops through a scratch (not)."""
     from toolkit.recipe.load import load_recipe
     from toolkit.runtime.zero.adamw import ShardedAdamW
 
-    optimizer = ShardedAdamW(load_recipe("quickstart").optimizer, numel, torch.device("cpu"), offload=True)
+    precision = "bf16" if state_dtype == "bf16" else "fp32"
+    spec = load_recipe("quickstart", [f"optimizer.state_dtype={state_dtype}", f"precision.dtype={precision}"]).optimizer
+    optimizer = ShardedAdamW(spec, numel, torch.device("cpu"), offload=True)
     if not kernel:
-        optimizer.kernel, optimizer.mode = None, "fused"
+        optimizer.mode = "fused"  # ShardedAdamW.update: the scratch path (bf16 states still step in the kernel)
+        if state_dtype == "fp32":
+            optimizer.kernel = None
     p, g = torch.randn(numel), torch.randn(numel)
+    if state_dtype == "bf16":
+        p, g = p.bfloat16(), g * 1e-3
     out = torch.empty(numel, dtype=torch.bfloat16)
 
     def step():
@@ -186,6 +199,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     parser.add_argument("--skip-forloop", action="store_true", help="skip torch's slow single-tensor AdamW")
     parser.add_argument("--against", metavar="OTHER.so", help="time this build against another build's library")
+    parser.add_argument("--only", metavar="WORDS", type=lambda text: text.split(","),
+                        help="only the rows whose name contains one of these comma-separated words (and torch "
+                             "fused, the baseline): all rows at once need more than 23 GB")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -204,6 +220,10 @@ def main() -> None:
             ("toolkit bf16 states step", lambda: bf16_states_step(numel, module)),
             ("extrapolated, kernel (1 pass)", lambda: extrapolated_step(numel, kernel=True)),
             ("extrapolated, torch ops", lambda: extrapolated_step(numel, kernel=False)),
+            ("bf16 states + copy (1 pass)", lambda: bf16_states_step(numel, module, copy="kernel")),
+            ("bf16 states, then copy_", lambda: bf16_states_step(numel, module, copy="torch")),
+            ("bf16 extrapolated (1 pass)", lambda: extrapolated_step(numel, kernel=True, state_dtype="bf16")),
+            ("bf16 extrapolated, torch ops", lambda: extrapolated_step(numel, kernel=False, state_dtype="bf16")),
             ("torch AdamW foreach=True", lambda: torch_adamw(shapes, foreach=True))]
     if not args.skip_forloop:
         runs.append(("torch AdamW for-loop", lambda: torch_adamw(shapes, foreach=False)))
@@ -214,6 +234,9 @@ def main() -> None:
         runs = [runs[0], ("other build (flat)", lambda: toolkit_flat(other, numel)), runs[2], runs[4],
                 ("other build offload step", lambda: offload_step(numel, other)), runs[6],
                 ("other build bf16 states step", lambda: bf16_states_step(numel, other))]
+    if args.only:
+        runs = [(name, make) for name, make in runs
+                if name == "torch AdamW fused=True" or any(word in name for word in args.only)]
     steps = {name: make() for name, make in runs}
     results = time_rounds(steps, args.steps, args.warmup)
     cpu = platform.processor() or platform.machine()

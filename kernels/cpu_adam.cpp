@@ -242,15 +242,22 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
 }
 
 // Launcher: AdamW step `step` (1-based) on bf16 param/exp_avg/exp_avg_sq and an fp32 grad, in place, with
-// stochastic rounding keyed by (seed, step, offset + index): kernels/cpu_adam_bf16.cpp.
+// stochastic rounding keyed by (seed, step, offset + index): kernels/cpu_adam_bf16.cpp. Optionally, in the same
+// pass, `param_bf16` gets the new weights (`extrapolate`: new + (new - old)), as adamw_step's.
 void adamw_step_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq, int64_t step,
                      double lr, double beta1, double beta2, double eps, double weight_decay, int64_t seed,
-                     int64_t offset) {
+                     int64_t offset, c10::optional<at::Tensor> param_bf16, bool extrapolate) {
   const int64_t n = param.numel();
   check_bf16(param, "param", n);
   check(grad, "grad", n);
   check_bf16(exp_avg, "exp_avg", n);
   check_bf16(exp_avg_sq, "exp_avg_sq", n);
+  uint16_t* out16 = nullptr;
+  if (param_bf16.has_value()) {
+    check_bf16(*param_bf16, "param_bf16", n);
+    out16 = reinterpret_cast<uint16_t*>(param_bf16->data_ptr<at::BFloat16>());
+  }
+  TORCH_CHECK(!extrapolate || out16 != nullptr, "extrapolate writes the bf16 copy: pass param_bf16");
   const AdamScalars a = adam_scalars(step, lr, beta1, beta2, eps, weight_decay);
   toolkit_cpu_adam::Bf16StepScalars s;
   s.decay = a.decay;
@@ -262,10 +269,11 @@ void adamw_step_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::
   s.neg_step_size = a.neg_step_size;
   s.step_key = toolkit_cpu_adam::rounding_step_key(seed, step);
   s.offset = offset;
+  s.extrapolate = extrapolate;
   toolkit_cpu_adam::adamw_bf16_states(reinterpret_cast<uint16_t*>(param.data_ptr<at::BFloat16>()),
                                       grad.data_ptr<float>(),
                                       reinterpret_cast<uint16_t*>(exp_avg.data_ptr<at::BFloat16>()),
-                                      reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr<at::BFloat16>()), n, s);
+                                      reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr<at::BFloat16>()), out16, n, s);
 }
 
 std::string simd_width() {
@@ -299,7 +307,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AdamW step in place on bf16 param and moments (fp32 grad), stochastic rounding keyed by seed, step, index",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("seed"),
-        py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+        py::arg("offset"), py::arg("param_bf16") = py::none(), py::arg("extrapolate") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("simd_width", &simd_width, "the vector width this build uses");
   m.def("omp_threads", &omp_threads, "OpenMP threads a step uses");
 }

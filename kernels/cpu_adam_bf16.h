@@ -15,12 +15,15 @@ struct Bf16StepScalars {
   float neg_step_size;    // -lr / (1 - beta1^t)
   uint32_t step_key;      // the hash of (seed, step) the rounding bits start from
   int64_t offset;         // element 0's index in the shard (the bits are keyed by it)
+  bool extrapolate;       // `out` gets new + (new - old) (zero.offload_update delayed_extrapolated)
 };
 
 // The hash of (seed, step) a step's rounding bits start from.
 uint32_t rounding_step_key(int64_t seed, int64_t step);
 
 // AdamW on n elements of bf16 p, m, v (in place) with an fp32 gradient; OpenMP over blocks, AVX-512 or AVX2 lanes.
-void adamw_bf16_states(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, int64_t n, const Bf16StepScalars& s);
+// `out` (may be null): the new weights' bits too (or, extrapolating, one update beyond them).
+void adamw_bf16_states(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, uint16_t* out, int64_t n,
+                       const Bf16StepScalars& s);
 
 }  // namespace toolkit_cpu_adam

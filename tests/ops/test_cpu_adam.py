@@ -238,3 +238,31 @@ def test_bf16_states_step_does_not_depend_on_how_the_shard_is_cut(kernel):
     kernel.adamw_step_bf16(a, grad, ma, va, 1, LR, *BETAS, EPS, WD, 7, 0)
     kernel.adamw_step_bf16(b, grad, mb, vb, 1, LR, *BETAS, EPS, WD, 8, 0)
     assert 0 < int((a != b).sum()) < numel
+
+
+@pytest.mark.parametrize("extrapolate", [False, True], ids=["copy", "extrapolated"])
+def test_bf16_states_step_writes_the_weights_copy_in_its_pass_as_torch_would_after_it(kernel, extrapolate):
+    """param_bf16 gets the new weights' bits (or, extrapolating, new + (new - old) rounded to nearest, as
+    ShardedAdamW.update's torch ops do it without the kernel), and the states are those of a step without it.
+    An odd length runs the padded last vector too; a NaN gradient checks that the copy keeps NaN."""
+    numel = 100_003
+    gen, states = _bf16_states(numel, 3)
+    plain = [t.clone() for t in states]
+    for step in range(1, 4):
+        grad = torch.randn(numel, generator=gen)
+        grad[17] = float("nan")
+        old = states[0].float()
+        out = torch.empty(numel, dtype=torch.bfloat16)
+        kernel.adamw_step_bf16(states[0], grad, states[1], states[2], step, LR, *BETAS, EPS, WD, 5, 11, out,
+                               extrapolate)
+        kernel.adamw_step_bf16(plain[0], grad, plain[1], plain[2], step, LR, *BETAS, EPS, WD, 5, 11)
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(states, plain))
+        if extrapolate:  # ShardedAdamW.update's scratch path: delta = old (fp32); delta = p - delta; out = p + delta
+            delta = torch.sub(states[0], old)
+            want = torch.empty(numel, dtype=torch.bfloat16)
+            torch.add(states[0], delta, out=want)
+        else:
+            want = states[0]
+        finite = want.float().isfinite()
+        assert torch.equal(out[finite].view(torch.int16), want[finite].view(torch.int16))
+        assert out.float().isnan().equal(want.float().isnan())

@@ -111,9 +111,9 @@ class ShardedAdamW:
         `out` gets the new weights in its dtype (`extrapolate`, delayed_extrapolated: new + (new - old))."""
         lr, wd = self.step_settings[0 if decay else 1]
         beta1, beta2 = self.step_betas
-        bf16_out = out.dtype == torch.bfloat16
-        kernel_extrapolates = self.mode == "cpu_adam" and bf16_out and p.dtype == torch.float32
-        if extrapolate and not kernel_extrapolates:  # torch ops: three passes through a scratch kept across steps
+        # NOTE: the kernel writes the bf16 copy (or the extrapolated one) in its pass over memory, fp32 or bf16 states
+        kernel_writes_out = self.mode == "cpu_adam" and out.dtype == torch.bfloat16 and out is not p
+        if extrapolate and not kernel_writes_out:  # torch ops: three passes through a scratch kept across steps
             if self._scratch is None or self._scratch.numel() < p.numel():
                 self._scratch = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
             delta = self._scratch[:p.numel()]
@@ -130,13 +130,14 @@ class ShardedAdamW:
             adam_reference_update_(p, g, exp_avg, exp_avg_sq, step=self.step_count, lr=lr, wd=wd,
                                    betas=(beta1, beta2), eps=self.eps, l2=False)
         elif p.dtype == torch.bfloat16:  # offloaded bf16 states: the rounding bits keyed by the element's index
-            self._update_bf16(p, g, m, v, lr, wd, (beta1, beta2), offset)
-        elif self.mode == "cpu_adam":  # NOTE: the kernel writes the bf16 copy in the same pass over memory
+            self._update_bf16(p, g, m, v, lr, wd, (beta1, beta2), offset, out if kernel_writes_out else None,
+                              extrapolate)
+        elif self.mode == "cpu_adam":
             self.kernel.adamw_step(p, g, m, v, self.step_count, lr, beta1, beta2, self.eps, wd,
-                                   out if bf16_out else None, False, extrapolate)
+                                   out if kernel_writes_out else None, False, extrapolate)
         else:
             self._fused([p], [g], [m], [v], lr, wd, (beta1, beta2))
-        if p.dtype == torch.bfloat16 or not (bf16_out and self.mode == "cpu_adam"):  # else the kernel wrote `out`
+        if not kernel_writes_out:
             out.copy_(p)
 
     def _open_window(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,10 +169,11 @@ class ShardedAdamW:
             self.moments.write(*self._window)
             self._window = None
 
-    def _update_bf16(self, p, g, m, v, lr: float, wd: float, betas: tuple[float, float], offset: int) -> None:
+    def _update_bf16(self, p, g, m, v, lr: float, wd: float, betas: tuple[float, float], offset: int,
+                     out: torch.Tensor | None = None, extrapolate: bool = False) -> None:
         if self.kernel is not None:
             self.kernel.adamw_step_bf16(p, g, m, v, self.step_count, lr, betas[0], betas[1], self.eps, wd, self.seed,
-                                        offset)
+                                        offset, out, extrapolate)
         else:  # the kernel's maths and rounding bits in torch ops
             hashed_bf16_adam_update_(p, g, m, v, seed=self.seed, offset=offset, step=self.step_count, lr=lr, wd=wd,
                                      betas=betas, eps=self.eps, l2=False)
