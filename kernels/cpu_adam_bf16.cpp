@@ -71,15 +71,11 @@ inline __m256i narrow(__m512 x, __m512i noise16) {
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
-// x's bf16 bits by round-to-nearest-even (torch's float -> bfloat16), NaN kept quiet.
+// x's bf16 bits by round-to-nearest-even (torch's float -> bfloat16), NaN kept quiet: `narrow` with the noise
+// 0x7fff plus the lowest kept bit.
 inline __m256i nearest(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), _mm512_set1_epi32(1));
+  return narrow(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
 }
 
 inline __m512 widen_bits(__m256i words) {
@@ -150,15 +146,11 @@ inline __m128i narrow(__m256 x, __m256i noise16) {
   return pack_words(_mm256_blendv_epi8(rounded, quiet, nan));
 }
 
-// x's bf16 bits by round-to-nearest-even (torch's float -> bfloat16), NaN kept quiet.
+// x's bf16 bits by round-to-nearest-even (torch's float -> bfloat16), NaN kept quiet: `narrow` with the noise
+// 0x7fff plus the lowest kept bit.
 inline __m128i nearest(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  return pack_words(_mm256_blendv_epi8(rounded, quiet, nan));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16), _mm256_set1_epi32(1));
+  return narrow(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
 }
 
 inline __m256 widen_bits(__m128i words) {
@@ -217,11 +209,10 @@ inline uint16_t narrow(float x, uint32_t noise16) {
   return static_cast<uint16_t>((bits + noise16) >> 16);
 }
 
-inline uint16_t nearest(float x) {  // round-to-nearest-even (torch's float -> bfloat16), NaN kept quiet
+inline uint16_t nearest(float x) {  // round-to-nearest-even (torch's float -> bfloat16): `narrow`, as above
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  return narrow(x, 0x7fffu + ((bits >> 16) & 1u));
 }
 
 inline void step_lanes(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, uint16_t* out, uint64_t index,
