@@ -7,7 +7,9 @@ overlapped: `OffloadedStep.piece_spans`), and the GPU's copy time each way (torc
                                          [--markdown FILE] [OVERRIDES ...]
 
 Default overrides: ZeRO stage 2, zero.offload_optimizer cpu, micro 16 x 1024, accumulation 1 (the issue's setting).
---modes: zero.offload_update values, one engine after the other in this process. Under the recipe's clipping
+--modes: zero.offload_update values, one engine after the other in this process (delayed ones delayed from the
+second step unless zero.offload_update_warmup is given: their CPU AdamW columns are the thread's, the update of
+the step before, which runs beside the forward and backward). Under the recipe's clipping
 (training.grad_clip > 0) overlapped speculates on the clip coefficient (runtime/zero/speculation.py); the last
 column counts what its guesses came to over the timed steps (stood, rolled back, waited).
 """
@@ -40,13 +42,22 @@ def timed_step(engine, stream) -> dict:
     backward_end = time.perf_counter()
     engine.step()
     sync()
-    steps = [p.offloaded_step for p in engine.strategy.parts if p.offloaded_step is not None]
-    parts = [step.last_seconds for step in steps]
-    under_backward = sum(max(0.0, min(end, backward_end) - max(begin, start))
-                         for step in steps for begin, end in step.piece_spans)
-    return {"fwd_bwd": backward_end - start, "step": time.perf_counter() - backward_end,
+    end = time.perf_counter()
+    delayed = [p.delayed for p in engine.strategy.parts if p.delayed is not None and p.delayed.cpu_spans]
+    if delayed:  # the thread's update launched a step ago, which ran beside this forward and backward (the one this
+        # step launched may have ended already on a fast machine: the last span that began before the backward's end)
+        spans = [[(b, e) for b, e in d.cpu_spans if b < backward_end][-1:] for d in delayed]
+        parts = [{"waited": 0.0, "stepped": sum(e - b for b, e in s)} for s in spans]
+        under_backward = sum(max(0.0, min(e, backward_end) - max(b, start)) for s in spans for b, e in s)
+    else:
+        steps = [p.offloaded_step for p in engine.strategy.parts if p.offloaded_step is not None]
+        parts = [step.last_seconds for step in steps]
+        under_backward = sum(max(0.0, min(e, backward_end) - max(b, start))
+                             for step in steps for b, e in step.piece_spans)
+    joined = sum(e - max(b, backward_end) for d in delayed for b, e in d.wait_spans if e >= backward_end)
+    return {"fwd_bwd": backward_end - start, "step": end - backward_end,
             "waited": sum(p["waited"] for p in parts), "stepped": sum(p["stepped"] for p in parts),
-            "under_backward": under_backward}
+            "under_backward": under_backward, "joined": joined}
 
 
 def copy_ms(engine, stream) -> dict:
@@ -76,13 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lines, device = [], None
     for mode in args.modes:
-        row, tokens, device = profile_mode(args.recipe, [*args.overrides, f"zero.offload_update={mode}"], args.steps)
+        extra = [f"zero.offload_update={mode}"]
+        if mode.startswith("delayed") and not any(o.startswith("zero.offload_update_warmup=") for o in args.overrides):
+            extra.append("zero.offload_update_warmup=1")  # delayed from the second step: every timed step is
+        row, tokens, device = profile_mode(args.recipe, [*args.overrides, *extra], args.steps)
         lines.append(f"| {mode} | {row}")
     lines = [f"{args.recipe} {' '.join(args.overrides)}: {tokens:,} tokens a step, {args.steps} steps (median ms); "
              f"{device}, torch {torch.__version__}", "",
              "| zero.offload_update | forward + backward | optimizer step | of which CPU blocked on transfers | "
-             "CPU AdamW (all of it) | of it during the backward | D2H GPU ms (one step) | H2D GPU ms (one step) | "
-             "tokens/s | clip guesses |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *lines]
+             "CPU AdamW (all of it) | of it during the backward | step's wait for the delayed thread | D2H GPU ms (one "
+             "step) | H2D GPU ms (one step) | tokens/s | clip guesses |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *lines]
     print("\n".join(lines))
     if args.markdown:
         with args.markdown.open("a") as out:
@@ -116,7 +131,7 @@ def profile_mode(recipe_name: str, overrides: list[str], steps: int) -> tuple[st
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next mode's engine starts from an empty device
     return (f"{median['fwd_bwd']:.0f} | {median['step']:.0f} | {median['waited']:.0f} | {median['stepped']:.0f} | "
-            f"{median['under_backward']:.0f} | {copies['DtoH']:.0f} | {copies['HtoD']:.0f} | {tokens / total * 1e3:,.0f} | "
+            f"{median['under_backward']:.0f} | {median['joined']:.0f} | {copies['DtoH']:.0f} | {copies['HtoD']:.0f} | {tokens / total * 1e3:,.0f} | "
             f"{guesses} |",
             tokens, device)
 
