@@ -9,7 +9,8 @@ overlapped: `OffloadedStep.piece_spans`), and the GPU's copy time each way (torc
 Default overrides: ZeRO stage 2, zero.offload_optimizer cpu, micro 16 x 1024, accumulation 1 (the issue's setting).
 --modes: zero.offload_update values, one engine after the other in this process (delayed ones delayed from the
 second step unless zero.offload_update_warmup is given: their CPU AdamW columns are the thread's, the update of
-the step before, which runs beside the forward and backward). Under the recipe's clipping
+the step before, which runs beside the forward and backward; `delayed/late-landing`: its weights copied into the
+model in the optimizer step, not during the next backward, for comparison). Under the recipe's clipping
 (training.grad_clip > 0) overlapped speculates on the clip coefficient (runtime/zero/speculation.py); the last
 column counts what its guesses came to over the timed steps (stood, rolled back, waited).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+LATE = "/late-landing"  # a --modes suffix: a delayed update lands in the optimizer step (delayed_update.py)
 DEFAULT = ["zero.stage=2", "zero.offload_optimizer=cpu", "batch.grad_accum_steps=1", "batch.global_batch=16",
            "checkpoint.save_final=false", "logging.tensorboard=false"]
 
@@ -87,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lines, device = [], None
     for mode in args.modes:
-        extra = [f"zero.offload_update={mode}"]
+        extra = [f"zero.offload_update={mode.removesuffix(LATE)}"]
         if mode.startswith("delayed") and not any(o.startswith("zero.offload_update_warmup=") for o in args.overrides):
             extra.append("zero.offload_update_warmup=1")  # delayed from the second step: every timed step is
-        row, tokens, device = profile_mode(args.recipe, [*args.overrides, *extra], args.steps)
+        row, tokens, device = profile_mode(args.recipe, [*args.overrides, *extra], args.steps,
+                                           late_landing=mode.endswith(LATE))
         lines.append(f"| {mode} | {row}")
     lines = [f"{args.recipe} {' '.join(args.overrides)}: {tokens:,} tokens a step, {args.steps} steps (median ms); "
              f"{device}, torch {torch.__version__}", "",
@@ -105,14 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def profile_mode(recipe_name: str, overrides: list[str], steps: int) -> tuple[str, int, torch.device]:
-    """(the table's cells after the mode, tokens a step, the device) of one engine of `recipe_name`."""
+def profile_mode(recipe_name: str, overrides: list[str], steps: int,
+                 late_landing: bool = False) -> tuple[str, int, torch.device]:
+    """(the table's cells after the mode, tokens a step, the device) of one engine of `recipe_name` (late_landing: a
+    delayed update lands in the optimizer step, as weights in CPU memory do, for the comparison)."""
     from toolkit.data.batches import BatchStream, Dataset
     from toolkit.recipe.load import load_recipe
     from toolkit.runtime.engine import Engine
 
     recipe = load_recipe(recipe_name, [*DEFAULT, *overrides])
     engine = Engine(recipe)
+    if late_landing:
+        for part in engine.strategy.parts:
+            if part.delayed is not None:
+                part.delayed.early_landing, part.delayed.cpu_step.piece_done = False, None
     stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=0, seed=recipe.training.seed)
     for _ in range(3):
         timed_step(engine, stream)
@@ -126,6 +135,7 @@ def profile_mode(recipe_name: str, overrides: list[str], steps: int) -> tuple[st
     tokens = recipe.batch.global_batch * recipe.data.seq_len
     total = median["fwd_bwd"] + median["step"]
     device = engine.device
+    engine.strategy.complete_pending_update()  # NOTE: a delayed update left in flight aborts the interpreter's exit
     del engine, stream
     gc.collect()
     if torch.cuda.is_available():

@@ -24,6 +24,15 @@ The copy of step t's gradients starts earlier still: each group's, as soon as th
 it final (`ready`, on the copy stream beside the rest of the backward). A clip or an fp16 unscale multiplies the
 gradients after the backward; then the optimizer step copies them again, as before.
 
+Landing early (weights on the device, `zero.offload_param none`): step t+1's forward and backward read the weights
+of step t-1, but once its backward has made a group's gradient final it reads that group's weights no more (the
+argument of overlapped_update.py), so each group's new weights are copied into the model as soon as both its pieces
+are stepped and step t+1's backward has finished the group: by the thread after its piece, or by the backward's
+hook after the group, whichever comes second (`EarlyLanding`; on CUDA on its own stream, after an event recorded
+where the backward finished the group). Neither waits for the other, so no thread is left blocked when a run stops. The optimizer step then only waits for the last groups: the landing's host-to-device
+copy (3 GiB at 1.5B parameters in bf16) runs beside the backward instead of before the next forward. Weights in
+CPU memory or swap files (`offload_param`) land in the optimizer step, as above.
+
 Extra CPU memory: 2 x (4 bytes of gradient and a weight in the model dtype) per offloaded element.
 
 What does not live here: when a step is delayed (the warm-up, landing before evaluation and checkpoints:
@@ -31,6 +40,7 @@ shard_part.py and sharded.py) and the CPU AdamW itself (offload.py, adamw.py).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -59,6 +69,54 @@ class HostWeightBuffer:
     def write(self, g: int, start: int, values: torch.Tensor) -> None:
         """New weights into group g's chunk from element `start` (synchronous)."""
         self.chunks[g][start:start + values.numel()].copy_(values)
+
+
+class EarlyLanding:
+    """One update's weights into the model group by group, as soon as a group is both stepped (`stepped`, on the
+    update's thread) and finished by the next backward (`final`, on the training thread), whichever comes second
+    issuing the copy; `rest` copies what is left (the optimizer step, an evaluation)."""
+
+    def __init__(self, pieces, weights, groups: range, source: HostWeightBuffer, stream):
+        self.weights, self.groups, self.source, self.stream = weights, groups, source, stream
+        self.unstepped: dict[int, int] = {}  # pieces left to step per group (local index)
+        for piece in pieces:
+            self.unstepped[piece.group] = self.unstepped.get(piece.group, 0) + 1
+        self.final: dict[int, object] = {}  # groups the backward has finished, and the event recorded there
+        self.landed: set[int] = set()
+        self.lock = threading.Lock()
+
+    def stepped(self, piece) -> None:
+        with self.lock:
+            self.unstepped[piece.group] -= 1
+            if self.unstepped[piece.group] == 0 and piece.group in self.final:
+                self._copy(piece.group)
+
+    def final_group(self, local: int, event) -> None:
+        with self.lock:
+            self.final[local] = event
+            if self.unstepped.get(local, 0) == 0:
+                self._copy(local)
+
+    def rest(self) -> None:
+        """Every group not landed yet, after the work queued so far (the update's thread has ended)."""
+        with self.lock:
+            for local in range(len(self.groups)):
+                self.final.setdefault(local, None)
+                self._copy(local)
+
+    def _copy(self, local: int) -> None:
+        if local in self.landed:
+            return
+        self.landed.add(local)
+        if self.stream is None:
+            self.weights.write(self.groups[local], 0, self.source.read(local))
+            return
+        with torch.cuda.stream(self.stream):
+            if self.final[local] is not None:
+                self.stream.wait_event(self.final[local])  # the backward has finished reading these weights
+            else:
+                self.stream.wait_stream(torch.cuda.current_stream())
+            self.weights.write(self.groups[local], 0, self.source.read(local))
 
 
 class DelayedUpdate(StepThread):
@@ -91,8 +149,13 @@ class DelayedUpdate(StepThread):
         # delayed_extrapolated: the landed weights are 2 M_t - M_{t-1}, a guess at the weights the next gradient
         # meets; evaluation and checkpoints then publish the master itself (shard_part.py ShardPart.land)
         self.extrapolate = self.cpu_step.extrapolate = extrapolate
+        self.device = device
+        # landing early (module docstring): weights on the device; None: the update lands in the optimizer step
+        self.early_landing = weights.on_device
+        self.landing: EarlyLanding | None = None
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)  # the early landing's copies
         self.copied = [torch.cuda.Event() if self.cuda else None for _ in range(2)]  # gradients reached buffer i
         self.landed = [torch.cuda.Event() if self.cuda else None for _ in range(2)]  # new weights left buffer i
         # perf_counter (start, end) of the thread's last updates, for timelines (tutorials/18; landing's waits:
@@ -106,9 +169,12 @@ class DelayedUpdate(StepThread):
     @torch.no_grad()
     def ready(self, local: int) -> None:
         """Group `local`'s reduced gradient is final: copy it to the next update's host buffer now, on CUDA on the
-        copy stream, beside the rest of the backward. The update in flight reads the other buffer."""
+        copy stream, beside the rest of the backward. The update in flight reads the other buffer, and may now land
+        the group's new weights (backward reads them no more)."""
         if self.early is None:
             return
+        if self.landing is not None:
+            self.landing.final_group(local, self._event_now())
         self._copy([local])
         self.early += 1
 
@@ -150,10 +216,23 @@ class DelayedUpdate(StepThread):
             torch.cuda.current_stream().wait_stream(self.d2h)
         self.cpu_step.grad_chunks, self.cpu_step.weights = self.grad_views[i], self.new_weights[i]
         self.optimizer.begin_step()  # the step count and this step's lr and betas, before the schedule moves on
+        if self.early_landing:
+            self.landing = EarlyLanding(self.cpu_step.pieces, self.weights, self.groups, self.new_weights[i],
+                                        self.h2d if self.cuda else None)
+        self.cpu_step.piece_done = self.landing.stepped if self.landing is not None else None
         self.start(lambda: self._run(i))
 
+    def _event_now(self):
+        """A CUDA event after the work queued so far on the current stream (None on a CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def _run(self, i: int) -> None:
-        if self.cuda:
+        if self.cuda:  # a new thread's current device is the first GPU, not necessarily this rank's
+            torch.cuda.set_device(self.device)
             self.copied[i].synchronize()
             self.landed[i].synchronize()  # buffer i's last landing (two steps ago) has left it
         start = time.perf_counter()
@@ -162,11 +241,21 @@ class DelayedUpdate(StepThread):
 
     @torch.no_grad()
     def land(self) -> bool:
-        """Wait for the update in flight and copy its weights into the model's; False when none was in flight."""
+        """Wait for the update in flight and copy its weights into the model's (landing early: the groups not landed
+        yet, those the next backward has not finished included, e.g. before an evaluation); False when none was in
+        flight."""
         if not self.in_flight:
             return False
-        self.join()
         i = 1 - self.turn  # the buffer `launch` gave the update in flight
+        if self.landing is not None:
+            self.join()
+            self.landing.rest()
+            self.landing = None
+            if self.cuda:  # the next forward reads what the copies wrote; buffer i is free once they are done
+                self.landed[i].record(self.h2d)
+                torch.cuda.current_stream().wait_stream(self.h2d)
+            return True
+        self.join()
         for local, g in enumerate(self.groups):
             self.weights.write(g, 0, self.new_weights[i].read(local))
         if self.cuda:

@@ -122,8 +122,13 @@ class OffloadedStep:
             target.copy_(source, non_blocking=True)
             self.arrived[slot].record()
 
+    # a delayed update's early landing (delayed_update.py): called with each piece once its new weights are written
+    piece_done = None
+
     def _send(self, k: int, slot: int, weights: torch.Tensor) -> None:
         if self.in_place or self.master_is_weights:  # `weights` is the destination itself (_arrived)
+            if self.piece_done is not None:
+                self.piece_done(self.pieces[k])
             return
         piece = self.pieces[k]
         if not (self.cuda and self.weights.on_device):  # CPU copies, or offload_param's host / swap tier
