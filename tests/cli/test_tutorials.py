@@ -35,29 +35,13 @@ NO_OUTPUT = {
     "14-parallelism-18": "removes the ranks' temporary output directory; prints nothing",
     "18-offload-overlap-01": "imports and the parameters: assignments only",
     "18-offload-overlap-10": "trains the clipped runs: assignments only (the next cell prints what they did)",
-    "gpu/01_quickstart.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
-    "gpu/02_zero_memory.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
-    "gpu/04_precision.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
-    "gpu/05_grad_accumulation.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
-    "gpu/07_zero_offload.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
-    "gpu/08_fused_kernels.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
-    "gpu/09_real_data.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
-    "gpu/11_zero_infinity.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
-    "gpu/14_parallelism.ipynb": "code changed since its last GPU run (issue 34 item 5); re-execute on a GPU",
+    "gpu/07_zero_offload.ipynb": "sized for an H200 (141 GB): CUDA out of memory on the H100 80GB the gallery got "
+                                 "(2026-12-05); re-execute on an H200",
     "03-workflow-29": "removes the notebook's temporary directory; prints nothing",
     "13-communication-19": "removes the ranks' temporary output directory; prints nothing",
     "17-convert-export-resume-11": "removes the notebook's temporary directory; prints nothing",
-    "gpu/03_workflow.ipynb": "code changed since its last GPU run (issue 34 items 5-6: cells split, memory timeline); "
-                             "re-execute on a GPU",
-    "gpu/06_activation_checkpointing.ipynb": "code changed since its last GPU run (issue 34 items 5-6: helpers moved, "
-                                             "memory timeline); re-execute on a GPU",
-    "gpu/13_communication.ipynb": "code changed since its last GPU run (issue 34 items 5-6: launch cell split, "
-                                  "link-speed sweep); re-execute on the GPU machine",
-    "gpu/17_convert_export_resume.ipynb": "not yet executed on a GPU machine (new in issue 34 item 6; it runs the "
-                                          "same CPU run as the CPU variant)",
-    "gpu/10_estimate.ipynb": "not yet executed on a GPU (issue 34 item 7)",
-    "gpu/18_offload_overlap.ipynb": "cells 07 on split to 40 lines after their H100 run of d67c1c7 (its figures are in "
-                                    "benchmarks/RESULTS.md, 'Tutorials 15, 16 and 18'); re-execute on a GPU",
+    "gpu/10_estimate.ipynb": "sized for an H200 (141 GB): CUDA out of memory on the H100 80GB the gallery got "
+                             "(2026-12-05); re-execute on an H200",
     "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
 }
 

@@ -248,7 +248,8 @@ def _duration(seconds: float) -> str:
 def _gpu_run_time(name: str, times: dict) -> str:
     if name in times:
         t = times[name]
-        return f"{_duration(t['seconds'])} ({t['date']})"
+        card = f" on one {t['device']}" if t.get("device") else ""
+        return f"{_duration(t['seconds'])}{card} ({t['date']})"
     import json
 
     notebook = TUTORIALS_DIR / GPU_SUBDIR / f"{name}.ipynb"
@@ -277,8 +278,9 @@ def render_index() -> str:
              "     tutorials/templates/*.md.j2 and from run_times.json; edit those, not this file. -->", "",
              "Each notebook answers one question with runs it measures itself and asserts what it concludes.",
              "`NN_name.ipynb` is the CPU variant: sized for 2 CPU cores, committed with its outputs and executed by",
-             "the tests (nbval). `gpu/NN_name.ipynb` is the GPU variant, committed with the outputs of its last",
-             "run on one NVIDIA H200; where it runs CPU ranks or a CPU-sized model, its entry says so.", "",
+             "the tests (nbval). `gpu/NN_name.ipynb` is the GPU variant, sized for one NVIDIA H200 and committed",
+             "with the outputs of its last run on the GPU machine lent to us (an H200 or an H100: each entry's run",
+             "time names the card); where it runs CPU ranks or a CPU-sized model, its entry says so.", "",
              "Open the first one from a fresh clone (the `tutorials` extra brings Jupyter):", "",
              "```bash",
              'pip install torch==2.13.0 && pip install ".[tutorials]" && jupyter lab tutorials/01_quickstart.ipynb',
@@ -361,6 +363,13 @@ def read_run_times() -> dict:
     return {"cpu": times.get("cpu", {}), "gpu": times.get("gpu", {})}
 
 
+def _gpu_name() -> str | None:
+    """The first CUDA device's name, or None without one."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def record_run_time(notebook: Path, seconds: float) -> None:
     """Write one executed notebook's wall time into run_times.json (measured by `execute_notebooks`, never typed)."""
     import datetime
@@ -369,7 +378,10 @@ def record_run_time(notebook: Path, seconds: float) -> None:
 
     times = read_run_times()
     variant = "gpu" if notebook.parent.name == GPU_SUBDIR else "cpu"
-    times[variant][notebook.stem] = {"seconds": round(seconds, 1), "date": datetime.date.today().isoformat(),
-                                     "cpus": os.cpu_count()}
+    entry = {"seconds": round(seconds, 1), "date": datetime.date.today().isoformat(), "cpus": os.cpu_count()}
+    card = _gpu_name() if variant == "gpu" else None  # the gallery's card: the device lends an H100 or an H200
+    if card:
+        entry["device"] = card
+    times[variant][notebook.stem] = entry
     times = {v: dict(sorted(times[v].items())) for v in ("cpu", "gpu")}
     run_times_path().write_bytes((json.dumps(times, indent=1) + "\n").encode("utf-8"))
