@@ -259,6 +259,9 @@ class Engine:
             self.scheduler.step()
         else:
             self.skipped_steps += 1
+            # a delayed update may have landed groups during this backward (zero/delayed_update.py EarlyLanding):
+            # land the rest now, before the next forward reads them
+            strategy.complete_pending_update()
         strategy.zero_grad()
         loss = self._mean_loss_over_ranks(self._loss_sum / self.micro_step)
         self._loss_sum, self.micro_step = 0.0, 0

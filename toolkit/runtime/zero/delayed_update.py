@@ -29,9 +29,11 @@ of step t-1, but once its backward has made a group's gradient final it reads th
 argument of overlapped_update.py), so each group's new weights are copied into the model as soon as both its pieces
 are stepped and step t+1's backward has finished the group: by the thread after its piece, or by the backward's
 hook after the group, whichever comes second (`EarlyLanding`; on CUDA on its own stream, after an event recorded
-where the backward finished the group). Neither waits for the other, so no thread is left blocked when a run stops. The optimizer step then only waits for the last groups: the landing's host-to-device
-copy (3 GiB at 1.5B parameters in bf16) runs beside the backward instead of before the next forward. Weights in
-CPU memory or swap files (`offload_param`) land in the optimizer step, as above.
+where the backward finished the group). Neither waits for the other, so no thread is left blocked when a run
+stops. The optimizer step then only waits for the last groups: the landing's host-to-device copy (3 GiB at 1.5B
+parameters in bf16) runs beside the backward instead of before the next forward. A skipped (fp16 overflow) step
+lands the rest too (Engine.step), since its backward may have landed some groups. Weights in CPU memory or swap
+files (`offload_param`) land in the optimizer step, as above.
 
 Extra CPU memory: 2 x (4 bytes of gradient and a weight in the model dtype) per offloaded element.
 
