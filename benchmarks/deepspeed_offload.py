@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from toolkit.observe.estimate import resolve_model_shape
+    from toolkit.observe.memory_monitor import rss_bytes
     from toolkit.recipe.load import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step + 1}: loss {losses[-1]:.4f}, {args.micro * seq / seconds[-1]:,.0f} tokens/s", flush=True)
     tokens_per_s = args.micro * seq / statistics.median(seconds[args.warmup:])
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    rss = rss_bytes() / 2**30
     line = (f"| DeepSpeed {deepspeed.__version__} ZeRO-2 + CPU offload, {args.recipe}, micro {args.micro} x {seq} | "
             f"{tokens_per_s:,.0f} | {peak:.1f} GiB | {rss:.1f} GiB | {losses[0]:.4f} -> {losses[-1]:.4f} |")
     print("| configuration | tokens/s (median of steps after the warm-up) | GPU peak (allocated) | host RSS | loss |")

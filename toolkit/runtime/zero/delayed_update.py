@@ -51,7 +51,7 @@ import torch
 from toolkit.runtime.pinned import pinned_empty
 from toolkit.runtime.zero.flat import ShardLayout
 from toolkit.runtime.zero.offload import OffloadedStep, SwappedStep
-from toolkit.runtime.zero.step_thread import StepThread
+from toolkit.runtime.zero.step_thread import StepThread, event_now
 
 
 class HostWeightBuffer:
@@ -176,7 +176,7 @@ class DelayedUpdate(StepThread):
         if self.early is None:
             return
         if self.landing is not None:
-            self.landing.final_group(local, self._event_now())
+            self.landing.final_group(local, event_now(self.cuda))
         self._copy([local])
         self.early += 1
 
@@ -223,14 +223,6 @@ class DelayedUpdate(StepThread):
                                         self.h2d if self.cuda else None)
         self.cpu_step.piece_done = self.landing.stepped if self.landing is not None else None
         self.start(lambda: self._run(i))
-
-    def _event_now(self):
-        """A CUDA event after the work queued so far on the current stream (None on a CPU)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
 
     def _run(self, i: int) -> None:
         if self.cuda:  # a new thread's current device is the first GPU, not necessarily this rank's

@@ -27,7 +27,7 @@ from collections import deque
 import torch
 
 from toolkit.runtime.zero.speculation import ClipSpeculation
-from toolkit.runtime.zero.step_thread import StepThread
+from toolkit.runtime.zero.step_thread import StepThread, event_now
 
 
 class GroupArrivals:
@@ -110,11 +110,7 @@ class OverlappedUpdate(StepThread):
 
     def ready(self, local: int) -> None:
         """Backward has made group `local`'s reduced gradient final (called where it was accepted)."""
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self.arrivals.put(local, event)
+        self.arrivals.put(local, event_now(self.cuda))
 
     def _run(self) -> None:
         if self.cuda:  # a new thread's current device is the first GPU, not necessarily this rank's

@@ -7,6 +7,18 @@ import threading
 import time
 from collections import deque
 
+import torch
+
+
+def event_now(cuda: bool):
+    """A CUDA event after the work queued so far on the current stream (None on a CPU): how the training thread
+    tells a step thread where in its stream a group's gradients became final."""
+    if not cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
 
 class StepThread:
     """start(target) runs `target` on a daemon thread; join() waits for it and raises what it raised."""
