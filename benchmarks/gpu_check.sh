@@ -103,10 +103,11 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
            # held-out loss and ms per step, the engines stepping in turn (MUON_ARGS: its arguments)
       timeout ${MUON_S:-280} python3 -m benchmarks.muon_vs_adamw ${MUON_ARGS:-gpt2-124m scheduler.warmup_num_steps=30 \
         --steps 300 --eval-every 20} 2>&1 | tee "$OUT/muon.txt" ;;
-    delayed124m)  # issue 36: exact against the delayed offload updates over 300 steps of gpt2-124m
+    delayed124m)  # issue 36: exact against the delayed offload updates over 300 steps of gpt2-124m, every mode but the
+                  # first exact run resumed from its step-100 checkpoint, "exact, resumed" the noise floor
                   # (benchmarks/offload_update.py; DELAYED_ARGS: its arguments)
       timeout ${DELAYED_S:-300} python3 -m benchmarks.offload_update ${DELAYED_ARGS:-gpt2-124m \
-        scheduler.warmup_num_steps=30 batch.grad_accum_steps=2 --steps 300 --warmup 100 \
+        scheduler.warmup_num_steps=30 batch.grad_accum_steps=2 --steps 300 --warmup 100 --fork-at 100 \
         --modes delayed delayed_extrapolated} 2>&1 | tee "$OUT/delayed124m.txt" ;;
     delayedrule)  # issue 36: is delayed's gap to exact on gpt2-124m the rule's own? The hand-written rule, delayed and
                   # exact stepping in turn (benchmarks/delayed_rule.py; RULE_ARGS: its arguments)

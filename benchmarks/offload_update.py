@@ -1,7 +1,14 @@
 """zero.offload_update exact against delayed on a recipe (default: python-stdlib, real text, on the CPU): held-out
 loss along the run and at the end, and the mean step time, with the optimizer offloaded to CPU memory.
 
-    python -m benchmarks.offload_update [--steps N] [--stage S] [--warmup W] [--offload-ratio R] [recipe [key.path=value ...]]
+    python -m benchmarks.offload_update [--steps N] [--stage S] [--warmup W] [--offload-ratio R] [--fork-at F]
+                                        [recipe [key.path=value ...]]
+
+--fork-at F: every mode but the first exact run resumes from that run's checkpoint at step F, so all of them share
+the first F steps bit for bit. A recipe whose early descent varies from run to run (gpt2-124m on a GPU leaves its
+initial plateau at a step the GPU's non-deterministic reductions decide) is then compared from one state, and an
+"exact, resumed" run from the same checkpoint measures how far two exact runs drift apart after F: the noise floor
+the delayed modes' gap is read against.
 
 On a CPU-only machine the "device" is the CPU too, so the delayed update's thread competes with the forward and
 backward for the same cores: the time column says what that costs or saves here; the GPU's figure is
@@ -43,7 +50,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reduce-bucket-size", type=int, default=None,
                         help="zero.reduce_bucket_size (python-stdlib's 1.3M parameters fill one default bucket: "
                              "the ratio splits whole buckets, so give smaller ones, e.g. 100000)")
+    parser.add_argument("--fork-at", type=int, default=None,
+                        help="the step every other mode resumes from the exact run's checkpoint (adds 'exact, resumed')")
     args = parser.parse_args(argv)
+    if args.fork_at is not None and not 0 < args.fork_at < args.steps:
+        parser.error(f"--fork-at {args.fork_at}: give a step between 1 and --steps - 1 ({args.steps - 1})")
     common = [*args.overrides, f"training.max_steps={args.steps}", f"training.eval_interval={max(args.steps // 10, 1)}",
               f"zero.stage={args.stage}", "zero.offload_optimizer=cpu", "checkpoint.save_final=false",
               f"zero.offload_ratio={args.offload_ratio}"]
@@ -52,8 +63,14 @@ def main(argv: list[str] | None = None) -> dict:
     variants = {"exact": ["zero.offload_update=exact"], **{m: [f"zero.offload_update={m}", *warmup] for m in args.modes}}
     results = {}
     with tempfile.TemporaryDirectory() as folder:
+        if args.fork_at is not None:  # exact saves at the fork; the others (and exact again) continue from there
+            variants = {"exact": [*variants["exact"], f"checkpoint.interval={args.fork_at}"],
+                        "exact, resumed": variants["exact"], **{m: v for m, v in variants.items() if m != "exact"}}
+            fork = Path(folder) / "exact" / "checkpoints" / f"step-{args.fork_at:06d}"
         for name, overrides in variants.items():
-            results[name] = run_variant(args.recipe, [*common, *overrides], Path(folder) / name)
+            resume = [f"checkpoint.resume={fork}"] if args.fork_at is not None and name != "exact" else []
+            results[name] = run_variant(args.recipe, [*common, *overrides, *resume],
+                                        Path(folder) / name.replace(", ", "_"))
     base = results["exact"]
     for name, r in results.items():
         final = r["eval"][args.steps]
