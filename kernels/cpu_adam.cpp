@@ -7,7 +7,9 @@
 //   p  = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)   bc1 = 1 - beta1^t, bc2 = 1 - beta2^t
 // Optionally, in the same pass: writes the new parameters as bf16 into `param_bf16` (ZeRO-Offload's
 // copy back to the device wants 16-bit weights) and zeroes the gradient it consumed (`zero_grad`:
-// the next accumulation starts from zero without another pass over the buffer).
+// the next accumulation starts from zero without another pass over the buffer). `grad_scales`: the
+// gradient is first multiplied by each, tile by tile in place (a delayed offload update's clip or fp16 unscale,
+// cpu_adam_bf16.h scale_in_place).
 //
 // How it runs: OpenMP splits the tensor into contiguous, cache-line aligned blocks, one per thread;
 // each thread walks its block with AVX-512 (16 floats), else AVX2+FMA (8 floats), else a scalar
@@ -27,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -155,11 +158,12 @@ inline void adam_vector(float* p, const float* g, float* m, float* v, int64_t be
 // `extrapolate` (zero.offload_update delayed_extrapolated): the bf16 copy is new + (new - old), the
 // weights one update ahead, from the tile's old weights kept on the stack; as torch's add(p, p - old).
 inline void adam_range(float* p, float* g, float* m, float* v, uint16_t* out16, bool zero_grad, bool extrapolate,
-                       int64_t begin, int64_t end, const AdamScalars& s) {
+                       int64_t begin, int64_t end, const AdamScalars& s, const std::vector<float>& scales) {
   constexpr int64_t kTile = 2048;  // 4 arrays x 8 KiB
   float old[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t stop = std::min(end, t + kTile);
+    toolkit_cpu_adam::scale_in_place(g, t, stop, scales.data(), static_cast<int>(scales.size()));
     if (extrapolate) std::memcpy(old, p + t, sizeof(float) * (stop - t));
     adam_vector(p, g, m, v, t, stop, s);
     if (out16 != nullptr && extrapolate)
@@ -194,6 +198,11 @@ AdamScalars adam_scalars(int64_t step, double lr, double beta1, double beta2, do
   return s;
 }
 
+// The gradient's multipliers as torch applies a Python float to a float32 tensor: rounded to float first.
+std::vector<float> float_scales(const std::vector<double>& scales) {
+  return std::vector<float>(scales.begin(), scales.end());
+}
+
 void check_bf16(const at::Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == numel,
               name, " must be a contiguous CPU bfloat16 tensor of ", numel, " elements");
@@ -206,7 +215,8 @@ void check_bf16(const at::Tensor& t, const char* name, int64_t numel) {
 
 void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                c10::optional<at::Tensor> param_bf16, bool zero_grad, bool extrapolate) {
+                c10::optional<at::Tensor> param_bf16, bool zero_grad, bool extrapolate,
+                const std::vector<double>& grad_scales) {
   const int64_t n = param.numel();
   check(param, "param", n);
   check(grad, "grad", n);
@@ -221,6 +231,7 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   }
   TORCH_CHECK(!extrapolate || out16 != nullptr, "extrapolate writes the bf16 copy: pass param_bf16");
   const AdamScalars s = adam_scalars(step, lr, beta1, beta2, eps, weight_decay);
+  const std::vector<float> scales = float_scales(grad_scales);
   float* p = param.data_ptr<float>();
   float* g = grad.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
@@ -230,14 +241,14 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   // making the others wait at the end, which a static split into one block per thread would.
   constexpr int64_t kBlock = 1 << 16;
   if (n <= kBlock) {
-    adam_range(p, g, m, v, out16, zero_grad, extrapolate, 0, n, s);
+    adam_range(p, g, m, v, out16, zero_grad, extrapolate, 0, n, s, scales);
     return;
   }
   const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
-    adam_range(p, g, m, v, out16, zero_grad, extrapolate, begin, end, s);
+    adam_range(p, g, m, v, out16, zero_grad, extrapolate, begin, end, s, scales);
   }
 }
 
@@ -246,7 +257,8 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
 // pass, `param_bf16` gets the new weights (`extrapolate`: new + (new - old)), as adamw_step's.
 void adamw_step_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq, int64_t step,
                      double lr, double beta1, double beta2, double eps, double weight_decay, int64_t seed,
-                     int64_t offset, c10::optional<at::Tensor> param_bf16, bool extrapolate) {
+                     int64_t offset, c10::optional<at::Tensor> param_bf16, bool extrapolate,
+                     const std::vector<double>& grad_scales) {
   const int64_t n = param.numel();
   check_bf16(param, "param", n);
   check(grad, "grad", n);
@@ -270,10 +282,12 @@ void adamw_step_bf16(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::
   s.step_key = toolkit_cpu_adam::rounding_step_key(seed, step);
   s.offset = offset;
   s.extrapolate = extrapolate;
+  const std::vector<float> scales = float_scales(grad_scales);
   toolkit_cpu_adam::adamw_bf16_states(reinterpret_cast<uint16_t*>(param.data_ptr<at::BFloat16>()),
                                       grad.data_ptr<float>(),
                                       reinterpret_cast<uint16_t*>(exp_avg.data_ptr<at::BFloat16>()),
-                                      reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr<at::BFloat16>()), out16, n, s);
+                                      reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr<at::BFloat16>()), out16, n, s,
+                                      scales.data(), static_cast<int>(scales.size()));
 }
 
 std::string simd_width() {
@@ -300,6 +314,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("param_bf16") = py::none(), py::arg("zero_grad") = false, py::arg("extrapolate") = false,
+        py::arg("grad_scales") = std::vector<double>(),
         // NOTE: the GIL is released for the pass, so a delayed offload update (toolkit/runtime/zero/
         // delayed_update.py) steps on its thread while the main thread runs the next forward and backward
         py::call_guard<py::gil_scoped_release>());
@@ -308,7 +323,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("seed"),
         py::arg("offset"), py::arg("param_bf16") = py::none(), py::arg("extrapolate") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("grad_scales") = std::vector<double>(), py::call_guard<py::gil_scoped_release>());
   m.def("simd_width", &simd_width, "the vector width this build uses");
   m.def("omp_threads", &omp_threads, "OpenMP threads a step uses");
 }

@@ -265,12 +265,16 @@ uint32_t rounding_step_key(int64_t seed, int64_t step) {
                           lowbias32_scalar(static_cast<uint32_t>(step) ^ lowbias32_scalar(static_cast<uint32_t>(useed >> 32))));
 }
 
-void adamw_bf16_states(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, uint16_t* out, int64_t n,
-                       const Bf16StepScalars& s) {
+void adamw_bf16_states(uint16_t* p, float* g, uint16_t* m, uint16_t* v, uint16_t* out, int64_t n,
+                       const Bf16StepScalars& s, const float* scales, int n_scales) {
   constexpr int64_t kBlock = 1 << 16;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(dynamic, 1) if (blocks > 1)
-  for (int64_t b = 0; b < blocks; ++b) step_range(p, g, m, v, out, b * kBlock, std::min(n, (b + 1) * kBlock), s);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(n, (b + 1) * kBlock);
+    scale_in_place(g, begin, end, scales, n_scales);  // 256 KiB: still in cache when step_range reads it
+    step_range(p, g, m, v, out, begin, end, s);
+  }
 }
 
 }  // namespace toolkit_cpu_adam

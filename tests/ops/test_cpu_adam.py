@@ -85,6 +85,33 @@ def test_cpu_adam_zeroes_the_consumed_gradient_when_asked(kernel):
     assert torch.equal(p, want) and not g.any()
 
 
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+@pytest.mark.parametrize("numel", [17, 300_007])  # one tile's tail; many threads' blocks
+def test_grad_scales_multiply_the_gradient_first_as_torch_mul_does_bit_for_bit(kernel, states, numel):
+    # a delayed offload update's gradient copy, taken before the clip (and an fp16 unscale) multiplied the device's
+    # gradients: the kernel multiplies it in its pass, each factor in turn as a float, as g.mul_(factor) would
+    gen = torch.Generator().manual_seed(numel)
+    scales = [0.2137654321987, 1 / 3.0]  # doubles whose float rounding matters
+    g = torch.randn(numel, generator=gen) * 3.7
+    if states == "fp32":
+        p, m, v = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen) * 0.1, torch.rand(numel) * 0.01
+        want, got = [t.clone() for t in (p, m, v)], [p, m, v]
+        step = lambda w, grad, **kw: kernel.adamw_step(w[0], grad, w[1], w[2], 3, LR, *BETAS, EPS, WD, **kw)
+    else:
+        _, got = _bf16_states(numel, 4)
+        want = [t.clone() for t in got]
+        step = lambda w, grad, **kw: kernel.adamw_step_bf16(w[0], grad, w[1], w[2], 3, LR, *BETAS, EPS, WD, 9, 0, **kw)
+    scaled = g.clone()
+    for factor in scales:
+        scaled.mul_(factor)
+    step(want, scaled)
+    step(got, g, grad_scales=scales)
+    assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b) for a, b in zip(got, want))
+    assert torch.equal(g, scaled)  # in place: the copy is this step's own
+    assert not torch.equal(scaled, (g.double() * scales[0] * scales[1]).float())  # the order and rounding matter
+
+
 def test_cpu_adam_zero_gradients_keep_zero_moments(kernel):
     p = torch.randn(64)
     m, v = torch.zeros(64), torch.zeros(64)

@@ -40,14 +40,14 @@ def test_one_process_follows_the_hand_written_delayed_rule(overrides, reference)
 
 @pytest.mark.parametrize("overrides", [["zero.stage=2", SMALL_BUCKETS], ["zero.stage=3"]], ids=" ".join)
 @pytest.mark.parametrize("clip", [0.0, 0.9], ids=["unclipped", "some steps clipped"])
-def test_backward_copies_each_gradient_early_and_again_only_when_the_step_multiplies_it(overrides, clip, monkeypatch):
-    """Each group's gradient is copied to the host when backward makes it final; the optimizer step copies it again
-    only after a clip multiplied it (the recipe's clip 0.5 clips every step of this run; at 0.9 some steps clip)."""
+def test_backward_copies_each_gradient_early_and_a_clip_is_repeated_on_the_copy(overrides, clip, monkeypatch):
+    """Each group's gradient is copied to the host when backward makes it final; a clip after that multiplies the
+    device's gradients, and the thread multiplies the copy by the same coefficient (at 0.9 some steps clip)."""
     from toolkit.runtime.zero.delayed_update import DelayedUpdate
 
-    seen = []  # at each launch's stage: (groups copied during backward, nothing multiplied them since)
+    seen = []  # at each launch's stage: (groups copied during backward, the multiplies since)
     stage = DelayedUpdate.stage
-    monkeypatch.setattr(DelayedUpdate, "stage", lambda self: seen.append((self.early, self.fresh)) or stage(self))
+    monkeypatch.setattr(DelayedUpdate, "stage", lambda self: seen.append((self.early, self.scales)) or stage(self))
     base = [f"training.grad_clip={clip}"]
     engine, _, losses, norms = train(1, [*overrides, *base, *DELAYED])
     ref_losses, ref_master = delayed_reference(WARMUP, base=base)
@@ -56,24 +56,50 @@ def test_backward_copies_each_gradient_early_and_again_only_when_the_step_multip
     groups = len(engine.strategy.parts[-1].delayed.grad_chunks)
     assert len(seen) == STEPS - WARMUP and all(early == groups for early, _ in seen), seen
     clipped = [clip > 0 and norm + 1e-6 > clip for norm in norms[WARMUP:]]
-    assert [not fresh for _, fresh in seen] == clipped
+    assert [len(scales) for _, scales in seen] == [int(c) for c in clipped]
+    assert all(scales == [pytest.approx(clip / (norm + 1e-6))] for (_, scales), norm, c
+               in zip(seen, norms[WARMUP:], clipped) if c)
     assert not any(clipped) if clip == 0 else 0 < sum(clipped) < len(clipped)
 
 
-def test_an_unscale_after_backward_makes_the_step_copy_the_gradients_again():
+def test_the_clip_repeated_on_the_copy_equals_copying_the_clipped_gradients_bit_for_bit(monkeypatch):
+    """The thread's multiply of the early copy gives the floats the device's multiply gave: the same run with
+    every clipped step's gradients copied again (as for a 16-bit gradient shard) has the same losses and weights."""
+    from toolkit.runtime.zero import delayed_update
+
+    run = ["zero.stage=2", SMALL_BUCKETS, "training.grad_clip=0.5", *DELAYED]  # 0.5 clips every step of this run
+    engine, _, losses, _ = train(1, run)
+    repeated = finished(engine)
+    init = delayed_update.DelayedUpdate.__init__
+
+    def copy_again(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.scale_on_host = False
+
+    monkeypatch.setattr(delayed_update.DelayedUpdate, "__init__", copy_again)
+    engine, _, copied_losses, _ = train(1, run)
+    assert copied_losses == losses
+    assert all(torch.equal(a, b) for a, b in zip(finished(engine).values(), repeated.values()))
+
+
+def test_an_unscale_after_backward_is_repeated_on_the_copy_without_copying_again(monkeypatch):
     """fp16's unscale multiplies the gradients after the backward's early copies (fp16 runs on a GPU only, so the
-    strategy's call is made here by hand): by 1 they stand, by anything else they are stale."""
+    strategy's call is made here by hand): by 1 nothing is repeated, by anything else the thread repeats it."""
     engine, stream, _, _ = train(1, ["zero.stage=2", SMALL_BUCKETS, "training.grad_clip=0", *DELAYED], steps=WARMUP)
     delayed = engine.strategy.parts[-1].delayed
     for batch in stream.next_step():
         engine.backward(engine(batch))
-    assert delayed.early == len(delayed.grad_chunks) and delayed.fresh
+    assert delayed.early == len(delayed.grad_chunks) and delayed.scales == []
     engine.strategy.scale_grads(1.0)
-    assert delayed.fresh
+    assert delayed.scales == []
     engine.strategy.scale_grads(0.5)
-    assert not delayed.fresh
-    engine.step()  # copies them again, then launches
-    assert delayed.in_flight and delayed.early is None
+    engine.strategy.scale_grads(0.25)
+    assert delayed.scales == [0.5, 0.25]
+    copies = []
+    monkeypatch.setattr(delayed, "_copy", lambda groups: copies.append(list(groups)))
+    engine.step()
+    assert delayed.in_flight and delayed.early is None and copies == []
+    assert delayed.cpu_step.grad_scales == (0.5, 0.25)
 
 
 def test_with_part_of_the_optimizer_on_the_device_only_the_offloaded_parameters_step_late():

@@ -106,13 +106,21 @@ class ShardedAdamW:
         blockwise_adam_step(self.moments, pieces, step=self.step_count, betas=self.betas, eps=self.eps, l2=self.l2)
 
     def update(self, decay: bool, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor, offset: int = 0, extrapolate: bool = False) -> None:
+               out: torch.Tensor, offset: int = 0, extrapolate: bool = False, grad_scales: tuple = ()) -> None:
         """This step's AdamW on one contiguous piece (after `begin_step`) starting at element `offset` of the shard;
-        `out` gets the new weights in its dtype (`extrapolate`, delayed_extrapolated: new + (new - old))."""
+        `out` gets the new weights in its dtype (`extrapolate`, delayed_extrapolated: new + (new - old)).
+        `grad_scales`: multiply the fp32 gradient `g` by each in turn first, in place (a delayed update's copy taken
+        before a clip or an unscale), as torch's `g.mul_(scale)` does: the kernel in its pass, else torch."""
         lr, wd = self.step_settings[0 if decay else 1]
         beta1, beta2 = self.step_betas
         # NOTE: the kernel writes the bf16 copy (or the extrapolated one) in its pass over memory, fp32 or bf16 states
         kernel_writes_out = self.mode == "cpu_adam" and out.dtype == torch.bfloat16 and out is not p
+        # the kernel's own pass multiplies: not before the L2 term nor through the extrapolation's torch ops below
+        kernel_scales = self.kernel is not None and not self.l2 and (kernel_writes_out or not extrapolate)
+        if grad_scales and not kernel_scales:
+            for scale in grad_scales:
+                g.mul_(scale)
+            grad_scales = ()
         if extrapolate and not kernel_writes_out:  # torch ops: three passes through a scratch kept across steps
             if self._scratch is None or self._scratch.numel() < p.numel():
                 self._scratch = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
@@ -131,10 +139,10 @@ class ShardedAdamW:
                                    betas=(beta1, beta2), eps=self.eps, l2=False)
         elif p.dtype == torch.bfloat16:  # offloaded bf16 states: the rounding bits keyed by the element's index
             self._update_bf16(p, g, m, v, lr, wd, (beta1, beta2), offset, out if kernel_writes_out else None,
-                              extrapolate)
+                              extrapolate, grad_scales)
         elif self.mode == "cpu_adam":
             self.kernel.adamw_step(p, g, m, v, self.step_count, lr, beta1, beta2, self.eps, wd,
-                                   out if kernel_writes_out else None, False, extrapolate)
+                                   out if kernel_writes_out else None, False, extrapolate, list(grad_scales))
         else:
             self._fused([p], [g], [m], [v], lr, wd, (beta1, beta2))
         if not kernel_writes_out:
@@ -170,10 +178,10 @@ class ShardedAdamW:
             self._window = None
 
     def _update_bf16(self, p, g, m, v, lr: float, wd: float, betas: tuple[float, float], offset: int,
-                     out: torch.Tensor | None = None, extrapolate: bool = False) -> None:
+                     out: torch.Tensor | None = None, extrapolate: bool = False, grad_scales: tuple = ()) -> None:
         if self.kernel is not None:
             self.kernel.adamw_step_bf16(p, g, m, v, self.step_count, lr, betas[0], betas[1], self.eps, wd, self.seed,
-                                        offset, out, extrapolate)
+                                        offset, out, extrapolate, list(grad_scales))
         else:  # the kernel's maths and rounding bits in torch ops
             hashed_bf16_adam_update_(p, g, m, v, seed=self.seed, offset=offset, step=self.step_count, lr=lr, wd=wd,
                                      betas=betas, eps=self.eps, l2=False)

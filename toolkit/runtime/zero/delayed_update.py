@@ -22,7 +22,11 @@ t-1's are copied into the model from the other, so it need not wait for that cop
 
 The copy of step t's gradients starts earlier still: each group's, as soon as the last micro-step's backward makes
 it final (`ready`, on the copy stream beside the rest of the backward). A clip or an fp16 unscale multiplies the
-gradients after the backward; then the optimizer step copies them again, as before.
+gradients after the backward; the thread's CPU AdamW then multiplies the copy by the same factors, as the device
+did (fp32 gradients: the same float products, bit for bit; the kernel does it a cache-sized block at a time in its
+pass) instead of copying the multiplied gradients again, a second device-to-host copy of the whole gradient that
+the clipped step waited for. 16-bit gradient shards (zero.grad_dtype bf16) are rounded by the device's multiply, so
+those are copied again.
 
 Landing early (weights on the device, `zero.offload_param none`): step t+1's forward and backward read the weights
 of step t-1, but once its backward has made a group's gradient final it reads that group's weights no more (the
@@ -137,10 +141,12 @@ class DelayedUpdate(StepThread):
         self.new_weights = [HostWeightBuffer(layout, dtype, pinned=self.cuda) for _ in range(2)]
         self.turn = 0
         self.staged = False  # `stage` copied this step's gradients to buffer `turn`; `launch` starts from them
-        # the groups copied during the last micro-step's backward (`ready`), None when not collecting; `fresh`:
-        # nothing multiplied the gradients since (a clip or an unscale makes `stage` copy them again)
+        # the groups copied during the last micro-step's backward (`ready`), None when not collecting; `scales`:
+        # what multiplied the gradients since (a clip, an unscale), for the thread to apply to the copy; None: copy
+        # them again (a 16-bit shard, whose multiply the device rounds to 16 bits)
         self.early: int | None = None
-        self.fresh = True
+        self.scales: list[float] | None = []
+        self.scale_on_host = all(c.dtype == torch.float32 for c in grad_chunks)
         cpu = torch.device("cpu")  # the thread touches host memory (and swap files) only
         # NOTE: one step object, pointed at buffer i before each update (a SwappedStep's slots are 576 MiB)
         self.cpu_step = (SwappedStep(layout, optimizer, swap, self.grad_views[0], self.new_weights[0], local, cpu,
@@ -166,7 +172,7 @@ class DelayedUpdate(StepThread):
 
     def begin(self) -> None:
         """The last micro-step of a step that will launch an update starts: copy each group as it becomes final."""
-        self.early, self.fresh = 0, True
+        self.early, self.scales = 0, []
 
     @torch.no_grad()
     def ready(self, local: int) -> None:
@@ -180,9 +186,13 @@ class DelayedUpdate(StepThread):
         self._copy([local])
         self.early += 1
 
-    def invalidate(self) -> None:
-        """The gradients were multiplied after their early copies (clipped, unscaled): `stage` copies them again."""
-        self.fresh = False
+    def scaling(self, factor: float) -> None:
+        """The gradients are about to be multiplied by `factor` after their early copies (clipped, unscaled): the
+        thread multiplies the copy too (or, 16-bit gradients, `stage` copies them again)."""
+        if self.scales is not None:
+            self.scales = self.scales + [factor] if self.scale_on_host else None
+        if self.cuda and self.early:  # the multiply, next on the compute stream, writes what the copies read
+            torch.cuda.current_stream().wait_stream(self.d2h)
 
     @torch.no_grad()
     def stage(self) -> None:
@@ -190,8 +200,12 @@ class DelayedUpdate(StepThread):
         beside the landing's copies on the compute stream), unless backward's early copies (`ready`) hold them as
         they are. The update in flight reads the other buffer, so this may run before it is landed."""
         early, self.early = self.early, None
-        if not (early == len(self.grad_chunks) and self.fresh):
+        if early == len(self.grad_chunks) and self.scales is not None:
+            self.staged_scales = tuple(self.scales)  # each multiply since the copies, for the thread to repeat
+        else:
             self._copy(range(len(self.grad_chunks)))
+            self.staged_scales = ()
+        self.scales = []
         self.staged = True
 
     def _copy(self, groups) -> None:
@@ -217,6 +231,7 @@ class DelayedUpdate(StepThread):
         if self.cuda:  # zero_grad, next on the compute stream, clears what the copy reads
             torch.cuda.current_stream().wait_stream(self.d2h)
         self.cpu_step.grad_chunks, self.cpu_step.weights = self.grad_views[i], self.new_weights[i]
+        self.cpu_step.grad_scales = self.staged_scales
         self.optimizer.begin_step()  # the step count and this step's lr and betas, before the schedule moves on
         if self.early_landing:
             self.landing = EarlyLanding(self.cpu_step.pieces, self.weights, self.groups, self.new_weights[i],

@@ -174,11 +174,13 @@ class OffloadedStep:
     # zero.offload_update delayed_extrapolated (delayed_update.py): `out` gets the master one update ahead,
     # 2 x new - old, the weights the next gradient will be applied to, had this update's direction held
     extrapolate = False
+    # zero.offload_update delayed: the multipliers (clip, fp16 unscale) its gradient copy has yet to take
+    grad_scales: tuple[float, ...] = ()
 
     def _update(self, piece: Piece, master: torch.Tensor, grads, m, v, out: torch.Tensor) -> None:
         """This step's AdamW on one piece; `out` gets the new weights (or, extrapolating, one update beyond them)."""
         self.optimizer.update(piece.decay, master, grads, m, v, out, offset=piece.shard_offset,
-                              extrapolate=self.extrapolate)
+                              extrapolate=self.extrapolate, grad_scales=self.grad_scales)
 
     def _update_held(self, piece: Piece, grads: torch.Tensor, out: torch.Tensor) -> None:
         """`_update` on the piece's master and moments where this step holds them, in CPU memory (SwappedStep reads

@@ -137,11 +137,11 @@ class ShardPart:
         if self.delayed is not None:
             self.delayed.ready(local)
 
-    def grads_scaled(self, factor: float) -> None:
-        """The gradients were multiplied after backward (fp16 unscaling, clipping): a delayed update's early copies
-        of them are stale unless `factor` is 1."""
+    def scaling_grads(self, factor: float) -> None:
+        """The gradients are about to be multiplied after backward (fp16 unscaling, clipping): a delayed update's
+        early copies of them take the same multiply unless `factor` is 1."""
         if self.delayed is not None and factor != 1.0:  # NOTE: not `< 1`: a NaN coefficient scales too
-            self.delayed.invalidate()
+            self.delayed.scaling(factor)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -254,9 +254,9 @@ class ShardedStrategy(StrategyBase):
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradient shard by `factor` (unscaling after fp16 loss scaling)."""
-        torch._foreach_mul_(self.grad_chunks, factor)
         for part in self.parts:
-            part.grads_scaled(factor)
+            part.scaling_grads(factor)
+        torch._foreach_mul_(self.grad_chunks, factor)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every rank's shard; scale the shard down to max_norm (torch's formula)."""
@@ -278,9 +278,9 @@ class ShardedStrategy(StrategyBase):
         skip = {g for part in speculating for g in part.groups}
         scaled = [c for g, c in enumerate(self.grad_chunks) if g not in skip]
         if clipping and scaled:
-            torch._foreach_mul_(scaled, coef)
             for part in self.parts:
-                part.grads_scaled(coef)
+                part.scaling_grads(coef)
+            torch._foreach_mul_(scaled, coef)
         return total
 
     def optimizer_step(self) -> None:
