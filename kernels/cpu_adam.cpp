@@ -8,8 +8,8 @@
 // Optionally, in the same pass: writes the new parameters as bf16 into `param_bf16` (ZeRO-Offload's
 // copy back to the device wants 16-bit weights) and zeroes the gradient it consumed (`zero_grad`:
 // the next accumulation starts from zero without another pass over the buffer). `grad_scales`: the
-// gradient is first multiplied by each, tile by tile in place (a delayed offload update's clip or fp16 unscale,
-// cpu_adam_bf16.h scale_in_place).
+// step reads the gradient multiplied by each, a tile at a time (a delayed offload update's clip or fp16
+// unscale, cpu_adam_bf16.h scale_into).
 //
 // How it runs: OpenMP splits the tensor into contiguous, cache-line aligned blocks, one per thread;
 // each thread walks its block with AVX-512 (16 floats), else AVX2+FMA (8 floats), else a scalar
@@ -159,13 +159,17 @@ inline void adam_vector(float* p, const float* g, float* m, float* v, int64_t be
 // weights one update ahead, from the tile's old weights kept on the stack; as torch's add(p, p - old).
 inline void adam_range(float* p, float* g, float* m, float* v, uint16_t* out16, bool zero_grad, bool extrapolate,
                        int64_t begin, int64_t end, const AdamScalars& s, const std::vector<float>& scales) {
-  constexpr int64_t kTile = 2048;  // 4 arrays x 8 KiB
-  float old[kTile];
+  constexpr int64_t kTile = toolkit_cpu_adam::kScaledTile;  // 2048: 4 arrays x 8 KiB
+  float old[kTile], scaled[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
     const int64_t stop = std::min(end, t + kTile);
-    toolkit_cpu_adam::scale_in_place(g, t, stop, scales.data(), static_cast<int>(scales.size()));
     if (extrapolate) std::memcpy(old, p + t, sizeof(float) * (stop - t));
-    adam_vector(p, g, m, v, t, stop, s);
+    if (scales.empty()) {
+      adam_vector(p, g, m, v, t, stop, s);
+    } else {  // the multiplied gradient in a stack tile (cpu_adam_bf16.h scale_into), `g` unchanged
+      toolkit_cpu_adam::scale_into(scaled, g + t, stop - t, scales.data(), static_cast<int>(scales.size()));
+      adam_vector(p + t, scaled, m + t, v + t, 0, stop - t, s);
+    }
     if (out16 != nullptr && extrapolate)
       for (int64_t i = t; i < stop; ++i) out16[i] = to_bf16(p[i] + (p[i] - old[i - t]));
     else if (out16 != nullptr)

@@ -265,15 +265,27 @@ uint32_t rounding_step_key(int64_t seed, int64_t step) {
                           lowbias32_scalar(static_cast<uint32_t>(step) ^ lowbias32_scalar(static_cast<uint32_t>(useed >> 32))));
 }
 
-void adamw_bf16_states(uint16_t* p, float* g, uint16_t* m, uint16_t* v, uint16_t* out, int64_t n,
+void adamw_bf16_states(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, uint16_t* out, int64_t n,
                        const Bf16StepScalars& s, const float* scales, int n_scales) {
   constexpr int64_t kBlock = 1 << 16;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(dynamic, 1) if (blocks > 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t begin = b * kBlock, end = std::min(n, (b + 1) * kBlock);
-    scale_in_place(g, begin, end, scales, n_scales);  // 256 KiB: still in cache when step_range reads it
-    step_range(p, g, m, v, out, begin, end, s);
+    if (n_scales == 0) {
+      step_range(p, g, m, v, out, begin, end, s);
+      continue;
+    }
+    // the multiplied gradient a tile at a time (scale_into); each tile is stepped at its own offset, so the
+    // rounding bits and the padded last vector are those of the whole range's
+    float scaled[kScaledTile];
+    Bf16StepScalars at = s;
+    for (int64_t t = begin; t < end; t += kScaledTile) {
+      const int64_t len = std::min(end - t, kScaledTile);
+      scale_into(scaled, g + t, len, scales, n_scales);
+      at.offset = s.offset + t;
+      step_range(p + t, scaled, m + t, v + t, out == nullptr ? nullptr : out + t, 0, len, at);
+    }
   }
 }
 

@@ -109,8 +109,9 @@ class ShardedAdamW:
                out: torch.Tensor, offset: int = 0, extrapolate: bool = False, grad_scales: tuple = ()) -> None:
         """This step's AdamW on one contiguous piece (after `begin_step`) starting at element `offset` of the shard;
         `out` gets the new weights in its dtype (`extrapolate`, delayed_extrapolated: new + (new - old)).
-        `grad_scales`: multiply the fp32 gradient `g` by each in turn first, in place (a delayed update's copy taken
-        before a clip or an unscale), as torch's `g.mul_(scale)` does: the kernel in its pass, else torch."""
+        `grad_scales`: step on the fp32 gradient `g` multiplied by each in turn (a delayed update's copy taken before
+        a clip or an unscale), the floats torch's `g.mul_(scale)` gives: the kernel in its pass (`g` unchanged),
+        else torch in place."""
         lr, wd = self.step_settings[0 if decay else 1]
         beta1, beta2 = self.step_betas
         # NOTE: the kernel writes the bf16 copy (or the extrapolated one) in its pass over memory, fp32 or bf16 states
