@@ -32,7 +32,7 @@ void adamw_bf16_states(uint16_t* p, const float* g, uint16_t* m, uint16_t* v, ui
 // float) on a CPU or a GPU. A delayed offload update's gradient copy was taken before a clip or an fp16 unscale
 // multiplied the device's gradients: the kernels multiply it here, a cache-resident tile at a time just before
 // stepping it, instead of copying the whole gradient again. The tile is a stack buffer: writing the products back
-// into `g` would add 4 bytes of memory traffic per element to a memory-bound pass (measured +20% on AVX2). The
+// into `g` would add 4 bytes of memory traffic per element to a memory-bound pass (16-23% slower on AVX2). The
 // products go through memory, so the compiler cannot fuse one into the next operation (an FMA would round once).
 constexpr int64_t kScaledTile = 2048;
 inline void scale_into(float* into, const float* g, int64_t n, const float* scales, int n_scales) {
