@@ -74,3 +74,19 @@ def test_a_bf16_shard_where_it_is_not_built_is_refused_in_one_line(overrides, wh
         load_recipe("quickstart", [*overrides, *GRAD])
     assert len(caught.value.lines) == 1
     assert caught.value.lines[0].startswith("recipe.zero.grad_dtype: 'bf16' needs") and what in caught.value.lines[0]
+
+
+def test_a_bf16_shard_clipped_after_its_early_copies_is_copied_again(monkeypatch):
+    """The device's clip rounds a bf16 shard's products to bf16, which the thread's fp32 multiply of its copy would
+    not: a delayed update copies such a shard again after a clip (an fp32 shard's copy takes the multiply instead,
+    tests/runtime/test_delayed_offload.py)."""
+    from toolkit.runtime.zero.delayed_update import DelayedUpdate
+
+    seen = []  # at each launch's stage: the multiplies the thread would repeat (None: copy again)
+    stage = DelayedUpdate.stage
+    monkeypatch.setattr(DelayedUpdate, "stage", lambda self: seen.append(self.scales) or stage(self))
+    engine, _, _, norms = train(1, ["zero.stage=2", SMALL_BUCKETS, *BF16, *GRAD, "zero.offload_optimizer=cpu",
+                                    "zero.offload_update=delayed", "zero.offload_update_warmup=2"])
+    assert not engine.strategy.parts[-1].delayed.scale_on_host
+    assert seen and all(norm > 0.5 for norm in norms[2:])  # the recipe's clip 0.5 clips each delayed step
+    assert all(scales is None for scales in seen) and engine.strategy.parts[-1].delayed.cpu_step.grad_scales == ()
