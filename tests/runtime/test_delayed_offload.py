@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from tests.conftest import become_rank, free_port, leave_rank
 from tests.runtime.zero_helpers import (BASE, DELAYED, RTOL, SMALL_BUCKETS, STEPS, WARMUP, assert_params_close,
-                                        delayed_reference, owned_states, save_and_resume, tiny_engine, train)
+                                        assert_the_repeated_clip_equals_copying_again, delayed_reference, owned_states, save_and_resume, tiny_engine, train)
 
 @pytest.fixture(scope="module")
 def reference():
@@ -65,21 +65,9 @@ def test_backward_copies_each_gradient_early_and_a_clip_is_repeated_on_the_copy(
 def test_the_clip_repeated_on_the_copy_equals_copying_the_clipped_gradients_bit_for_bit(monkeypatch):
     """The thread's multiply of the early copy gives the floats the device's multiply gave: the same run with
     every clipped step's gradients copied again (as for a 16-bit gradient shard) has the same losses and weights."""
-    from toolkit.runtime.zero import delayed_update
-
-    run = ["zero.stage=2", SMALL_BUCKETS, "training.grad_clip=0.5", *DELAYED]  # 0.5 clips every step of this run
-    engine, _, losses, _ = train(1, run)
-    repeated = finished(engine)
-    init = delayed_update.DelayedUpdate.__init__
-
-    def copy_again(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.scale_on_host = False
-
-    monkeypatch.setattr(delayed_update.DelayedUpdate, "__init__", copy_again)
-    engine, _, copied_losses, _ = train(1, run)
-    assert copied_losses == losses
-    assert all(torch.equal(a, b) for a, b in zip(finished(engine).values(), repeated.values()))
+    # the recipe's clip 0.5 clips every step of this run
+    assert_the_repeated_clip_equals_copying_again(["zero.stage=2", SMALL_BUCKETS, "training.grad_clip=0.5", *DELAYED],
+                                                  monkeypatch)
 
 
 def test_an_unscale_after_backward_is_repeated_on_the_copy_without_copying_again(monkeypatch):

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.runtime.zero_helpers import (DELAYED, RTOL, SMALL_BUCKETS, WARMUP, assert_params_close,
-                                        assert_stages_1_to_3_track_stage_0, delayed_reference, train)
+                                        assert_stages_1_to_3_track_stage_0, assert_the_repeated_clip_equals_copying_again,
+                                        delayed_reference, train)
 
 pytestmark = pytest.mark.cuda
 
@@ -76,23 +77,7 @@ def test_the_delayed_update_repeats_the_clip_on_its_early_copy_as_copying_again_
     """The recipe's clip 0.5 clips every step: the thread multiplies the backward's early copy by the coefficient.
     The device's clip waits for those copies (CUDA streams), so the run equals one whose steps copy the clipped
     gradients again, bit for bit; a clip racing the copies would not."""
-    from toolkit.runtime.zero import delayed_update
-
-    run = [*CUDA, "zero.stage=2", SMALL_BUCKETS, *DELAYED]
-    engine, _, losses, _ = train(1, run)
-    engine.strategy.complete_pending_update()
-    repeated = on_cpu(engine.strategy.full_parameters())
-    init = delayed_update.DelayedUpdate.__init__
-
-    def copy_again(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.scale_on_host = False
-
-    monkeypatch.setattr(delayed_update.DelayedUpdate, "__init__", copy_again)
-    engine, _, copied_losses, _ = train(1, run)
-    engine.strategy.complete_pending_update()
-    assert copied_losses == losses
-    assert all(torch.equal(a, b) for a, b in zip(on_cpu(engine.strategy.full_parameters()).values(), repeated.values()))
+    assert_the_repeated_clip_equals_copying_again([*CUDA, "zero.stage=2", SMALL_BUCKETS, *DELAYED], monkeypatch)
 
 
 def test_the_16_bit_layout_at_stage_3_trains_as_the_fp32_shard_with_the_parameters_on_the_gpu(tmp_path):

@@ -156,6 +156,30 @@ WARMUP = 3
 DELAYED = ["zero.offload_optimizer=cpu", "zero.offload_update=delayed", f"zero.offload_update_warmup={WARMUP}"]
 
 
+def assert_the_repeated_clip_equals_copying_again(run: list[str], monkeypatch) -> None:
+    """zero.offload_update delayed with every step clipped: the run whose thread repeats the clip on the backward's
+    early gradient copies equals, in losses and weights bit for bit, the same run copying the clipped gradients again
+    (as a 16-bit gradient shard does)."""
+    from toolkit.runtime.zero import delayed_update
+
+    def finished_run() -> tuple[list, list]:
+        engine, _, losses, _ = train(1, run)
+        engine.strategy.complete_pending_update()
+        return losses, [p.detach().float().cpu() for p in engine.strategy.full_parameters().values()]
+
+    repeated = finished_run()
+    init = delayed_update.DelayedUpdate.__init__
+
+    def copy_again(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.scale_on_host = False
+
+    monkeypatch.setattr(delayed_update.DelayedUpdate, "__init__", copy_again)
+    losses, params = finished_run()
+    assert losses == repeated[0]
+    assert all(torch.equal(a, b) for a, b in zip(params, repeated[1]))
+
+
 def delayed_reference(warmup: int, steps: int = STEPS, delayed_names=None, extrapolate: bool = False, base=()):
     """(losses, final master weights by name) of the hand-written delayed rule on a stage-0 engine of `base`
     overrides; only the parameters in `delayed_names` are delayed (None: all). `extrapolate`
