@@ -42,7 +42,6 @@ NO_OUTPUT = {
     "17-convert-export-resume-11": "removes the notebook's temporary directory; prints nothing",
     "gpu/10_estimate.ipynb": "sized for an H200 (141 GB): CUDA out of memory on the H100 80GB the gallery got "
                              "(2026-12-05); re-execute on an H200",
-    "gpu/12_tune.ipynb": "not yet executed on a GPU (issue 34 item 7)",
 }
 
 
