@@ -1,12 +1,13 @@
 """Benchmark (not a test): GPT-2 training end to end on one GPU, the toolkit against plain PyTorch.
 
-GPT-2 (transformers, SDPA attention), sequence 1024, micro batch 16, bf16 autocast,
+GPT-2 (transformers, SDPA attention), sequence 1024, micro batch 16 (--micro), bf16 autocast,
 AdamW, grad clip 1.0, random tokens; after 3 warm-up steps (compilation included),
 tokens/s over --steps optimizer steps, peak allocated memory and MFU:
 
   toolkit fused           toolkit.Engine, recipe.kernels auto (fused LayerNorm, bias+GELU,
                           cross-entropy, AdamW), eager
   toolkit fused parallel 1x1  as the first with parallel.tensor = parallel.pipeline = 1 named
+  toolkit fused stage 1   as the first at ZeRO stage 1: 16-bit weights, fp32 master in the optimizer
   toolkit fallbacks       toolkit.Engine, recipe.kernels off (torch everywhere), eager
   toolkit fused compiled  as the first, training.compile: true
   ... unpadded head      the same with the LM head at the vocabulary's width (the engine pads it
@@ -15,7 +16,8 @@ tokens/s over --steps optimizer steps, peak allocated memory and MFU:
                           F.cross_entropy(logits.float()), clip_grad_norm_
   plain compiled          the same with torch.compile(model)
 
-    python -m benchmarks.end_to_end [--size 124m] [--steps 10] [--only name,name] [--rounds R] [--markdown FILE]
+    python -m benchmarks.end_to_end [--size 124m] [--micro 16] [--steps 10] [--only name,name] [--rounds R]
+                                    [--markdown FILE]
 
 MFU = tokens/s x (6 N + 12 L d T) / 989.4e12 (nanoGPT's FLOPs per token with attention;
 H200 SXM dense bf16 peak from the datasheet; about 790e12 measured on random matrices).
@@ -30,7 +32,8 @@ from pathlib import Path
 import torch
 
 PEAK_FLOPS = 989.4e12
-SEQ, MICRO = 1024, 16
+SEQ = 1024
+MICRO = 16  # set by --micro before anything is built
 
 
 def flops_per_token(n_params: int, layers: int, width: int) -> float:
@@ -122,6 +125,8 @@ CONFIGS = {
     "toolkit fused parallel 1x1": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16",
                                                                               "parallel.tensor=1",
                                                                               "parallel.pipeline=1"]),
+    # on one rank stage 1 holds 16-bit weights (fp32 master in the optimizer) where stage 0 casts fp32 weights
+    "toolkit fused stage 1": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16", "zero.stage=1"]),
     "toolkit fallbacks": lambda size, steps: run_toolkit(
         size, steps, ["precision.dtype=bf16"] + [f"kernels.{k}=off" for k in
                                                  ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")]),
@@ -138,8 +143,10 @@ CONFIGS = {
 
 
 def main() -> int:
+    global MICRO
     parser = argparse.ArgumentParser(prog="python -m benchmarks.end_to_end", description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="124m")
+    parser.add_argument("--micro", type=int, default=MICRO, help="micro batch (sequences), every configuration")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", default=",".join(CONFIGS))
     parser.add_argument("--markdown", default=None)
@@ -147,6 +154,7 @@ def main() -> int:
                         help="keep every configuration built and time them in turn, this many rounds of --steps "
                              "steps each (0: one configuration after the other, with peak memory)")
     args = parser.parse_args()
+    MICRO = args.micro
     header = (f"GPT-2 {args.size}, seq {SEQ}, micro batch {MICRO}, bf16, {args.steps} timed steps; "
               f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.rounds:

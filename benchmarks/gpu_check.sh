@@ -151,7 +151,7 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
     bench)
       timeout 100 python3 -m benchmarks.kernels --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" ;;
     e2e|e2e1.5b)  # GPT-2 end to end, only while the call is young (E2E_BY: seconds into the call;
-                  # E2E_ROUNDS: interleave the configurations, benchmarks/end_to_end.py --rounds)
+                  # E2E_ROUNDS: interleave the configurations, benchmarks/end_to_end.py --rounds; E2E_MICRO: its --micro)
       local size=124m left
       [[ $stage == e2e1.5b ]] && size=1.5b
       left=$(( ${E2E_BY:-260} - (SECONDS - start) ))
@@ -161,6 +161,7 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
       fi
       timeout $left python3 -m benchmarks.end_to_end --size $size \
         --only "${E2E_ONLY:-toolkit fused,toolkit fallbacks,plain eager}" --rounds "${E2E_ROUNDS:-0}" \
+        --micro "${E2E_MICRO:-16}" \
         --markdown "$OUT/e2e-$size.md" 2>&1 | tee "$OUT/e2e-$size.txt" ;;
     tune)  # shapes of the norm kernels side by side (benchmarks/norm_tune.py; TUNE_SHAPES, TUNE_ROUNDS, TUNE_COLD_L2)
       timeout 300 python3 -m benchmarks.norm_tune ${TUNE_SHAPES:+--shapes "$TUNE_SHAPES"} --rounds "${TUNE_ROUNDS:-1}" \
