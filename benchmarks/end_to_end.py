@@ -4,7 +4,7 @@ GPT-2 (transformers, SDPA attention), sequence 1024, micro batch 16 (--micro), b
 AdamW, grad clip 1.0, random tokens; after 3 warm-up steps (compilation included),
 tokens/s over --steps optimizer steps, peak allocated memory and MFU:
 
-  toolkit fused           toolkit.Engine, recipe.kernels auto (fused LayerNorm, bias+GELU,
+  toolkit fused           toolkit.Engine at ZeRO stage 0 (fp32 weights under autocast), recipe.kernels auto (fused LayerNorm, bias+GELU,
                           cross-entropy, AdamW), eager
   toolkit fused parallel 1x1  as the first with parallel.tensor = parallel.pipeline = 1 named
   toolkit fused stage 1   as the first at ZeRO stage 1: 16-bit weights, fp32 master in the optimizer
@@ -44,7 +44,7 @@ def run_toolkit(size: str, steps: int, overrides: list[str], pad_head: bool = Tr
     from toolkit.runtime.engine import Engine
     from toolkit.recipe.load import load_recipe
 
-    recipe = load_recipe("gpt2-124m", [f"model.size={size}", "batch.grad_accum_steps=1",
+    recipe = load_recipe("gpt2-124m", [f"model.size={size}", "batch.grad_accum_steps=1", "zero.stage=0",
                                        f"batch.micro_batch_per_rank={MICRO}", "training.device=cuda",
                                        "training.max_steps=1000", *overrides])
     engine = Engine(recipe)

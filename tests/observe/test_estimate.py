@@ -221,7 +221,7 @@ def test_cli_estimate_does_not_import_torch():
 def test_estimate_names_a_reshaped_model_and_states_the_run_memory_line_terms_with_headroom(capsys):
     assert main(["estimate", "gpt2-124m", "model.n_layer=6", "--device", "h200"]) == 0
     out = capsys.readouterr().out
-    assert "recipe gpt2-124m: gpt2-124m reshaped (n_layer 6), zero.stage 0" in out
+    assert "recipe gpt2-124m: gpt2-124m reshaped (n_layer 6), zero.stage 1" in out
     assert "model gpt2-124m reshaped (n_layer 6):" in out  # the stage table's header line too
     assert "predicted peak per rank (CUDA max allocated" in out and "reserved by the allocator: about" in out
     assert "model states" in out and "activations" in out and "headroom on H200-141GB (141.0 GiB):" in out

@@ -71,7 +71,7 @@ def test_shipped_recipes_say_what_their_names_promise():
     gpt2 = load_recipe(REPO / "recipes" / "gpt2-124m.json")
     assert (gpt2.model.family, gpt2.model.size, gpt2.precision.dtype) == ("gpt2", "124m", "bf16")
     assert (gpt2.data.kind, gpt2.data.seq_len, gpt2.model.vocab_size) == ("synthetic", 1024, 50257)
-    assert gpt2.scheduler.type == "WarmupCosineLR" and gpt2.zero.stage == 0
+    assert gpt2.scheduler.type == "WarmupCosineLR" and gpt2.zero.stage == 1  # 16-bit weights: faster on one GPU
 
     medium = load_recipe(REPO / "recipes" / "gpt2-medium-zero2.json", world_size=8)
     assert (medium.model.size, medium.zero.stage, medium.precision.dtype) == ("350m", 2, "fp16")
