@@ -4,8 +4,8 @@ GPT-2 (transformers, SDPA attention), sequence 1024, micro batch 16 (--micro), b
 AdamW, grad clip 1.0, random tokens; after 3 warm-up steps (compilation included),
 tokens/s over --steps optimizer steps, peak allocated memory and MFU:
 
-  toolkit fused           toolkit.Engine at ZeRO stage 0 (fp32 weights under autocast), recipe.kernels auto (fused LayerNorm, bias+GELU,
-                          cross-entropy, AdamW), eager
+  toolkit fused           toolkit.Engine at ZeRO stage 0 (fp32 weights under autocast), recipe.kernels
+                          auto (fused LayerNorm, bias+GELU, cross-entropy, AdamW), eager
   toolkit fused parallel 1x1  as the first with parallel.tensor = parallel.pipeline = 1 named
   toolkit fused stage 1   as the first at ZeRO stage 1: 16-bit weights, fp32 master in the optimizer
   toolkit fallbacks       toolkit.Engine, recipe.kernels off (torch everywhere), eager

@@ -107,8 +107,8 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
                   # first exact run resumed from its step-100 checkpoint, "exact, resumed" the noise floor
                   # (benchmarks/offload_update.py; DELAYED_ARGS: its arguments)
       timeout ${DELAYED_S:-300} python3 -m benchmarks.offload_update ${DELAYED_ARGS:-gpt2-124m \
-        scheduler.warmup_num_steps=30 batch.micro_batch_per_rank=16 batch.grad_accum_steps=2 --steps 300 --warmup 100 --fork-at 100 \
-        --modes delayed delayed_extrapolated} 2>&1 | tee "$OUT/delayed124m.txt" ;;
+        scheduler.warmup_num_steps=30 batch.micro_batch_per_rank=16 batch.grad_accum_steps=2 --steps 300 \
+        --warmup 100 --fork-at 100 --modes delayed delayed_extrapolated} 2>&1 | tee "$OUT/delayed124m.txt" ;;
     delayedrule)  # issue 36: is delayed's gap to exact on gpt2-124m the rule's own? The hand-written rule, delayed and
                   # exact stepping in turn (benchmarks/delayed_rule.py; RULE_ARGS: its arguments)
       timeout ${RULE_S:-300} python3 -m benchmarks.delayed_rule ${RULE_ARGS:-gpt2-124m scheduler.warmup_num_steps=30 \
