@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 
 from tests.conftest import become_rank, free_port, leave_rank
 from tests.runtime.zero_helpers import (BASE, DELAYED, RTOL, SMALL_BUCKETS, STEPS, WARMUP, assert_params_close,
-                                        assert_the_repeated_clip_equals_copying_again, delayed_reference, owned_states, save_and_resume, tiny_engine, train)
+                                        assert_the_repeated_clip_equals_copying_again, delayed_reference,
+                                        owned_states, save_and_resume, tiny_engine, train)
 
 @pytest.fixture(scope="module")
 def reference():

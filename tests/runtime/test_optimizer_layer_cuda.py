@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.runtime.zero_helpers import (DELAYED, RTOL, SMALL_BUCKETS, WARMUP, assert_params_close,
-                                        assert_stages_1_to_3_track_stage_0, assert_the_repeated_clip_equals_copying_again,
-                                        delayed_reference, train)
+                                        assert_stages_1_to_3_track_stage_0,
+                                        assert_the_repeated_clip_equals_copying_again, delayed_reference, train)
 
 pytestmark = pytest.mark.cuda
 
