@@ -10,6 +10,7 @@ without importing the protocol.
 """
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
@@ -135,6 +136,19 @@ class StrategyBase:
 
     def load_extra_state(self, directory: Path, files: list[str]) -> None:
         """Nothing to restore."""
+
+
+def weak_method_hook(method: Callable) -> Callable:
+    """`method` as a tensor hook that does not keep its object alive. A parameter's hooks are invisible to Python's
+    garbage collector, so a strategy's bound method there (strategy -> parameter -> hook -> strategy) would be a
+    cycle it never frees: every engine built in the process would keep its model and model states to the end."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return hook
 
 
 def tensor_bytes(tensors) -> int:

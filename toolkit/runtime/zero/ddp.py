@@ -27,7 +27,7 @@ from toolkit.runtime.int8_adamw import Int8AdamW
 from toolkit.runtime.optim import build_optimizer, optimizer_param_groups
 from toolkit.runtime.precision import has_inf_or_nan
 from toolkit.distributed import DistInfo
-from toolkit.runtime.strategy import StrategyBase, tensor_bytes
+from toolkit.runtime.strategy import StrategyBase, tensor_bytes, weak_method_hook
 from toolkit.runtime.zero.flat import bucket_params
 from toolkit.specs import OptimizerSpec, ZeroSpec
 
@@ -110,7 +110,7 @@ class DataParallel(StrategyBase):
         self._reset_round()
         if info.active:
             for p in self.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad_ready))
 
     def describe(self) -> str:
         """One line for the start-up table."""

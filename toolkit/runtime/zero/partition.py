@@ -23,6 +23,7 @@ from torch import nn
 
 from toolkit.distributed import DistInfo
 from toolkit.runtime.communicator import Communicator
+from toolkit.runtime.strategy import weak_method_hook
 from toolkit.runtime.zero.flat import FlatGroup, bucket_params, decay_param_ids, muon_ids_for
 from toolkit.runtime.zero.sharded import ShardedStrategy
 from toolkit.specs import OptimizerSpec, ZeroSpec
@@ -67,7 +68,7 @@ class PartitionedStrategy(ShardedStrategy):
         self._reducing = False
         self._reset_round()
         for p in (p for g in groups for p in g.params):
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad_ready))
 
     # -- backward: bucketed reduce-scatter -------------------------------------------
 

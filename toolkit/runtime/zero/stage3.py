@@ -35,6 +35,7 @@ from torch import nn
 from toolkit.errors import UserError
 from toolkit.distributed import DistInfo
 from toolkit.runtime.communicator import Communicator
+from toolkit.runtime.strategy import weak_method_hook
 from toolkit.runtime.zero.flat import FlatGroup, decay_param_ids, muon_ids_for
 from toolkit.runtime.zero.param_offload import make_weights
 from toolkit.runtime.zero.sharded import ShardedStrategy
@@ -172,7 +173,7 @@ class Stage3Strategy(ShardedStrategy):
         model.register_forward_pre_hook(lambda m, args: self._gather(self.root))
         model.register_forward_hook(lambda m, args, out: self._after_model())
         for p in (p for g in groups for p in g.params):
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad_ready))
 
     # -- gather / release -------------------------------------------------------------
 
