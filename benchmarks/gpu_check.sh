@@ -214,16 +214,17 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
       return "$scaling_rc" ;;
     cpu_adam)  # the toolkit's CPU Adam against torch's CPU AdamW on this host's cores
       timeout 120 python3 -m benchmarks.cpu_adam --steps 10 2>&1 | tee "$OUT/cpu_adam.txt" ;;
-    autotune)  # issue 22: `toolkit tune` on GPT-2 1.5B for this one GPU, target >= 90% of 46.0k tokens/s (stage 2,
-               # micro 16, found by hand). Budget 7 min of trials (each a fresh `toolkit run`, ~30-50 s), the
-               # estimator prunes what cannot fit; about 8 min in all with a warm kernel cache (run `build` first).
+    autotune)  # issues 22 and 31: `toolkit tune` of each AUTOTUNE_RECIPES recipe (default gpt2-1.5b-zero3) for this one
+               # GPU, AUTOTUNE_MINUTES of trials each (default 5, the issue's budget; each a fresh `toolkit run`), the
+               # A/B/A/B reruns after; AUTOTUNE_MICRO: --micro (default: the tuner's whole space)
+      local name
       mkdir -p "$OUT/autotune"
-      timeout 530 python3 -m toolkit tune recipes/gpt2-1.5b-zero3.json --budget-minutes "${AUTOTUNE_MINUTES:-7}" \
-        --micro "${AUTOTUNE_MICRO:-8,16}" --out "$OUT/autotune/gpt2-1.5b-zero3.tuned.json" 2>&1 | tee "$OUT/autotune.txt"
-      cp "$OUT/autotune/gpt2-1.5b-zero3.tuned.trials.md" "$OUT/autotune.md"
-      python3 -c "import json, sys; rows = json.load(open(sys.argv[1]))['trials']; best = max((r['tokens_per_s'] or 0)
-for r in rows if r['status'] == 'ok'); print(f'best {best:,.0f} tokens/s = {best / 46000:.0%} of the hand-found 46.0k')" \
-        "$OUT/autotune/gpt2-1.5b-zero3.tuned.trials.json" | tee -a "$OUT/autotune.md" ;;
+      for name in ${AUTOTUNE_RECIPES:-gpt2-1.5b-zero3}; do
+        echo "=== toolkit tune $name" | tee -a "$OUT/autotune.txt" "$OUT/autotune.md"
+        timeout "${AUTOTUNE_S:-530}" python3 -m toolkit tune "recipes/$name.json" --budget-minutes "${AUTOTUNE_MINUTES:-5}" \
+          ${AUTOTUNE_MICRO:+--micro "$AUTOTUNE_MICRO"} --out "$OUT/autotune/$name.tuned.json" 2>&1 | tee -a "$OUT/autotune.txt"
+        cat "$OUT/autotune/$name.tuned.trials.md" >> "$OUT/autotune.md"
+      done ;;
     infinity)  # ZeRO-Infinity's swap I/O on this host's disk (issue #21): thread pool vs one thread, block
                # sizes, 1 GiB file, page cache dropped before reads; ~1-2 minutes. SWAP_DIR: the disk to measure
       timeout 300 python3 -m benchmarks.swap_io --dir "${SWAP_DIR:-/tmp}" --mib 1024 --rounds 3 \
