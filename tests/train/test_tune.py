@@ -149,6 +149,41 @@ def test_the_search_stops_in_time_for_the_ab_reruns(tmp_path, monkeypatch):
     assert result.elapsed_s == 100 and "budget spent" in {t.why for t in result.trials}
 
 
+def test_a_slow_baseline_reserves_its_own_time_for_the_ab_reruns_not_four_times(tmp_path, monkeypatch):
+    """A baseline of 40 s (offload, checkpointing) and candidates of 10 s: once a candidate ran, the A/B keeps
+    2 x (40 + 10) s, so a 240 s budget runs 7 candidates after the baseline (the old reserve, 4 x 40 s, one)."""
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0 if t.baseline else 100.0 + t.changes[MICRO])
+    fake.run_trial = _timed(fake, lambda t: 40.0 if t.baseline else 10.0)
+    monkeypatch.setattr(tune_module, "run_trial", fake.run_trial)
+    space = TuneSpace(stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8), checkpointing=(False,), offloads=("none",))
+    result = tune(_write(tmp_path), space=space, budget_s=240, cap_bytes=2**40, log=lambda line: None)
+    assert len([t for t in fake.calls if t.rerun_of is None and not t.baseline]) == 7
+    assert len(result.decision.reruns) == 4 and result.elapsed_s <= 240
+
+
+def _timed(fake, wall):
+    """FakeTrials.run_trial with each trial's fake seconds from wall(trial)."""
+    plain = fake.run_trial
+
+    def run_trial(path, trial, **kw):
+        fake.wall_s = wall(trial)
+        return plain(path, trial, **kw)
+
+    return run_trial
+
+
+@pytest.mark.parametrize("dtype, first", [("fp32", 0), ("bf16", 1), ("fp16", 1)])
+def test_with_16_bit_precision_stage_1_runs_before_stage_0(tmp_path, monkeypatch, dtype, first):
+    """Stage 0 keeps fp32 weights under autocast: with bf16 or fp16 the throughput model ranks stage 1 first (it
+    measured 1.05-1.08x stage 0 in every recipe tuned on a GPU); in fp32 the old order stands."""
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0)
+    space = TuneSpace(stages=(0, 1, 2, 3), micro_batches=(1, 4), checkpointing=(False,), offloads=("none",))
+    tune(_write(tmp_path, {**TINY, "precision": {"dtype": dtype}}), space=space, budget_s=1e6, cap_bytes=2**40,
+         log=lambda line: None)
+    assert [t.changes[STAGE] for t in fake.calls[1:3]] == [first, 1 - first]
+    assert all(t.changes[MICRO] == 4 for t in fake.calls[1:3])
+
+
 def test_candidates_run_in_the_throughput_models_order(tmp_path, monkeypatch):
     """Sizes: 100 per sample, half with checkpointing; the cap lets micro 4 fit without checkpointing, micro 8 with.
     Stage 1 measures 20% above the model, so once measured its neighbours come next."""

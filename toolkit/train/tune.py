@@ -13,8 +13,8 @@ training.compile and the fused kernels toggled. In order:
    the largest micro batch that fits without checkpointing first, offload only when nothing else fits), each as
    a fresh `toolkit run` process (`--nproc N` for several ranks): warm-up steps, then measured steps, read back
    from its metrics.jsonl (tokens/s over the measured steps only, peak memory). A crash or OOM ends that trial.
-4. From the start, time is kept for the A/B re-measurement (AB_PAIRS x 2 runs of the slowest trial that ran):
-   a trial starts only when the budget left covers it and that reserve.
+4. From the start, time is kept for the A/B re-measurement (AB_PAIRS x the baseline's time plus the slowest
+   candidate's, the baseline's until one ran): a trial starts only when the budget left covers it and that reserve.
 5. The best candidate and the baseline rerun interleaved A/B/A/B, each in a fresh process; the candidate wins
    only when its slowest rerun beats the baseline's fastest by more than MIN_GAIN (1%; the rule and why:
    toolkit/train/tune_decide.py). Otherwise, or when the baseline was itself the fastest, the answer is "keep
@@ -264,9 +264,12 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
         return budget_s - (time.monotonic() - start)
 
     def reserve() -> float:
-        # NOTE: the A/B reruns, each as slow as the slowest trial that ran; none when the baseline failed
-        ran_ok = [t.wall_s for t in result.trials if t.status == "ok"]
-        return 2 * ab_pairs * max(ran_ok) if result.trials[0].status == "ok" else 0.0
+        # NOTE: the A/B reruns: per pair the baseline's time and the slowest candidate's (the baseline's until one
+        # ran); none when the baseline failed. A slow baseline (offload, checkpointing) no longer counts 4 times.
+        if result.trials[0].status != "ok":
+            return 0.0
+        candidates_ok = [t.wall_s for t in result.trials[1:] if t.status == "ok"]
+        return ab_pairs * (result.trials[0].wall_s + max(candidates_ok, default=result.trials[0].wall_s))
 
     def run(trial: Trial, timeout: float) -> Trial:
         trial = run_trial(path, trial, world_size=world_size, warmup=warmup, measure=measure, timeout=timeout,
@@ -292,7 +295,7 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
 
     all_changes = candidates(recipe, space, world_size, on_cuda)
     pending, not_run = _sized(path, all_changes, world_size, on_cuda, cap, prune_above)
-    _search(pending, not_run, result, run, room)
+    _search(pending, not_run, result, run, room, sixteen_bit=recipe.precision.dtype in ("bf16", "fp16"))
     best = _best(result.trials)
     if best is not None and (space.refine if space.refine is not None else on_cuda):
         compile_on = best.changes.get("training.compile", result.original["training.compile"])
@@ -325,9 +328,9 @@ def _sized(path, all_changes: list[dict], world_size: int, on_cuda: bool, cap: i
     return pending, pruned
 
 
-def _search(pending: list[Trial], not_run: list[Trial], result: TuneResult, run, room) -> None:
+def _search(pending: list[Trial], not_run: list[Trial], result: TuneResult, run, room, sixteen_bit: bool) -> None:
     """Run the pending candidates in tune_order's order while room() allows one more; those skipped move from
-    `pending` to `not_run`, those left in `pending` are the budget's."""
+    `pending` to `not_run`, those left in `pending` are the budget's. `sixteen_bit`: tune_order.prior's."""
     while pending:
         ran = [(i, t.changes, t.tokens_per_s) for i, t in enumerate(result.trials)]
         runnable = []
@@ -338,7 +341,7 @@ def _search(pending: list[Trial], not_run: list[Trial], result: TuneResult, run,
                 not_run.append(replace(trial, status="skipped", why=why))
             elif not why:
                 runnable.append(trial)
-        choice = tune_order.next_candidate([t.changes for t in runnable], ran, result.world_size)
+        choice = tune_order.next_candidate([t.changes for t in runnable], ran, result.world_size, sixteen_bit)
         timeout = room()
         if choice is None or timeout is None:
             return

@@ -5,7 +5,8 @@ The throughput model is a prior, relative tokens/s (one number per candidate, no
 
     prior = micro / (micro + 1)           # a larger micro batch fills the device better, with diminishing returns
           x CKPT_FACTOR if checkpointing  # the forward runs twice: ~4/3 of the compute
-          x STAGE_FACTOR[stage]           # more partitioning, more collectives (stage 3 gathers every layer)
+          x STAGE_FACTOR[stage]           # more partitioning, more collectives (stage 3 gathers every layer);
+                                          # with 16-bit precision STAGE_FACTOR_16BIT (stage 0's fp32 weights)
           x OFFLOAD_FACTOR if offloaded   # the optimizer step over PCIe and on the host
 
 Each measured trial refines it: a pending candidate's expected tokens/s is the measured tokens/s of its nearest
@@ -31,6 +32,11 @@ MICRO, STAGE, CKPT, OFFLOAD = ("batch.micro_batch_per_rank", "zero.stage", "mode
                                "offload")
 CKPT_FACTOR = 0.75  # NOTE: recompute = one more forward, a third of forward + backward's compute
 STAGE_FACTOR = {0: 1.0, 1: 0.98, 2: 0.95, 3: 0.85}
+# NOTE: empirical. With bf16/fp16, stage 0 keeps fp32 weights under autocast (a cast of every weight in every
+# forward) where stages 1-3 hold 16-bit weights and the fp32 master in the optimizer. On one GPU, at the same micro
+# batch, stage 0 measured 0.93-0.95 of stage 1 in all five recipes tuned (gpt2-124m, gpt2-medium, gpt2-1.5b,
+# llama-1b on H100 and H200; benchmarks/RESULTS.md, "Autotuning"), stage 2 0.98-1.0, stage 3 0.97-0.99.
+STAGE_FACTOR_16BIT = {0: 0.94, 1: 1.0, 2: 0.99, 3: 0.97}
 OFFLOAD_FACTOR = 0.5  # NOTE: a guess that only orders offload after the rest; rule 3 gates it anyway
 
 
@@ -43,12 +49,13 @@ def candidates(micros: list[int], per_rank: int, stages, checkpointing, offloads
             if not (stage == 0 and off != "none")]  # NOTE: stage 0 has no partitioned optimizer to offload
 
 
-def prior(changes: dict) -> float:
-    """Relative tokens/s the model expects of a candidate before anything is measured (module docstring)."""
+def prior(changes: dict, sixteen_bit: bool = False) -> float:
+    """Relative tokens/s the model expects of a candidate before anything is measured (module docstring);
+    `sixteen_bit`: the recipe trains in bf16 or fp16."""
     micro = changes[MICRO]
     factor = CKPT_FACTOR if changes.get(CKPT) else 1.0
     factor *= 1.0 if changes.get(OFFLOAD, "none") == "none" else OFFLOAD_FACTOR
-    return micro / (micro + 1) * factor * STAGE_FACTOR[changes[STAGE]]
+    return micro / (micro + 1) * factor * (STAGE_FACTOR_16BIT if sixteen_bit else STAGE_FACTOR)[changes[STAGE]]
 
 
 def _distance(a: dict, b: dict) -> tuple[int, float]:
@@ -56,13 +63,13 @@ def _distance(a: dict, b: dict) -> tuple[int, float]:
     return axes, abs(math.log2(a[MICRO]) - math.log2(b[MICRO]))
 
 
-def expected(changes: dict, ran: list[tuple[int, dict, float | None]]) -> float:
+def expected(changes: dict, ran: list[tuple[int, dict, float | None]], sixteen_bit: bool = False) -> float:
     """Expected tokens/s: the prior scaled by the nearest measured trial; the bare prior before any measurement."""
     measured = [(done, tokens_per_s) for _, done, tokens_per_s in ran if tokens_per_s]
     if not measured:
-        return prior(changes)
+        return prior(changes, sixteen_bit)
     near, tokens_per_s = min(measured, key=lambda m: _distance(changes, m[0]))
-    return tokens_per_s * prior(changes) / prior(near)
+    return tokens_per_s * prior(changes, sixteen_bit) / prior(near, sixteen_bit)
 
 
 def _config(changes: dict) -> tuple:
@@ -107,7 +114,8 @@ def _heads(pending: list[dict], ran: list[tuple[int, dict, float | None]], world
     return first or list(heads.values())
 
 
-def next_candidate(pending: list[dict], ran: list[tuple[int, dict, float | None]], world_size: int) -> dict | None:
+def next_candidate(pending: list[dict], ran: list[tuple[int, dict, float | None]], world_size: int,
+                   sixteen_bit: bool = False) -> dict | None:
     """The candidate to run next among `pending` (those skip_reason lets run now), or None when none is left."""
     pool = _heads(pending, ran, world_size) or pending
-    return max(pool, key=lambda c: expected(c, ran)) if pool else None
+    return max(pool, key=lambda c: expected(c, ran, sixteen_bit)) if pool else None
