@@ -38,8 +38,6 @@ NO_OUTPUT = {
     "03-workflow-29": "removes the notebook's temporary directory; prints nothing",
     "13-communication-19": "removes the ranks' temporary output directory; prints nothing",
     "17-convert-export-resume-11": "removes the notebook's temporary directory; prints nothing",
-    "gpu/07_zero_offload.ipynb": "re-rendered after its execution on an H100 (2026-12-06: in-process peaks 46.7 / 29.3 "
-                                 "GiB, fresh 46.8 / 29.4 at 1.5B); the device name in its first cell, to re-execute",
     "gpu/10_estimate.ipynb": "sized for an H200 (141 GB): CUDA out of memory on the H100 80GB the gallery got "
                              "(2026-12-05); re-execute on an H200",
 }
