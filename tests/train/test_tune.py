@@ -161,6 +161,34 @@ def test_a_slow_baseline_reserves_its_own_time_for_the_ab_reruns_not_four_times(
     assert len(result.decision.reruns) == 4 and result.elapsed_s <= 240
 
 
+def test_a_baseline_that_leaves_no_room_says_not_tuned_not_keep_your_recipe(tmp_path, monkeypatch):
+    """The budget after a 68 s baseline cannot hold a trial and the A/B reruns: the answer names the budget and
+    does not call the recipe the fastest (no candidate was measured)."""
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0, wall_s=68.0)
+    space = TuneSpace(stages=(0, 1), micro_batches=(1, 4), checkpointing=(False,), offloads=("none",))
+    result = tune(_write(tmp_path), space=space, budget_s=300, cap_bytes=2**40, log=lambda line: None)
+    assert len(fake.calls) == 1 and not result.decision.change
+    text = decision_text(result)
+    assert text.startswith("not tuned, no candidate ran: the budget left after the baseline (68 s)") and \
+        "--budget-minutes" in text and "fastest" not in text
+
+
+def test_on_a_gpu_the_kernels_are_built_once_before_the_baseline(tmp_path, monkeypatch):
+    """So that no trial's time, and the A/B reserve counted from it, holds a kernel build (68 s against 49 s for
+    gpt2-1.5b-zero3's baseline on a fresh H100)."""
+    import torch
+
+    events = []
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0, sizes=lambda changes: 1)
+    plain = fake.run_trial
+    monkeypatch.setattr(tune_module, "run_trial", lambda *a, **k: events.append("trial") or plain(*a, **k))
+    monkeypatch.setattr(tune_module, "_build_kernels", lambda: events.append("build") or 20.0)
+    monkeypatch.setattr("toolkit.runtime.engine.pick_device", lambda device: torch.device("cuda"))
+    space = TuneSpace(stages=(0,), micro_batches=(1, 4), checkpointing=(False,), offloads=("none",), refine=False)
+    tune(_write(tmp_path), space=space, budget_s=1000, cap_bytes=2**40, log=lambda line: None)
+    assert events[:2] == ["build", "trial"] and events.count("build") == 1
+
+
 def _timed(fake, wall):
     """FakeTrials.run_trial with each trial's fake seconds from wall(trial)."""
     plain = fake.run_trial

@@ -5,7 +5,8 @@ x activation checkpointing x optimizer offload (ratio 1 or 0.5); then, on a GPU,
 training.compile and the fused kernels toggled. In order:
 
 1. Trial 0 is the recipe as written (the baseline), always run, whatever the budget or the memory estimate says
-   (an out-of-memory ends only that trial).
+   (an out-of-memory ends only that trial). On a GPU the kernels are built before it, so no trial's time holds a
+   build.
 2. Every candidate is validated and sized by the memory estimator (toolkit/observe/memory_fit.py size_terms, as
    `toolkit estimate` counts). One is pruned only when its prediction exceeds the cap by more than PRUNE_MARGIN
    (10%, the model's stated accuracy): a candidate near the cap runs anyway.
@@ -288,6 +289,8 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
         slowest = max(t.wall_s for t in result.trials)
         return left() - reserve() if left() >= slowest + reserve() else None
 
+    if on_cuda:  # NOTE: built once here, so that no trial's time (the A/B reserve is counted from them) holds a build
+        log(f"tune: kernels ready in {_build_kernels():.0f} s")
     predicted = predict(path, None, world_size, on_cuda)[0]
     over = f"predicted {format_bytes(predicted)} > cap {format_bytes(cap)}" if predicted > prune_above else ""
     base = run(Trial(result.original, predicted_bytes=predicted, baseline=True), max(left(), BASELINE_TIMEOUT_S))
@@ -304,12 +307,22 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
                 changes = {**best.changes, **toggle}
                 run(Trial(changes, predicted_bytes=predict(path, changes, world_size, on_cuda)[0]), room())
         best = _best(result.trials)
-    result.best, result.decision = best, _decide(result, base, best, ab_pairs, run)
+    result.best, result.decision = best, _decide(result, base, best, ab_pairs, run, len(pending))
     order = {id(c): i for i, c in enumerate(all_changes)}  # those not run: in the space's order
     result.trials += sorted([replace(t, status="not run", why="budget spent") for t in pending] + not_run,
                             key=lambda t: order[id(t.changes)])
     result.elapsed_s = time.monotonic() - start
     return result
+
+
+def _build_kernels() -> float:
+    """Build (or find in the cache) every kernel a trial may load, the CPU Adam of offload among them: seconds taken.
+    A kernel that cannot build is the trials' business: they fall back to torch's ops and say so."""
+    from toolkit.ops import loader
+
+    start = time.monotonic()
+    loader.build_all((*loader.KERNELS, "cpu_adam"))
+    return time.monotonic() - start
 
 
 def _sized(path, all_changes: list[dict], world_size: int, on_cuda: bool, cap: int,
@@ -350,10 +363,15 @@ def _search(pending: list[Trial], not_run: list[Trial], result: TuneResult, run,
         run(trial, timeout)
 
 
-def _decide(result: TuneResult, base: Trial, best: Trial | None, ab_pairs: int, run) -> Decision | None:
-    """The A/B/A/B reruns and the decision (tune_decide.py); None when nothing ran."""
+def _decide(result: TuneResult, base: Trial, best: Trial | None, ab_pairs: int, run,
+            waiting: int) -> Decision | None:
+    """The A/B/A/B reruns and the decision (tune_decide.py); None when nothing ran. `waiting`: candidates the
+    budget left unrun."""
     if best is None:
         return None
+    if best is base and waiting and not any(t.status == "ok" for t in result.trials[1:]):
+        return Decision(False, why=f"no candidate ran: the budget left after the baseline ({base.wall_s:.0f} s) did "
+                                   f"not cover one more trial and the A/B reruns; a longer --budget-minutes tunes")
     if best is base:
         return Decision(False, why="the recipe as written was the fastest trial")
     if base.status != "ok":
