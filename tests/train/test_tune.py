@@ -162,11 +162,11 @@ def test_a_slow_baseline_reserves_its_own_time_for_the_ab_reruns_not_four_times(
 
 
 def test_a_baseline_that_leaves_no_room_says_not_tuned_not_keep_your_recipe(tmp_path, monkeypatch):
-    """The budget after a 68 s baseline cannot hold a trial and the A/B reruns: the answer names the budget and
-    does not call the recipe the fastest (no candidate was measured)."""
+    """The 132 s a 200 s budget leaves after a 68 s baseline hold no trial and even one A/B pair (68 + 136 s): the
+    answer names the budget and does not call the recipe the fastest (no candidate was measured)."""
     fake = FakeTrials(monkeypatch, speed=lambda t: 100.0, wall_s=68.0)
     space = TuneSpace(stages=(0, 1), micro_batches=(1, 4), checkpointing=(False,), offloads=("none",))
-    result = tune(_write(tmp_path), space=space, budget_s=300, cap_bytes=2**40, log=lambda line: None)
+    result = tune(_write(tmp_path), space=space, budget_s=200, cap_bytes=2**40, log=lambda line: None)
     assert len(fake.calls) == 1 and not result.decision.change
     text = decision_text(result)
     assert text.startswith("not tuned, no candidate ran: the budget left after the baseline (68 s)") and \
@@ -187,6 +187,34 @@ def test_on_a_gpu_the_kernels_are_built_once_before_the_baseline(tmp_path, monke
     space = TuneSpace(stages=(0,), micro_batches=(1, 4), checkpointing=(False,), offloads=("none",), refine=False)
     tune(_write(tmp_path), space=space, budget_s=1000, cap_bytes=2**40, log=lambda line: None)
     assert events[:2] == ["build", "trial"] and events.count("build") == 1
+
+
+def test_a_baseline_too_slow_for_two_ab_pairs_gets_one_and_the_search_samples_join_it(tmp_path, monkeypatch):
+    """A 70 s baseline, 30 s candidates, 300 s: two pairs (280 s) would leave no room, so one pair (100 s once a
+    candidate ran) and 3 candidates; the rule then takes each side's search trial with its rerun."""
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0 if t.baseline else 100.0 + t.changes[MICRO])
+    fake.run_trial = _timed(fake, lambda t: 70.0 if t.baseline else 30.0)
+    monkeypatch.setattr(tune_module, "run_trial", fake.run_trial)
+    lines = []
+    space = TuneSpace(stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8), checkpointing=(False,), offloads=("none",))
+    result = tune(_write(tmp_path), space=space, budget_s=300, cap_bytes=2**40, log=lines.append)
+    assert len([t for t in fake.calls if t.rerun_of is None and not t.baseline]) == 3
+    d = result.decision
+    assert len(d.reruns) == 2 and d.with_search and len(d.baseline_runs) == len(d.candidate_runs) == 2
+    assert d.change and result.elapsed_s <= 300
+    assert any(line.startswith("tune: one A/B pair, not 2") for line in lines)
+    assert "search, then one A/B pair (the budget's) tokens/s: baseline 100, 100" in decision_text(result)
+
+
+def test_a_slow_search_sample_can_only_make_the_one_pair_rule_stricter():
+    from toolkit.train.tune_decide import measure_ab
+
+    runs = iter([(5, 100.0), (6, 120.0)])  # the reruns: baseline 100, candidate 120
+    assert measure_ab(lambda is_baseline: next(runs), "c", 1, ([90.0], [120.0])).change
+    runs = iter([(5, 100.0), (6, 120.0)])
+    assert not measure_ab(lambda is_baseline: next(runs), "c", 1, ([90.0], [100.5])).change  # its search: 100.5
+    runs = iter([(5, 100.0), (6, 120.0)])
+    assert not measure_ab(lambda is_baseline: next(runs), "c", 1, ([119.0], [120.0])).change  # baseline's: 119
 
 
 def _timed(fake, wall):

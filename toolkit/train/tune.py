@@ -16,6 +16,8 @@ training.compile and the fused kernels toggled. In order:
    from its metrics.jsonl (tokens/s over the measured steps only, peak memory). A crash or OOM ends that trial.
 4. From the start, time is kept for the A/B re-measurement (AB_PAIRS x the baseline's time plus the slowest
    candidate's, the baseline's until one ran): a trial starts only when the budget left covers it and that reserve.
+   When a slow baseline leaves no room for a candidate beside two pairs, one pair is kept, and the search trials
+   of the two join its samples (tune_decide.py).
 5. The best candidate and the baseline rerun interleaved A/B/A/B, each in a fresh process; the candidate wins
    only when its slowest rerun beats the baseline's fastest by more than MIN_GAIN (1%; the rule and why:
    toolkit/train/tune_decide.py). Otherwise, or when the baseline was itself the fastest, the answer is "keep
@@ -260,6 +262,7 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
     prune_above = int(cap * (1 + PRUNE_MARGIN))
     tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
     start = time.monotonic()
+    pairs = ab_pairs
 
     def left() -> float:
         return budget_s - (time.monotonic() - start)
@@ -270,7 +273,7 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
         if result.trials[0].status != "ok":
             return 0.0
         candidates_ok = [t.wall_s for t in result.trials[1:] if t.status == "ok"]
-        return ab_pairs * (result.trials[0].wall_s + max(candidates_ok, default=result.trials[0].wall_s))
+        return pairs * (result.trials[0].wall_s + max(candidates_ok, default=result.trials[0].wall_s))
 
     def run(trial: Trial, timeout: float) -> Trial:
         trial = run_trial(path, trial, world_size=world_size, warmup=warmup, measure=measure, timeout=timeout,
@@ -295,6 +298,13 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
     over = f"predicted {format_bytes(predicted)} > cap {format_bytes(cap)}" if predicted > prune_above else ""
     base = run(Trial(result.original, predicted_bytes=predicted, baseline=True), max(left(), BASELINE_TIMEOUT_S))
     base.why = "; ".join(filter(None, (over, base.why)))  # the recipe as written runs even so
+    if pairs > 1 and room() is None:  # NOTE: a slow baseline: one A/B pair, so that candidates run at all
+        pairs = 1
+        if room() is None:
+            pairs = ab_pairs  # not even then: no candidate runs, and the answer says "not tuned"
+        else:
+            log(f"tune: one A/B pair, not {ab_pairs}: the baseline took {base.wall_s:.0f} s of the budget; the "
+                f"search trials count as the second samples")
 
     all_changes = candidates(recipe, space, world_size, on_cuda)
     pending, not_run = _sized(path, all_changes, world_size, on_cuda, cap, prune_above)
@@ -307,7 +317,7 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
                 changes = {**best.changes, **toggle}
                 run(Trial(changes, predicted_bytes=predict(path, changes, world_size, on_cuda)[0]), room())
         best = _best(result.trials)
-    result.best, result.decision = best, _decide(result, base, best, ab_pairs, run, len(pending))
+    result.best, result.decision = best, _decide(result, base, best, pairs, run, len(pending), ab_pairs)
     order = {id(c): i for i, c in enumerate(all_changes)}  # those not run: in the space's order
     result.trials += sorted([replace(t, status="not run", why="budget spent") for t in pending] + not_run,
                             key=lambda t: order[id(t.changes)])
@@ -363,10 +373,10 @@ def _search(pending: list[Trial], not_run: list[Trial], result: TuneResult, run,
         run(trial, timeout)
 
 
-def _decide(result: TuneResult, base: Trial, best: Trial | None, ab_pairs: int, run,
-            waiting: int) -> Decision | None:
+def _decide(result: TuneResult, base: Trial, best: Trial | None, pairs: int, run, waiting: int,
+            ab_pairs: int) -> Decision | None:
     """The A/B/A/B reruns and the decision (tune_decide.py); None when nothing ran. `waiting`: candidates the
-    budget left unrun."""
+    budget left unrun; `pairs` below `ab_pairs`: the budget's, and the search trials join the reruns' samples."""
     if best is None:
         return None
     if best is base and waiting and not any(t.status == "ok" for t in result.trials[1:]):
@@ -385,7 +395,8 @@ def _decide(result: TuneResult, base: Trial, best: Trial | None, ab_pairs: int, 
                             rerun_of=index[is_baseline]), timeout)
         return len(result.trials) - 1, trial.tokens_per_s
 
-    return measure_ab(rerun, best.label, ab_pairs)
+    earlier = ([base.tokens_per_s], [best.tokens_per_s]) if pairs < ab_pairs else ([], [])
+    return measure_ab(rerun, best.label, pairs, earlier)
 
 
 def _best(trials: list[Trial]) -> Trial | None:

@@ -5,6 +5,9 @@ The re-measurement: the baseline (A, the recipe as written) and the best candida
 A, B, A, B (AB_PAIRS pairs), each in a fresh process, so that a drift of the machine (a neighbour's load, clocks,
 the page cache) touches both alike. Only these reruns decide, never the search trials (those ran at other times).
 
+When the budget leaves room for one pair only (a slow baseline), the search trials of the two join the
+reruns as their second samples: A, B (search), then A, B (reruns).
+
 The rule: the candidate wins when its slowest rerun is faster than the baseline's fastest rerun by more than
 MIN_GAIN (1%):
 
@@ -35,6 +38,7 @@ class Decision:
     candidate_runs: tuple[float, ...] = ()
     why: str = ""  # one line: why the answer is what it is
     reruns: tuple[int, ...] = ()  # trial indices of the reruns, in the order run
+    with_search: bool = False  # the search trials' samples are among the runs (one pair only: the budget)
 
     @property
     def speedup(self) -> float | None:
@@ -75,13 +79,17 @@ def decide(candidate: str, baseline_runs: list[float | None], candidate_runs: li
                     "within the spread")
 
 
-def measure_ab(run: Callable[[bool], tuple[int, float | None]], candidate: str, pairs: int = AB_PAIRS) -> Decision:
+def measure_ab(run: Callable[[bool], tuple[int, float | None]], candidate: str, pairs: int = AB_PAIRS,
+               earlier: tuple[list, list] = ([], [])) -> Decision:
     """Run A (baseline, run(True)) and B (candidate, run(False)) interleaved `pairs` times, then decide; `run`
-    returns (its trial index, tokens/s or None)."""
-    reruns, sides = [], {True: [], False: []}
+    returns (its trial index, tokens/s or None). `earlier`: (baseline, candidate) samples measured before, from
+    the search, which the rule takes with the reruns when the budget allowed one pair only. NOTE: that can only
+    make the rule stricter: it compares the candidate's slowest sample with the baseline's fastest."""
+    reruns, sides = [], {True: list(earlier[0]), False: list(earlier[1])}
     for _ in range(pairs):
         for is_baseline in (True, False):
             index, tokens_per_s = run(is_baseline)
             reruns.append(index)
             sides[is_baseline].append(tokens_per_s)
-    return replace(decide(candidate, sides[True], sides[False]), reruns=tuple(reruns))
+    return replace(decide(candidate, sides[True], sides[False]), reruns=tuple(reruns),
+                   with_search=bool(earlier[0] or earlier[1]))

@@ -42,7 +42,8 @@ def decision_text(result: TuneResult, out: Path | None = None) -> str:
     written = f"written to {out}" if out is not None else "a recipe to write"
     if d.change and not d.baseline_runs:
         return (f"candidate {d.candidate} runs at {d.candidate_runs[0]:,.0f} tokens/s and {d.why}; {written}")
-    ab = (f"A/B/A/B tokens/s: baseline {_runs(d.baseline_runs)}, candidate {_runs(d.candidate_runs)}; "
+    name = "search, then one A/B pair (the budget's)" if d.with_search else "/".join("AB" * (len(d.reruns) // 2))
+    ab = (f"{name} tokens/s: baseline {_runs(d.baseline_runs)}, candidate {_runs(d.candidate_runs)}; "
           f"spread {d.spread:.1%}" if d.baseline_runs and d.candidate_runs else "")
     if d.change:
         return f"candidate {d.candidate} is {d.speedup:.2f}x the baseline ({ab}; {d.why}); {written}"
@@ -97,7 +98,7 @@ def decision_json(result: TuneResult, out: Path | None) -> dict:
         return {"change": False, "text": decision_text(result, out)}
     return {"change": d.change, "candidate": d.candidate or None, "baseline_runs": list(d.baseline_runs),
             "candidate_runs": list(d.candidate_runs), "speedup": d.speedup, "spread": d.spread,
-            "worst_case": d.worst_case, "min_gain": MIN_GAIN, "reruns": list(d.reruns), "why": d.why,
+            "worst_case": d.worst_case, "min_gain": MIN_GAIN, "reruns": list(d.reruns), "with_search": d.with_search, "why": d.why,
             "written": str(out) if d.change and out is not None else None, "text": decision_text(result, out)}
 
 
