@@ -38,8 +38,8 @@ NO_OUTPUT = {
     "03-workflow-29": "removes the notebook's temporary directory; prints nothing",
     "13-communication-19": "removes the ranks' temporary output directory; prints nothing",
     "17-convert-export-resume-11": "removes the notebook's temporary directory; prints nothing",
-    "gpu/10_estimate.ipynb": "sized for an H200 (141 GB): CUDA out of memory on the H100 80GB the gallery got "
-                             "(2026-12-05); re-execute on an H200",
+    "gpu/10_estimate.ipynb": "re-rendered after an H100 run (2026-12-06) found the peak model 24% low for "
+                             "checkpointing at stage 0 without accumulation (fixed); to re-execute on any GPU",
 }
 
 
