@@ -98,7 +98,8 @@ GPU_MATRIX = [
 ]
 
 # Stage 0 with activation checkpointing and no accumulation, which neither matrix above held: tutorial 10's GPU
-# variant measured 1.24x the prediction there (3.2B Llama, micro 16 x 2048, H100); each beside its accumulation-2 twin.
+# variant measured 1.24x the prediction there (3.2B Llama, micro 16 x 2048, H100); two beside their accumulation-2
+# twins.
 STAGE0_CKPT_MATRIX = [
     config("gpt2-124m", 32, "zero.stage=0", "model.activation_checkpointing=true", accum=1),
     config("gpt2-124m", 32, "zero.stage=0", "model.activation_checkpointing=true"),
@@ -269,7 +270,8 @@ def main(argv=None) -> int:
     if args.report:
         print(report(args.report))
         return 0
-    matrix = {"gpu": GPU_MATRIX, "holdout": HOLDOUT_MATRIX, "stage0ckpt": STAGE0_CKPT_MATRIX, "cpu": CPU_MATRIX}[args.matrix]
+    matrices = {"gpu": GPU_MATRIX, "holdout": HOLDOUT_MATRIX, "stage0ckpt": STAGE0_CKPT_MATRIX, "cpu": CPU_MATRIX}
+    matrix = matrices[args.matrix]
     if args.only:
         matrix = [c for c in matrix if any(s in c["id"] for s in args.only.split(","))]
     partial = args.out.with_suffix(".partial.jsonl") if args.out else None

@@ -149,8 +149,8 @@ def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
     # NOTE: EMPIRICAL, one measurement each way. With checkpointing on CUDA the peak holds the gradients: tutorial
     # 10's 3.2B Llama (stage 0, bf16, fused kernels, micro 16 x 2048, accumulation 1) measured 66.4 GiB on an H100,
     # 65.5 predicted with them, 53.5 without. On the CPU (fp32, torch's kernels) the same notebook's 8-layer Llama
-    # measured 0.93-0.96x the prediction without them (two runs), 0.88x with. What CUDA holds there is not identified: the
-    # stage0ckpt matrix of benchmarks/memory_calibration.py is written to find out (benchmarks/RESULTS.md).
+    # measured 0.93-0.96x the prediction without them (two runs), 0.88x with. What CUDA holds there is not
+    # identified: the stage0ckpt matrix of benchmarks/memory_calibration.py is to find out (benchmarks/RESULTS.md).
     cache = 2 * _matmul_params(inp.shape, n_params) if inp.stage == 0 and inp.dtype != "fp32" else 0
     acts, logits = activation_peak_bytes(inp.shape, micro_batch=inp.micro_batch, seq_len=inp.seq_len,
                                          dtype=inp.dtype, stage=inp.stage, on_cuda=on_cuda, fused=inp.fused,

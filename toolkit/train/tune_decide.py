@@ -3,10 +3,9 @@ rule that decides it. No processes here: tune.py hands in the function that runs
 
 The re-measurement: the baseline (A, the recipe as written) and the best candidate (B) run again, interleaved
 A, B, A, B (AB_PAIRS pairs), each in a fresh process, so that a drift of the machine (a neighbour's load, clocks,
-the page cache) touches both alike. Only these reruns decide, never the search trials (those ran at other times).
-
-When the budget leaves room for one pair only (a slow baseline), the search trials of the two join the
-reruns as their second samples: A, B (search), then A, B (reruns).
+the page cache) touches both alike. Only these reruns decide, not the search trials (those ran at other times),
+except when the budget leaves room for one pair only (a slow baseline): then the search trials of the two join
+the reruns as their second samples, A, B (search), then A, B (reruns).
 
 The rule: the candidate wins when its slowest rerun is faster than the baseline's fastest rerun by more than
 MIN_GAIN (1%):

@@ -98,7 +98,8 @@ def decision_json(result: TuneResult, out: Path | None) -> dict:
         return {"change": False, "text": decision_text(result, out)}
     return {"change": d.change, "candidate": d.candidate or None, "baseline_runs": list(d.baseline_runs),
             "candidate_runs": list(d.candidate_runs), "speedup": d.speedup, "spread": d.spread,
-            "worst_case": d.worst_case, "min_gain": MIN_GAIN, "reruns": list(d.reruns), "with_search": d.with_search, "why": d.why,
+            "worst_case": d.worst_case, "min_gain": MIN_GAIN, "reruns": list(d.reruns),
+            "with_search": d.with_search, "why": d.why,
             "written": str(out) if d.change and out is not None else None, "text": decision_text(result, out)}
 
 
