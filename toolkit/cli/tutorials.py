@@ -15,7 +15,7 @@ macros) and render to no notebook.
 
 Each template renders twice: `gpu` false gives tutorials/<name>.ipynb (sizes
 that run on 2 CPU cores, executed by nbval in CI), `gpu` true gives
-tutorials/gpu/<name>.ipynb (the same story on an H200 machine: at real sizes where one GPU allows, else
+tutorials/gpu/<name>.ipynb (the same story on one GPU of 80 GB or more: at real sizes where one GPU allows, else
 with CPU ranks or a CPU-sized model, which its `about` block's "gpu" key says).
 
 The rendering is deterministic: cell ids are `<name>-<index>`
@@ -278,9 +278,9 @@ def render_index() -> str:
              "     tutorials/templates/*.md.j2 and from run_times.json; edit those, not this file. -->", "",
              "Each notebook answers one question with runs it measures itself and asserts what it concludes.",
              "`NN_name.ipynb` is the CPU variant: sized for 2 CPU cores, committed with its outputs and executed by",
-             "the tests (nbval). `gpu/NN_name.ipynb` is the GPU variant, sized for one NVIDIA H200 and committed",
-             "with the outputs of its last run on the GPU machine lent to us (an H200 or an H100: each entry's run",
-             "time names the card); where it runs CPU ranks or a CPU-sized model, its entry says so.", "",
+             "the tests (nbval). `gpu/NN_name.ipynb` is the GPU variant, sized for one NVIDIA GPU of 80 GB or more",
+             "and committed with the outputs of its last run on the GPU machine lent to us (an H100 or an H200: each",
+             "entry's run time names the card); where it runs CPU ranks or a CPU-sized model, its entry says so.", "",
              "Open the first one from a fresh clone (the `tutorials` extra brings Jupyter):", "",
              "```bash",
              'pip install torch==2.13.0 && pip install ".[tutorials]" && jupyter lab tutorials/01_quickstart.ipynb',
