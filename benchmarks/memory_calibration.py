@@ -97,9 +97,9 @@ GPU_MATRIX = [
     config("gpt2-124m", 4, "model.size=774m", "zero.stage=2", "precision.dtype=fp16"),
 ]
 
-# Stage 0 with activation checkpointing and no accumulation, which neither matrix above held: tutorial 10's GPU
-# variant measured 1.24x the prediction there (3.2B Llama, micro 16 x 2048, H100); two beside their accumulation-2
-# twins.
+# Stage 0 with activation checkpointing and no accumulation, which neither matrix above holds (tutorial 10's GPU
+# variant ran that case on an H100: 66.4 GiB reported, 12.0 of it the gradients counted twice, so 1.02x the
+# prediction; benchmarks/RESULTS.md); two beside their accumulation-2 twins.
 STAGE0_CKPT_MATRIX = [
     config("gpt2-124m", 32, "zero.stage=0", "model.activation_checkpointing=true", accum=1),
     config("gpt2-124m", 32, "zero.stage=0", "model.activation_checkpointing=true"),

@@ -7,8 +7,8 @@ The peak is the moment backward starts (without checkpointing) or the loss's bac
   model states where the engine keeps them (tiers.py: exact, counted the engine's way)
   + the autocast weight cache (stage 0 under bf16/fp16: a 16-bit copy of every matmul weight,
     kept for backward)
-  - the gradients, where they do not exist yet at that moment (stage 0, no accumulation, and on
-    CUDA no checkpointing: torch allocates them during backward, after the peak)
+  - the gradients, where they do not exist yet at that moment (stage 0, no accumulation: torch
+    allocates them during backward, after the peak)
   + the saved activations of every block (or, checkpointed, each block's input)
   + the logits and what the loss keeps of them
   + on the CPU, the process itself (Python, torch, transformers) and the synthetic token buffers.
@@ -144,13 +144,8 @@ def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
     n_params = inp.num_params
     tiers = input_tiers(inp)
     states = tiers.gpu
-    if inp.stage == 0 and inp.grad_accum_steps == 1 and not (on_cuda and inp.shape.activation_checkpointing):
-        states -= 4 * n_params  # NOTE: fp32 gradients appear during backward, after the peak
-    # NOTE: EMPIRICAL, one measurement each way. With checkpointing on CUDA the peak holds the gradients: tutorial
-    # 10's 3.2B Llama (stage 0, bf16, fused kernels, micro 16 x 2048, accumulation 1) measured 66.4 GiB on an H100,
-    # 65.5 predicted with them, 53.5 without. On the CPU (fp32, torch's kernels) the same notebook's 8-layer Llama
-    # measured 0.93-0.96x the prediction without them (two runs), 0.88x with. What CUDA holds there is not
-    # identified: the stage0ckpt matrix of benchmarks/memory_calibration.py is to find out (benchmarks/RESULTS.md).
+    if inp.stage == 0 and inp.grad_accum_steps == 1:  # fp32 gradients appear during backward, after the peak
+        states -= 4 * n_params
     cache = 2 * _matmul_params(inp.shape, n_params) if inp.stage == 0 and inp.dtype != "fp32" else 0
     acts, logits = activation_peak_bytes(inp.shape, micro_batch=inp.micro_batch, seq_len=inp.seq_len,
                                          dtype=inp.dtype, stage=inp.stage, on_cuda=on_cuda, fused=inp.fused,
