@@ -381,7 +381,8 @@ def _decide(result: TuneResult, base: Trial, best: Trial | None, pairs: int, run
         return None
     if best is base and waiting and not any(t.status == "ok" for t in result.trials[1:]):
         return Decision(False, why=f"no candidate ran: the budget left after the baseline ({base.wall_s:.0f} s) did "
-                                   f"not cover one more trial and the A/B reruns; a longer --budget-minutes tunes")
+                                   f"not cover one more trial and the A/B reruns; a longer --budget-minutes tunes",
+                        untried=True)
     if best is base:
         return Decision(False, why="the recipe as written was the fastest trial")
     if base.status != "ok":

@@ -38,6 +38,7 @@ class Decision:
     why: str = ""  # one line: why the answer is what it is
     reruns: tuple[int, ...] = ()  # trial indices of the reruns, in the order run
     with_search: bool = False  # the search trials' samples are among the runs (one pair only: the budget)
+    untried: bool = False  # no candidate was measured: the budget ran out after the baseline (not a verdict)
 
     @property
     def speedup(self) -> float | None:

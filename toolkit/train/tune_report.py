@@ -47,7 +47,7 @@ def decision_text(result: TuneResult, out: Path | None = None) -> str:
           f"spread {d.spread:.1%}" if d.baseline_runs and d.candidate_runs else "")
     if d.change:
         return f"candidate {d.candidate} is {d.speedup:.2f}x the baseline ({ab}; {d.why}); {written}"
-    if not d.candidate and d.why.startswith("no candidate ran"):
+    if d.untried:
         return f"not tuned, {d.why} (the recipe as written: {base.tokens_per_s:,.0f} tokens/s); no recipe written"
     if not d.candidate:
         runner_up = max((t for t in result.trials if t.status == "ok" and not t.baseline),
