@@ -63,8 +63,8 @@ def test_tune_runs_the_baseline_first_and_writes_the_candidate_that_wins_its_ab_
 
 
 class FakeTrials:
-    """Stands in for run_trial and the clock: each trial takes `wall_s` fake seconds and measures speed(trial)
-    (None: it fails); A/B reruns take their tokens/s from `reruns` (baseline, candidate) in turn."""
+    """Stands in for run_trial and the clock: each trial takes `wall_s` fake seconds (or wall_s(trial)) and measures
+    speed(trial) (None: it fails); A/B reruns take their tokens/s from `reruns` (baseline, candidate) in turn."""
 
     def __init__(self, monkeypatch, speed, wall_s=1.0, reruns=None, sizes=None):
         self.now, self.speed, self.wall_s, self.reruns, self.calls = 0.0, speed, wall_s, reruns, []
@@ -75,14 +75,15 @@ class FakeTrials:
 
     def run_trial(self, path, trial, **_):
         self.calls.append(trial)
-        self.now += self.wall_s
+        wall_s = self.wall_s(trial) if callable(self.wall_s) else self.wall_s
+        self.now += wall_s
         if trial.rerun_of is not None and self.reruns is not None:
             tokens_per_s = self.reruns[not trial.baseline].pop(0)
         else:
             tokens_per_s = self.speed(trial)
         if tokens_per_s is None:
-            return replace(trial, status="failed", why="CUDA out of memory", wall_s=self.wall_s)
-        return replace(trial, status="ok", tokens_per_s=tokens_per_s, peak_bytes=1, wall_s=self.wall_s)
+            return replace(trial, status="failed", why="CUDA out of memory", wall_s=wall_s)
+        return replace(trial, status="ok", tokens_per_s=tokens_per_s, peak_bytes=1, wall_s=wall_s)
 
 
 def test_the_baseline_runs_even_when_predicted_over_the_cap_and_the_budget_is_spent(tmp_path, monkeypatch):
@@ -152,9 +153,8 @@ def test_the_search_stops_in_time_for_the_ab_reruns(tmp_path, monkeypatch):
 def test_a_slow_baseline_reserves_its_own_time_for_the_ab_reruns_not_four_times(tmp_path, monkeypatch):
     """A baseline of 40 s (offload, checkpointing) and candidates of 10 s: once a candidate ran, the A/B keeps
     2 x (40 + 10) s, so a 240 s budget runs 7 candidates after the baseline (the old reserve, 4 x 40 s, one)."""
-    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0 if t.baseline else 100.0 + t.changes[MICRO])
-    fake.run_trial = _timed(fake, lambda t: 40.0 if t.baseline else 10.0)
-    monkeypatch.setattr(tune_module, "run_trial", fake.run_trial)
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0 if t.baseline else 100.0 + t.changes[MICRO],
+                      wall_s=lambda t: 40.0 if t.baseline else 10.0)
     space = TuneSpace(stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8), checkpointing=(False,), offloads=("none",))
     result = tune(_write(tmp_path), space=space, budget_s=240, cap_bytes=2**40, log=lambda line: None)
     assert len([t for t in fake.calls if t.rerun_of is None and not t.baseline]) == 7
@@ -192,9 +192,8 @@ def test_on_a_gpu_the_kernels_are_built_once_before_the_baseline(tmp_path, monke
 def test_a_baseline_too_slow_for_two_ab_pairs_gets_one_and_the_search_samples_join_it(tmp_path, monkeypatch):
     """A 70 s baseline, 30 s candidates, 300 s: two pairs (280 s) would leave no room, so one pair (100 s once a
     candidate ran) and 3 candidates; the rule then takes each side's search trial with its rerun."""
-    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0 if t.baseline else 100.0 + t.changes[MICRO])
-    fake.run_trial = _timed(fake, lambda t: 70.0 if t.baseline else 30.0)
-    monkeypatch.setattr(tune_module, "run_trial", fake.run_trial)
+    fake = FakeTrials(monkeypatch, speed=lambda t: 100.0 if t.baseline else 100.0 + t.changes[MICRO],
+                      wall_s=lambda t: 70.0 if t.baseline else 30.0)
     lines = []
     space = TuneSpace(stages=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8), checkpointing=(False,), offloads=("none",))
     result = tune(_write(tmp_path), space=space, budget_s=300, cap_bytes=2**40, log=lines.append)
@@ -215,17 +214,6 @@ def test_a_slow_search_sample_can_only_make_the_one_pair_rule_stricter():
     assert not measure_ab(lambda is_baseline: next(runs), "c", 1, ([90.0], [100.5])).change  # its search: 100.5
     runs = iter([(5, 100.0), (6, 120.0)])
     assert not measure_ab(lambda is_baseline: next(runs), "c", 1, ([119.0], [120.0])).change  # baseline's: 119
-
-
-def _timed(fake, wall):
-    """FakeTrials.run_trial with each trial's fake seconds from wall(trial)."""
-    plain = fake.run_trial
-
-    def run_trial(path, trial, **kw):
-        fake.wall_s = wall(trial)
-        return plain(path, trial, **kw)
-
-    return run_trial
 
 
 @pytest.mark.parametrize("dtype, first", [("fp32", 0), ("bf16", 1), ("fp16", 1)])
