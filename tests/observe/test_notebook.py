@@ -74,6 +74,26 @@ def test_step_peak_bytes_sees_a_step_that_holds_64_mib_and_not_one_that_holds_no
     assert small < 8 * MiB, small / MiB
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_live_state_bytes_counts_a_one_process_stage0_engines_gradients_only_while_they_exist(stage):
+    import toolkit
+    from toolkit.observe.memory_monitor import model_state_bytes
+
+    engine = toolkit.initialize(toolkit.load_recipe("quickstart", [f"zero.stage={stage}", "training.device=cpu"]))
+    batch = [torch.randint(0, 256, (2, 65))]
+    engine.train_batch(batch)
+    states = model_state_bytes(engine)
+    params = sum(p.nbytes for p in engine.model.parameters())
+    if stage == 0:  # freed after the step: the memory line's params-sized gradients are not there now
+        assert all(p.grad is None for p in engine.model.parameters())
+        assert notebook.live_state_bytes(engine) == states.total - states.grads == states.total - params
+        loss = engine(batch[0])
+        engine.backward(loss)  # now they exist, and count
+        assert notebook.live_state_bytes(engine) == states.total
+    else:  # ZeRO keeps its gradient buffers between steps
+        assert notebook.live_state_bytes(engine) == states.total
+
+
 def test_after_rss_follows_tensors_a_freed_tensor_leaves_the_resident_set():
     notebook.rss_follows_tensors()
     before = rss_bytes()

@@ -3,9 +3,9 @@
 The notebooks under tutorials/ import these instead of pasting them into a cell, so that a visible cell
 tells the lesson (run this, compare that) and the measuring plumbing is tested here once:
 a Markdown table of measured values, the Markdown tables of benchmarks/RESULTS.md, the bytes autograd
-keeps for backward, a resident set that follows the live tensors, the bytes one training step adds,
-the peak of a run in a process of its own, a script on several ranks in one launch, and the median time
-of a call. Nothing in training imports this module.
+keeps for backward, a resident set that follows the live tensors, the model states that exist between
+steps, the bytes one training step adds, the peak of a run in a process of its own, a script on several ranks
+in one launch, and the median time of a call. Nothing in training imports this module.
 
 NOTE: torch and IPython are imported inside the functions that need them: `toolkit tutorials build`
 reads `markdown_tables` from here and must stay free of torch.
@@ -88,6 +88,20 @@ def synchronize(device) -> None:
 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def live_state_bytes(engine) -> int:
+    """Model-state bytes that exist now, between steps: the memory monitor's `model_state_bytes`, less the
+    gradients a one-process stage-0 engine has freed (its memory line counts them as large as the parameters,
+    since they live from backward to the step; a step's own peak counts them again when backward makes them)."""
+    from toolkit.observe.memory_monitor import model_state_bytes
+
+    states = model_state_bytes(engine)
+    strategy = getattr(engine, "strategy", None)
+    if getattr(strategy, "stage", None) == 0 and not strategy.info.active:
+        grads = sum(p.grad.nbytes for p in engine.model.parameters() if p.grad is not None)
+        return states.total - states.grads + grads
+    return states.total
 
 
 def step_peak_bytes(engine, micro_batches) -> int:

@@ -66,6 +66,20 @@ UNFUSED_LOGIT_BYTES = 12
 UNFUSED_GELU_I = 6.0
 UNFUSED_NORM_H = {"gpt2": 22.6, "llama": 2 * 4.0}
 UNFUSED_STAGE0_H = {"gpt2": 22.6, "llama": 2 * 4.0 + 6.0}
+# The CPU in fp32: every block's saved tensors COUNTED (not fitted) with saved-tensor hooks on torch 2.13, in
+# bytes per token, 16-bit units like the coefficients above. Both families keep each block's input, each norm's
+# output (llama's rmsnorm also its normalized fp32 tensor before the weight), the attention's query, output and
+# key/value (CPU's flash attention keeps them and the log-sum-exp, never the probabilities), the residual between
+# attention and MLP, and the MLP's tensors: llama's gate, up, SiLU(gate) and their product (4 i); gpt2's qkv as
+# one 3 h tensor and GELU's input, tanh, 1 + tanh, 0.5x(...) and output (5 i). Outside the blocks: the final
+# norm's input and outputs (llama 3 x 2 h, gpt2 2 x 2 h). Per token, also one fp32 number per head (the
+# log-sum-exp) and per norm (rmsnorm's 1 / rms; layernorm's mean and 1 / std).
+CPU_FP32_NORM_STATS = {"gpt2": 4, "llama": 2}
+CPU_FP32_BLOCK_H = {"gpt2": 16.0, "llama": 16.0}
+CPU_FP32_BLOCK_RH = {"gpt2": 0.0, "llama": 4.0}
+CPU_FP32_BLOCK_I = {"gpt2": 10.0, "llama": 8.0}
+CPU_FP32_OUTSIDE_H = {"gpt2": 4.0, "llama": 6.0}
+CPU_FP32_CKPT_LAYER_H = 2.0  # checkpointed: each block's input alone (fp32, 4 h bytes)
 # The CPU: a training process's own resident set (Python, torch, transformers, the toolkit; measured
 # on the 2-core VM with torch 2.13: 0.37 GiB with a tiny model). Its peak RSS also holds what glibc's
 # heap keeps of freed tensors, which these terms do not model: there the prediction is a lower bound,
@@ -110,20 +124,25 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
     vocab = vocab_size or model.vocab_size
     padded = -(-vocab // PADDED_VOCAB) * PADDED_VOCAB if on_cuda else vocab
     norm, gelu, loss = (f and on_cuda for f in fused)
-    block = BLOCK_H[fam] * h + BLOCK_RH[fam] * r * h + BLOCK_I[fam] * i
-    if not gelu and fam == "gpt2":
+    counted = not on_cuda and dtype == "fp32"  # the CPU_FP32_* terms: counted tensors, not fitted ones
+    if counted:
+        block = CPU_FP32_BLOCK_H[fam] * h + CPU_FP32_BLOCK_RH[fam] * r * h + CPU_FP32_BLOCK_I[fam] * i
+        block += 2 * (model.n_head + CPU_FP32_NORM_STATS[fam])  # 4-byte numbers in 16-bit units
+    else:
+        block = BLOCK_H[fam] * h + BLOCK_RH[fam] * r * h + BLOCK_I[fam] * i
+    if not gelu and fam == "gpt2" and not counted:
         block += UNFUSED_GELU_I * i
     if not norm and dtype != "fp32":
         block += (UNFUSED_STAGE0_H[fam] if stage == 0 else UNFUSED_NORM_H[fam]) * h
     logit_bytes = (CKPT_LOGIT_BYTES if model.activation_checkpointing else FUSED_LOGIT_BYTES) * scale
     logits = t * padded * logit_bytes if loss else t * vocab * UNFUSED_LOGIT_BYTES
-    probs = 0  # NOTE: no fused attention kernel (see MATH_ATTENTION_BYTES)
-    if dtype == "fp32" and model.n_kv_head < model.n_head:
+    probs = 0  # NOTE: no fused attention kernel on CUDA (see MATH_ATTENTION_BYTES); the CPU's flash kernel takes fp32
+    if on_cuda and dtype == "fp32" and model.n_kv_head < model.n_head:
         probs = model.n_head * seq_len * seq_len * micro_batch * MATH_ATTENTION_BYTES
     if model.activation_checkpointing:
-        acts = CKPT_LAYER_H * n * t * h * scale
+        acts = (CPU_FP32_CKPT_LAYER_H if counted else CKPT_LAYER_H) * n * t * h * scale
         return int(acts), int(max(logits, (block + CKPT_BACKWARD_I * i) * t * scale + 2 * probs))
-    acts = n * t * block * scale + OUTSIDE_H[fam] * t * h * scale
+    acts = n * t * block * scale + (CPU_FP32_OUTSIDE_H if counted else OUTSIDE_H)[fam] * t * h * scale
     if stage == 0 and dtype != "fp32":
         acts += n * t * FP32_RESIDUAL_H[fam] * h
     acts += n * probs + 2 * probs
