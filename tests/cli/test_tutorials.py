@@ -38,8 +38,6 @@ NO_OUTPUT = {
     "03-workflow-29": "removes the notebook's temporary directory; prints nothing",
     "13-communication-19": "removes the ranks' temporary output directory; prints nothing",
     "17-convert-export-resume-11": "removes the notebook's temporary directory; prints nothing",
-    "gpu/10_estimate.ipynb": "its measured peak counts a one-process stage-0 engine's gradients twice (H100, "
-                             "2026-12-06: 66.4 GiB reported, 54.4 real); fix with the CPU variant's refit first",
 }
 
 
