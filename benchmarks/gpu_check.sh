@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|calibrate|infinity|infinity-train|tp1pp1 ...]
+#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|tp1pp1 ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -137,6 +137,12 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
           tests/train/test_cuda_training.py::test_the_engine_never_waits_for_the_gpu_in_a_bf16_step} \
         2>&1 | tee "$OUT/tests.txt" | tail -60
       grep -Eq '[0-9]+ passed' "$OUT/tests.txt" || { echo "tests: no test passed"; return 1; } ;;
+    grid)  # shellcheck disable=SC2086  # GRID_RECIPES are words
+           # issue 31: every point of `toolkit tune`'s space for GRID_RECIPES (default gpt2-124m), measured once
+           # (benchmarks/tune_grid.py; GRID_MICROS, GRID_STAGES, GRID_OFFLOADS default none; GRID_S: no point starts after)
+      python3 -m benchmarks.tune_grid ${GRID_RECIPES:-gpt2-124m} --micros "${GRID_MICROS:-}" \
+        --stages "${GRID_STAGES:-0,1,2,3}" --offloads "${GRID_OFFLOADS:-none}" --seconds "${GRID_S:-420}" \
+        --out "$OUT/grid.jsonl" --md "$OUT/grid.md" 2>&1 | tee "$OUT/grid.txt" ;;
     calibrate)  # issue 31: a memory calibration matrix measured here (CALIB_MATRIX, default stage0ckpt; CALIB_GIB: how many
                 # GiB of predicted peaks run at once), rows and the predicted / measured table (benchmarks/memory_calibration.py)
       python3 -m benchmarks.memory_calibration --matrix "${CALIB_MATRIX:-stage0ckpt}" --parallel-gib "${CALIB_GIB:-70}" \
