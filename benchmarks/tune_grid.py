@@ -19,8 +19,8 @@ from pathlib import Path
 
 from toolkit.observe.estimate import format_bytes
 from toolkit.recipe.load import find_recipe_file, load_recipe
-from toolkit.train.tune import (PRUNE_MARGIN, Trial, TuneSpace, _build_kernels, candidates, memory_cap,
-                                original_changes, predict, run_trial)
+from toolkit.train.tune import PRUNE_MARGIN, build_kernels, candidates, memory_cap, predict, run_trial
+from toolkit.train.tune_space import Trial, TuneSpace, original_changes
 
 
 def grid(recipe_name: str, space: TuneSpace, *, warmup: int, measure: int, deadline: float, out: Path | None,
@@ -34,7 +34,7 @@ def grid(recipe_name: str, space: TuneSpace, *, warmup: int, measure: int, deadl
     cap, _ = memory_cap(on_cuda)
     tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
     if on_cuda:
-        log(f"kernels ready in {_build_kernels():.0f} s")
+        log(f"kernels ready in {build_kernels():.0f} s")
     points = [original_changes(recipe), *candidates(recipe, space, 1, on_cuda=on_cuda)]
     rows = []
     for i, changes in enumerate(points):

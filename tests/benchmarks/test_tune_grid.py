@@ -4,7 +4,7 @@ import json
 import time
 
 from benchmarks import tune_grid
-from toolkit.train.tune import TuneSpace
+from toolkit.train.tune_space import TuneSpace
 
 
 def test_the_grid_runs_the_baseline_first_then_every_point_and_ranks_them(tmp_path):

@@ -182,7 +182,7 @@ def test_on_a_gpu_the_kernels_are_built_once_before_the_baseline(tmp_path, monke
     fake = FakeTrials(monkeypatch, speed=lambda t: 100.0, sizes=lambda changes: 1)
     plain = fake.run_trial
     monkeypatch.setattr(tune_module, "run_trial", lambda *a, **k: events.append("trial") or plain(*a, **k))
-    monkeypatch.setattr(tune_module, "_build_kernels", lambda: events.append("build") or 20.0)
+    monkeypatch.setattr(tune_module, "build_kernels", lambda: events.append("build") or 20.0)
     monkeypatch.setattr("toolkit.runtime.engine.pick_device", lambda device: torch.device("cuda"))
     space = TuneSpace(stages=(0,), micro_batches=(1, 4), checkpointing=(False,), offloads=("none",), refine=False)
     tune(_write(tmp_path), space=space, budget_s=1000, cap_bytes=2**40, log=lambda line: None)
@@ -278,7 +278,7 @@ def test_candidates_run_the_delayed_update_only_when_the_recipe_allows_it(tmp_pa
     """zero.offload_update: a recipe that allows the delayed update keeps it in offloading candidates and is exact
     in the others (delayed needs offload); a recipe that does not never gets it."""
     from toolkit.recipe.load import recipe_from_dict
-    from toolkit.train.tune import Trial, trial_overrides
+    from toolkit.train.tune_space import Trial, trial_overrides
 
     allowed = {**TINY, "zero": {"stage": 1, "offload_optimizer": "cpu", "offload_update": "delayed"}}
     for base, want in ((allowed, "delayed"), (TINY, "exact")):
@@ -309,7 +309,7 @@ def test_offloading_candidates_step_overlapped_on_a_gpu_only_where_it_is_exact()
     recipe = recipe_from_dict(TINY, ["training.grad_clip=0"])
     found = candidates(recipe, TuneSpace(), 1, True)
     assert all(c.get("zero.offload_update") is None for c in found if c[OFFLOAD] == "none")
-    from toolkit.train.tune import Trial, trial_overrides
+    from toolkit.train.tune_space import Trial, trial_overrides
 
     trial = Trial(changes=next(c for c in found if c[OFFLOAD] == "cpu"))
     assert trial.label.endswith("offload cpu, overlapped")

@@ -23,7 +23,8 @@ training.compile and the fused kernels toggled. In order:
    toolkit/train/tune_decide.py). Otherwise, or when the baseline was itself the fastest, the answer is "keep
    your recipe" and no recipe is written.
 
-Writing the outputs (the tuned recipe, the trial table with the baseline row and the decision): tune_report.py.
+The space's points and a candidate's recipe keys: tune_space.py. Writing the outputs (the tuned recipe, the trial
+table with the baseline row and the decision): tune_report.py.
 """
 from __future__ import annotations
 
@@ -44,94 +45,15 @@ from toolkit.recipe.checks import overlapped_update_errors
 from toolkit.recipe.load import find_recipe_file, load_recipe
 from toolkit.train import tune_order
 from toolkit.train.tune_decide import AB_PAIRS, Decision, measure_ab
+from toolkit.train.tune_space import Trial, TuneSpace, original_changes, override_args, trial_overrides
 
 # Recipe keys a trial sets, whatever the candidate, so it is short, quiet and leaves nothing behind.
 TRIAL_KEYS = ["training.eval_batches=0", "training.eval_interval=0", "training.log_interval=1",
               "checkpoint.save_final=false", "checkpoint.interval=0", "checkpoint.resume=never",
               "logging.console=false", "logging.tensorboard=false", "logging.wandb.mode=disabled",
               "training.memory_check=warn"]
-# NOTE: the "kernels off" candidate turns off the fused model ops; the AdamW stays as the recipe has it
-# (optimizer.implementation decides it; kernels.adamw is deprecated).
-KERNELS = ("layernorm", "rmsnorm", "bias_gelu", "cross_entropy")
 PRUNE_MARGIN = 0.10  # NOTE: the memory model is held to +-10% of measured (its calibration test): prune beyond that
 BASELINE_TIMEOUT_S = 600  # the baseline runs even past a spent budget, but not forever
-
-
-@dataclass(frozen=True)
-class TuneSpace:
-    """The values each axis may take; None: the default for the recipe and device (module docstring)."""
-    stages: tuple[int, ...] | None = None
-    micro_batches: tuple[int, ...] | None = None
-    checkpointing: tuple[bool, ...] = (False, True)
-    offloads: tuple[str, ...] = ("none", "cpu", "cpu@0.5")
-    refine: bool | None = None  # compile / kernels toggles on the best; None: on a GPU only
-
-
-@dataclass
-class Trial:
-    """One candidate: what it changes, what the estimator predicted, and what running it gave (or why not)."""
-    changes: dict
-    predicted_bytes: int = 0
-    status: str = "pending"  # ok, rerun (an A/B rerun that ran), failed, pruned, skipped, not run (budget)
-    tokens_per_s: float | None = None
-    peak_bytes: int | None = None
-    wall_s: float = 0.0
-    why: str = ""
-    baseline: bool = False  # the recipe as written (trial 0 and its reruns)
-    rerun_of: int | None = None  # index of the trial an A/B rerun repeats
-
-    @property
-    def label(self) -> str:
-        """The changes in a few words (`stage 2, micro 16, ckpt, offload cpu`)."""
-        c = self.changes
-        words = [f"stage {c['zero.stage']}", f"micro {c['batch.micro_batch_per_rank']}"]
-        words += ["ckpt"] if c.get("model.activation_checkpointing") else []
-        words += [f"offload {c['offload']}"] if c.get("offload", "none") != "none" else []
-        words += ["overlapped"] if c.get("zero.offload_update") == "overlapped" else []
-        words += ["compile"] if c.get("training.compile") else []
-        words += ["kernels off"] if c.get("kernels") == "off" else []
-        return ", ".join(words)
-
-
-def _offload_keys(offload: str) -> dict:
-    """`none`, `cpu` (ratio 1) or `cpu@0.5` as recipe keys. An offloading candidate keeps the recipe's
-    zero.offload_update: the tuner runs the delayed update only where the recipe allows its staleness."""
-    if offload == "none":  # NOTE: delayed needs offload, so a recipe that allows it is exact without offload
-        return {"zero.offload_optimizer": "none", "zero.offload_update": "exact"}
-    device, _, ratio = offload.partition("@")
-    return {"zero.offload_optimizer": device, "zero.offload_ratio": float(ratio or 1)}
-
-
-def _overrides(changes: dict) -> dict:
-    """A candidate's changes as recipe keys (offload and kernels expand to several)."""
-    out = {k: v for k, v in changes.items() if k not in ("offload", "kernels")}
-    out.update(_offload_keys(changes.get("offload", "none")))
-    if "kernels" in changes:
-        out.update({f"kernels.{k}": changes["kernels"] for k in KERNELS})
-    return out
-
-
-def _override_args(changes: dict | None) -> list[str]:
-    """A candidate's changes as `key=value` arguments; none for None (the recipe as written, untouched)."""
-    if changes is None:
-        return []
-    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in _overrides(changes).items()]
-
-
-def trial_overrides(trial: Trial) -> list[str]:
-    """`key=value` arguments for a trial's run; none for the baseline (the recipe as written, untouched)."""
-    return _override_args(None if trial.baseline else trial.changes)
-
-
-def original_changes(recipe) -> dict:
-    """The original recipe's point in the space (what the candidates' changes are compared with)."""
-    z = recipe.zero
-    offload = "none" if z.offload_optimizer == "none" else (
-        z.offload_optimizer if z.offload_ratio == 1 else f"{z.offload_optimizer}@{z.offload_ratio:g}")
-    return {"zero.stage": z.stage, "batch.micro_batch_per_rank": recipe.batch.micro_batch_per_rank,
-            "batch.grad_accum_steps": recipe.batch.grad_accum_steps,
-            "model.activation_checkpointing": recipe.model.activation_checkpointing, "offload": offload,
-            "training.compile": recipe.training.compile}
 
 
 def candidates(recipe, space: TuneSpace, world_size: int, on_cuda: bool = False) -> list[dict]:
@@ -174,7 +96,7 @@ def predict(recipe_path, changes: dict | None, world_size: int, on_cuda: bool) -
     """(predicted bytes per rank, "") or (0, the recipe error) for one candidate (None: the recipe as written),
     torch-free."""
     try:
-        recipe = load_recipe(recipe_path, _override_args(changes), world_size=world_size)
+        recipe = load_recipe(recipe_path, override_args(changes), world_size=world_size)
     except UserError as exc:
         return 0, exc.lines[0]
     device, host = size_terms(recipe, on_cuda=on_cuda)
@@ -293,7 +215,7 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
         return left() - reserve() if left() >= slowest + reserve() else None
 
     if on_cuda:  # NOTE: built once here, so that no trial's time (the A/B reserve is counted from them) holds a build
-        log(f"tune: kernels ready in {_build_kernels():.0f} s")
+        log(f"tune: kernels ready in {build_kernels():.0f} s")
     predicted = predict(path, None, world_size, on_cuda)[0]
     over = f"predicted {format_bytes(predicted)} > cap {format_bytes(cap)}" if predicted > prune_above else ""
     base = run(Trial(result.original, predicted_bytes=predicted, baseline=True), max(left(), BASELINE_TIMEOUT_S))
@@ -325,7 +247,7 @@ def tune(recipe_path, *, budget_s: float = 600.0, world_size: int = 1, space: Tu
     return result
 
 
-def _build_kernels() -> float:
+def build_kernels() -> float:
     """Build (or find in the cache) every kernel a trial may load, the CPU Adam of offload among them: seconds taken.
     A kernel that cannot build is the trials' business: they fall back to torch's ops and say so."""
     from toolkit.ops import loader

@@ -9,15 +9,16 @@ import os
 from pathlib import Path
 
 from toolkit.observe.estimate import format_bytes
-from toolkit.train.tune import PRUNE_MARGIN, TuneResult, _overrides
+from toolkit.train.tune import PRUNE_MARGIN, TuneResult
+from toolkit.train.tune_space import changes_as_keys
 from toolkit.train.tune_decide import MIN_GAIN
 
 
 def tuned_recipe(result: TuneResult, out: Path) -> dict:
     """The winning candidate as a recipe extending the original: only the keys whose values differ."""
     best, decision = result.tuned, result.decision
-    changed = {k: v for k, v in _overrides(best.changes).items()
-               if _overrides(result.original).get(k, "unset") != v and not (k == "zero.offload_ratio"
+    changed = {k: v for k, v in changes_as_keys(best.changes).items()
+               if changes_as_keys(result.original).get(k, "unset") != v and not (k == "zero.offload_ratio"
                                                                              and best.changes.get("offload") == "none")}
     tokens_per_s = sum(decision.candidate_runs) / len(decision.candidate_runs)
     recipe: dict = {"extends": os.path.relpath(result.recipe_path.absolute(), out.absolute().parent),
