@@ -97,8 +97,8 @@ def live_state_bytes(engine) -> int:
     from toolkit.observe.memory_monitor import model_state_bytes
 
     states = model_state_bytes(engine)
-    strategy = getattr(engine, "strategy", None)
-    if getattr(strategy, "stage", None) == 0 and not strategy.info.active:
+    strategy = engine.strategy  # every engine's ZeRO strategy has a stage and a process group (runtime/strategy.py)
+    if strategy.stage == 0 and not strategy.info.active:
         grads = sum(p.grad.nbytes for p in engine.model.parameters() if p.grad is not None)
         return states.total - states.grads + grads
     return states.total
