@@ -137,9 +137,9 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
           tests/train/test_cuda_training.py::test_the_engine_never_waits_for_the_gpu_in_a_bf16_step} \
         2>&1 | tee "$OUT/tests.txt" | tail -60
       grep -Eq '[0-9]+ passed' "$OUT/tests.txt" || { echo "tests: no test passed"; return 1; } ;;
-    grid)  # shellcheck disable=SC2086  # GRID_RECIPES are words
-           # issue 31: every point of `toolkit tune`'s space for GRID_RECIPES (default gpt2-124m), measured once
+    grid)  # issue 31: every point of `toolkit tune`'s space for GRID_RECIPES (default gpt2-124m), measured once
            # (benchmarks/tune_grid.py; GRID_MICROS, GRID_STAGES, GRID_OFFLOADS default none; GRID_S: no point starts after)
+      # shellcheck disable=SC2086  # the recipes are words
       python3 -m benchmarks.tune_grid ${GRID_RECIPES:-gpt2-124m} --micros "${GRID_MICROS:-}" \
         --stages "${GRID_STAGES:-0,1,2,3}" --offloads "${GRID_OFFLOADS:-none}" --seconds "${GRID_S:-420}" \
         --out "$OUT/grid.jsonl" --md "$OUT/grid.md" 2>&1 | tee "$OUT/grid.txt" ;;

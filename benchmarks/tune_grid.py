@@ -26,11 +26,11 @@ from toolkit.train.tune_space import Trial, TuneSpace, original_changes
 def grid(recipe_name: str, space: TuneSpace, *, warmup: int, measure: int, deadline: float, out: Path | None,
          log=print) -> list[dict]:
     """Every point's row (changes, predicted bytes, status, tokens/s, peak, wall), the recipe as written first."""
-    import torch
+    from toolkit.runtime.engine import pick_device
 
     path = find_recipe_file(recipe_name)
     recipe = load_recipe(path)
-    on_cuda = torch.cuda.is_available() and recipe.training.device in ("auto", "cuda")
+    on_cuda = pick_device(recipe.training.device).type == "cuda"  # as tune() decides it
     cap, _ = memory_cap(on_cuda)
     tokens_per_step = recipe.batch.global_batch * recipe.data.seq_len
     if on_cuda:

@@ -6,6 +6,7 @@ CALIBRATION_TOLERANCE of the prediction."""
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,8 +44,9 @@ def test_one_blocks_saved_bytes_are_the_counted_terms(name):
     two, recipe = _saved(_overrides(*SHAPES[name], layers=2))
     m = recipe.model
     # the model's two-block activations less its one-block ones, as peak.py predicts them
-    predict = {n: activation_peak_bytes(_with_layers(m, n), micro_batch=recipe.batch.micro_batch_per_rank, seq_len=recipe.data.seq_len,
-                                        dtype="fp32", stage=0, on_cuda=False)[0] for n in (1, 2)}
+    predict = {n: activation_peak_bytes(replace(m, n_layer=n), micro_batch=recipe.batch.micro_batch_per_rank,
+                                        seq_len=recipe.data.seq_len, dtype="fp32", stage=0, on_cuda=False)[0]
+               for n in (1, 2)}
     block_predicted = predict[2] - predict[1]
     assert two - one == block_predicted, (two - one, block_predicted)
     # outside the blocks: the final norm's tensors (CPU_FP32_OUTSIDE_H); the loss's fp32 log-probabilities are
@@ -55,12 +57,6 @@ def test_one_blocks_saved_bytes_are_the_counted_terms(name):
     log_probs = 4 * t * recipe.data.vocab_size
     small = 3 * 8 * t + 2 * 4 * t + 2 * 4 * seq * (m.n_embd // m.n_head)
     assert 0 <= one - log_probs - predict[1] <= small, (one - log_probs - predict[1], small)
-
-
-def _with_layers(model, n):
-    from dataclasses import replace
-
-    return replace(model, n_layer=n)
 
 
 def measure_step(*extra) -> tuple[int, int]:

@@ -130,8 +130,8 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
         block += 2 * (model.n_head + CPU_FP32_NORM_STATS[fam])  # 4-byte numbers in 16-bit units
     else:
         block = BLOCK_H[fam] * h + BLOCK_RH[fam] * r * h + BLOCK_I[fam] * i
-    if not gelu and fam == "gpt2" and not counted:
-        block += UNFUSED_GELU_I * i
+        if not gelu and fam == "gpt2":
+            block += UNFUSED_GELU_I * i
     if not norm and dtype != "fp32":
         block += (UNFUSED_STAGE0_H[fam] if stage == 0 else UNFUSED_NORM_H[fam]) * h
     logit_bytes = (CKPT_LOGIT_BYTES if model.activation_checkpointing else FUSED_LOGIT_BYTES) * scale

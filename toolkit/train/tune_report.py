@@ -10,16 +10,17 @@ from pathlib import Path
 
 from toolkit.observe.estimate import format_bytes
 from toolkit.train.tune import PRUNE_MARGIN, TuneResult
-from toolkit.train.tune_space import changes_as_keys
 from toolkit.train.tune_decide import MIN_GAIN
+from toolkit.train.tune_space import changes_as_keys
 
 
 def tuned_recipe(result: TuneResult, out: Path) -> dict:
     """The winning candidate as a recipe extending the original: only the keys whose values differ."""
     best, decision = result.tuned, result.decision
+    original = changes_as_keys(result.original)
     changed = {k: v for k, v in changes_as_keys(best.changes).items()
-               if changes_as_keys(result.original).get(k, "unset") != v and not (k == "zero.offload_ratio"
-                                                                             and best.changes.get("offload") == "none")}
+               if original.get(k, "unset") != v
+               and not (k == "zero.offload_ratio" and best.changes.get("offload") == "none")}
     tokens_per_s = sum(decision.candidate_runs) / len(decision.candidate_runs)
     recipe: dict = {"extends": os.path.relpath(result.recipe_path.absolute(), out.absolute().parent),
                     "description": (f"{result.recipe_path.stem} tuned by `toolkit tune` for {result.world_size} "

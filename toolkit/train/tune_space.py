@@ -13,7 +13,7 @@ KERNELS = ("layernorm", "rmsnorm", "bias_gelu", "cross_entropy")
 
 @dataclass(frozen=True)
 class TuneSpace:
-    """The values each axis may take; None: the default for the recipe and device (toolkit/train/tune.py's docstring)."""
+    """The values each axis may take; None: the default for the recipe and device (tune.py's docstring)."""
     stages: tuple[int, ...] | None = None
     micro_batches: tuple[int, ...] | None = None
     checkpointing: tuple[bool, ...] = (False, True)
