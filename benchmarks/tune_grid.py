@@ -4,7 +4,7 @@ Issue 31 holds the tuner to "at least 97% of the best of the full grid". This ru
 consider (toolkit/train/tune.py `candidates`, the recipe as written first) the way the tuner runs a trial: a fresh
 `toolkit run` process, warm-up steps, measured steps, tokens/s read back from metrics.jsonl. Nothing is skipped by
 the throughput model; only what the memory model prunes (beyond the cap plus PRUNE_MARGIN, as the tuner does) and
-what the axes leave out (--micros, --offloads) is not run. Rows are written as each ends, so a call cut short keeps
+what the axes leave out (--micros, --offloads) or --skip names is not run. Rows are written as each ends, so a call cut short keeps
 them:
 
     python -m benchmarks.tune_grid gpt2-124m --offloads none --micros 4,8,16,32,64 --out grid.jsonl --md grid.md
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -24,8 +25,9 @@ from toolkit.train.tune_space import Trial, TuneSpace, original_changes
 
 
 def grid(recipe_name: str, space: TuneSpace, *, warmup: int, measure: int, deadline: float, out: Path | None,
-         log=print) -> list[dict]:
-    """Every point's row (changes, predicted bytes, status, tokens/s, peak, wall), the recipe as written first."""
+         log=print, skip: str | None = None) -> list[dict]:
+    """Every point's row (changes, predicted bytes, status, tokens/s, peak, wall), the recipe as written first.
+    `skip`: a regular expression; the candidates whose label it finds are listed as not run (a call's time)."""
     from toolkit.runtime.engine import pick_device
 
     path = find_recipe_file(recipe_name)
@@ -42,6 +44,8 @@ def grid(recipe_name: str, space: TuneSpace, *, warmup: int, measure: int, deadl
         trial = Trial(changes, predicted_bytes=predicted, baseline=i == 0)
         if error or (i and predicted > cap * (1 + PRUNE_MARGIN)):
             trial.status, trial.why = "pruned", error or f"predicted {format_bytes(predicted)} over the cap"
+        elif i and skip and re.search(skip, trial.label):
+            trial.status, trial.why = "not run", f"left out (--skip {skip})"
         elif time.monotonic() > deadline:
             trial.status, trial.why = "not run", "past the deadline"
         else:
@@ -84,6 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--offloads", default="none,cpu,cpu@0.5")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--measure", type=int, default=5)
+    parser.add_argument("--skip", help="leave out the candidates whose label this regular expression finds")
     parser.add_argument("--seconds", type=float, default=3600.0, help="no point starts after this many seconds")
     parser.add_argument("--out", type=Path, help="rows as JSON lines, appended as each ends")
     parser.add_argument("--md", type=Path, help="the tables, one per recipe")
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     tables = []
     for name in args.recipes:
         rows = grid(name, space, warmup=args.warmup, measure=args.measure, deadline=deadline, out=args.out,
-                    log=lambda s: print(s, flush=True))
+                    log=lambda s: print(s, flush=True), skip=args.skip)
         tables.append(f"### {name}\n\n{table(rows)}\n")
         print(tables[-1], flush=True)
     if args.md:

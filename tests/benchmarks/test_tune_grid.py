@@ -28,3 +28,9 @@ def test_past_the_deadline_no_point_starts(tmp_path):
                           measure=1, deadline=time.monotonic() - 1, out=None, log=lambda s: None)
     assert [r["status"] for r in rows] == ["not run", "not run"]
     assert tune_grid.table(rows) == "no point ran"
+
+
+def test_a_skipped_point_is_listed_not_run_and_the_baseline_always_runs(tmp_path):
+    rows = tune_grid.grid("quickstart", TuneSpace(stages=(0,), micro_batches=(16,), offloads=("none",)), warmup=1,
+                          measure=1, deadline=time.monotonic() + 600, out=None, log=lambda s: None, skip="stage 0")
+    assert [r["status"] for r in rows] == ["ok", "not run"] and "--skip stage 0" in rows[1]["why"]
