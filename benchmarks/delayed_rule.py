@@ -2,7 +2,8 @@
 offload, on any recipe and device: is a gap between delayed and exact the rule's own, or the implementation's?
 
     python -m benchmarks.delayed_rule [--steps N] [--warmup W] [--eval-every K] [--delayed-only REGEX]
-                                      [--engines rule,delayed,exact] [recipe [key.path=value ...]]
+                                      [--fresh-top F [--fresh-dim D]] [--engines rule,delayed,exact]
+                                      [recipe [key.path=value ...]]
 
 "rule": an exact engine (ZeRO stage 1, optimizer in CPU memory) whose forward and backward are given the weights one
 update old after the warm-up (the rule of tests/runtime/zero_helpers.py `delayed_reference`, at any size, in the
@@ -14,6 +15,12 @@ relative gap between the rule's and delayed's training losses.
 --delayed-only REGEX: the rule delays only the parameters whose names match (re.search); the others see the newest
 weights, as if their optimizer stepped on the device at once (which parameters must not be stale?). The "delayed"
 engine delays all of them, so leave it out then (--engines rule,exact).
+
+--fresh-top F: a split chosen by gradient, as ZenFlow (DeepSpeed, 2025) chooses it: at every step, in each matrix
+the rule delays, the fraction F of its slices along --fresh-dim (default 1) with the largest gradient norms in this
+step see the newest weights (as if those columns were stepped on the device at once); the other slices see the
+weights one update old (--fresh-by random: as many slices drawn at random, the control). Tensors of one dimension (biases, norms) are not delayed then: they are small enough to
+stay on the device. Which directions must not be stale: the sharp ones, and does the gradient find them?
 """
 from __future__ import annotations
 
@@ -36,6 +43,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--delayed-only", default=None, help="the rule delays only the parameters matching this")
+    parser.add_argument("--fresh-top", type=float, default=0.0,
+                        help="per delayed matrix, this fraction of its slices with the largest gradients stays fresh")
+    parser.add_argument("--fresh-dim", type=int, default=1, help="the slices --fresh-top chooses among")
+    parser.add_argument("--fresh-by", choices=("grad", "random"), default="grad",
+                        help="random: as many slices drawn at random each step (the control)")
     parser.add_argument("--engines", default="rule,delayed,exact", help="which of the three to run")
     args = parser.parse_args(argv)
     common = [*args.overrides, "checkpoint.save_final=false"]
@@ -59,6 +71,12 @@ def main(argv: list[str] | None = None) -> dict:
         return {n: p.detach().clone() for n, p in params.items()}
 
     stale = {n for n in params if args.delayed_only is None or re.search(args.delayed_only, n)}
+    if args.fresh_top:
+        stale = {n for n in stale if params[n].dim() > 1}
+    grads = {n: torch.zeros_like(params[n]) for n in stale} if args.fresh_top else {}
+    draw = torch.Generator().manual_seed(0)
+    for n in grads:  # this step's gradient, summed over its micro-steps: what the split is chosen by
+        params[n].register_hook(lambda g, n=n: grads[n].add_(g.detach()))
     print(f"the rule delays {sum(params[n].numel() for n in stale):,} of "
           f"{sum(p.numel() for p in params.values()):,} parameters ({len(stale)} of {len(params)} tensors)")
 
@@ -67,6 +85,19 @@ def main(argv: list[str] | None = None) -> dict:
             for n in names:
                 params[n].copy_(weights[n])
 
+    def put_split(previous: dict, newest: dict) -> None:
+        """The stale weights, but the fraction --fresh-top of each matrix's slices with the largest gradients."""
+        with torch.no_grad():
+            for n in stale:
+                axis = args.fresh_dim % grads[n].dim()
+                norms = grads[n].square().sum(dim=[d for d in range(grads[n].dim()) if d != axis])
+                if args.fresh_by == "random":
+                    norms = torch.rand(norms.shape, generator=draw)
+                fresh = torch.zeros_like(norms, dtype=torch.bool)
+                fresh[norms.topk(max(1, round(args.fresh_top * norms.numel()))).indices] = True
+                shape = [-1 if d == axis else 1 for d in range(grads[n].dim())]
+                params[n].copy_(torch.where(fresh.view(shape), newest[n], previous[n]))
+
     losses = {name: [] for name in engines}
     curves = {name: [] for name in engines}
     newest = snapshot()
@@ -74,8 +105,12 @@ def main(argv: list[str] | None = None) -> dict:
         for name, engine in engines.items():
             losses[name].append(engine.train_batch(streams[name].next_step()).loss)
         previous, newest = newest, snapshot()  # the weights of M_{t-1} and M_t
-        if t > args.warmup:  # the next forward sees the weights before this update
+        if t > args.warmup and args.fresh_top:
+            put_split(previous, newest)
+        elif t > args.warmup:  # the next forward sees the weights before this update
             put(previous, stale)
+        for g in grads.values():
+            g.zero_()
         if t % args.eval_every == 0 or t == steps:
             put(newest)  # evaluation lands the update in flight: the next step's forward sees it too
             for name, engine in engines.items():
