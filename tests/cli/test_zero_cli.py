@@ -101,17 +101,6 @@ def test_world_size_mismatch_is_a_user_error(monkeypatch):
         init_distributed(2, torch.device("cpu"))
 
 
-def test_doctor_says_when_python_keeps_no_bytecode():
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    quiet = subprocess.run([sys.executable, "-m", "toolkit", "doctor"], env=env, capture_output=True, text=True,
-                           timeout=120, cwd=REPO)
-    assert quiet.returncode == 0 and "keeps no bytecode" in quiet.stdout, quiet.stdout
-    env.pop("PYTHONDONTWRITEBYTECODE")
-    usual = subprocess.run([sys.executable, "-m", "toolkit", "doctor"], env=env, capture_output=True, text=True,
-                           timeout=120, cwd=REPO)
-    assert usual.returncode == 0 and "keeps no bytecode" not in usual.stdout
-
-
 def test_doctor_reports_backends_and_the_cpu_adam_kernel():
     proc = run_cli("doctor")
     assert proc.returncode == 0, proc.stderr

@@ -215,6 +215,8 @@ def _doctor_environment() -> list[str]:
 
     import torch
 
+    from toolkit.cli.bytecode_cache import bytecode_lines
+
     lines = [f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}"]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -222,10 +224,7 @@ def _doctor_environment() -> list[str]:
             lines.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (compute capability {major}.{minor})")
     else:
         lines.append("no CUDA device: training runs on the CPU")
-    if sys.dont_write_bytecode:  # PYTHONDONTWRITEBYTECODE or -B: no .pyc is kept, every start compiles again
-        lines.append("python keeps no bytecode here (PYTHONDONTWRITEBYTECODE or -B): every run compiles torch's and "
-                     "transformers' sources again (6 s of a 13-16 s cached start on the H200 image); unset it to "
-                     "start faster")
+    lines.extend(bytecode_lines())
     return lines
 
 
@@ -358,8 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `toolkit` console script."""
+    from toolkit.cli.bytecode_cache import use_bytecode_cache
     from toolkit.runtime.cpu_threads import set_openmp_wait_policy
 
+    use_bytecode_cache()  # before any sub-command loads torch: its bytecode kept where the environment keeps none
     set_openmp_wait_policy()  # before any sub-command loads torch (and with it OpenMP)
     parser = build_parser()
     # Overrides may come after options (`run R --run-dir D a.b=1`): argparse leaves them over.
