@@ -18,7 +18,8 @@ def no_bytecode(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(bytecode_cache, "_used", None)
-    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "")  # restored at the end, whatever the code sets
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
     for name in ("bare", "compiled"):
         (tmp_path / "src" / name).mkdir(parents=True)
         (tmp_path / "src" / name / "__init__.py").write_text("VALUE = 1\n")
@@ -33,12 +34,19 @@ def test_without_bytecode_the_folder_gets_it_and_doctor_says_where(no_bytecode):
     assert bytecode_cache.keeps_no_bytecode("bare") and not bytecode_cache.keeps_no_bytecode("compiled")
     folder = bytecode_cache.use_bytecode_cache("bare")
     assert folder == no_bytecode / "cache" and sys.pycache_prefix == str(folder) and not sys.dont_write_bytecode
+    assert os.environ["PYTHONPYCACHEPREFIX"] == str(folder)  # for the ranks and trials this process starts
     import bare  # noqa: F401  (imported for the .pyc it leaves)
 
     assert list(folder.rglob("__init__*.pyc")) and not (no_bytecode / "src" / "bare" / "__pycache__").exists()
     assert bytecode_cache.bytecode_lines("bare") == [
         f"python bytecode: kept in {folder} (this environment keeps none beside the packages; "
         "TOOLKIT_BYTECODE_CACHE=off turns that off)"]
+
+
+def test_a_child_that_inherits_the_folder_writes_there_too(no_bytecode, monkeypatch):
+    """A rank or a trial: PYTHONPYCACHEPREFIX from its parent, so Python set the prefix but writes nothing."""
+    monkeypatch.setattr(sys, "pycache_prefix", str(no_bytecode / "cache"))
+    assert bytecode_cache.use_bytecode_cache("compiled") == no_bytecode / "cache" and not sys.dont_write_bytecode
 
 
 @pytest.mark.parametrize("case", ["pyc beside the sources", "off", "an explicit prefix", "python writes anyway",

@@ -7,7 +7,8 @@ of a 13-18 s cached start (benchmarks/RESULTS.md, "Command to first step"), and 
 So when Python may not write bytecode (`sys.dont_write_bytecode`) and torch has no .pyc beside its sources, the CLI
 points `sys.pycache_prefix` at a folder of the toolkit's cache and lets Python write there: the first run fills it
 (about 75 MB for torch and transformers), later runs read it. Nothing is written beside the packages, which is what
-the setting protects. Python checks each .pyc against its source's size and time, so an upgraded package is compiled
+the setting protects. The processes a command starts (torchrun's launcher, the ranks, `toolkit tune`'s trials) get
+the folder through PYTHONPYCACHEPREFIX. Python checks each .pyc against its source's size and time, so an upgraded package is compiled
 again, and it writes them atomically, so ranks starting together are safe.
 
 Left alone: an install that keeps .pyc beside its sources (a plain `pip install`; a prefix would make Python ignore
@@ -43,20 +44,26 @@ def keeps_no_bytecode(probe: str = "torch") -> bool:
 
 def use_bytecode_cache(probe: str = "torch") -> Path | None:
     """Send this process's bytecode to the toolkit's folder when the environment keeps none (module docstring):
-    the folder, or None when nothing changed. Call it before torch is imported."""
+    the folder, or None when nothing changed. Call it before torch is imported. Child processes (torchrun's
+    launcher, the ranks, `toolkit tune`'s trials) inherit the folder through PYTHONPYCACHEPREFIX; the toolkit's own
+    write there too."""
+    global _used
     setting = os.environ.get(ENV, "")
-    if setting == "off" or not keeps_no_bytecode(probe):
+    if setting == "off":
         return None
     folder = Path(setting).expanduser() if setting else default_folder()
+    inherited = sys.pycache_prefix == str(folder)  # a parent toolkit process chose it
+    if not inherited and not keeps_no_bytecode(probe):
+        return None
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None  # NOTE: no cache is only slower; a start-up must not fail for it
     if not os.access(folder, os.W_OK):
         return None
-    global _used
     sys.pycache_prefix = str(folder)
     sys.dont_write_bytecode = False
+    os.environ["PYTHONPYCACHEPREFIX"] = str(folder)
     _used = folder
     return folder
 
