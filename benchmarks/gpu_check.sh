@@ -72,6 +72,9 @@ stage_body() {
         "${run[@]}" training.max_steps=40 2>&1 | tee "$OUT/firststep.txt"
       timeout 120 python3 -m benchmarks.first_step --label "cached, 20 steps" --markdown "$OUT/first_step.md" -- \
         "${run[@]}" training.max_steps=20 2>&1 | tee -a "$OUT/firststep.txt"
+      # the same without the toolkit's bytecode folder (toolkit/cli/bytecode_cache.py): what the image's start costs
+      TOOLKIT_BYTECODE_CACHE=off timeout 120 python3 -m benchmarks.first_step --markdown "$OUT/first_step.md" \
+        --label "cached, bytecode folder off, 20 steps" -- "${run[@]}" training.max_steps=20 2>&1 | tee -a "$OUT/firststep.txt"
       { time python3 -m toolkit doctor; } 2>&1 | tee -a "$OUT/firststep.txt"
       # where a cached start's seconds go: cProfile of a 2-step run, its top entries by cumulative time
       timeout 120 python3 -m cProfile -o "$OUT/startup.prof" -m toolkit run recipes/gpt2-124m.json \
