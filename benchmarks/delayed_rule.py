@@ -19,8 +19,9 @@ engine delays all of them, so leave it out then (--engines rule,exact).
 --fresh-top F: a split chosen by gradient, as ZenFlow (DeepSpeed, 2025) chooses it: at every step, in each matrix
 the rule delays, the fraction F of its slices along --fresh-dim (default 1) with the largest gradient norms in this
 step see the newest weights (as if those columns were stepped on the device at once); the other slices see the
-weights one update old (--fresh-by random: as many slices drawn at random, the control). Tensors of one dimension (biases, norms) are not delayed then: they are small enough to
-stay on the device. Which directions must not be stale: the sharp ones, and does the gradient find them?
+weights one update old (--fresh-by random: as many slices drawn at random, the control). Tensors of one dimension
+(biases, norms) are not delayed then: they are small enough to stay on the device. Which directions must not be
+stale: the sharp ones, and does the gradient find them?
 """
 from __future__ import annotations
 

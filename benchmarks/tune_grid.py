@@ -4,8 +4,8 @@ Issue 31 holds the tuner to "at least 97% of the best of the full grid". This ru
 consider (toolkit/train/tune.py `candidates`, the recipe as written first) the way the tuner runs a trial: a fresh
 `toolkit run` process, warm-up steps, measured steps, tokens/s read back from metrics.jsonl. Nothing is skipped by
 the throughput model; only what the memory model prunes (beyond the cap plus PRUNE_MARGIN, as the tuner does) and
-what the axes leave out (--micros, --offloads) or --skip names is not run. Rows are written as each ends, so a call cut short keeps
-them:
+what the axes leave out (--micros, --offloads) or --skip names is not run. Rows are written as each ends, so a call
+cut short keeps them:
 
     python -m benchmarks.tune_grid gpt2-124m --offloads none --micros 4,8,16,32,64 --out grid.jsonl --md grid.md
 """

@@ -6,10 +6,10 @@ of a 13-18 s cached start (benchmarks/RESULTS.md, "Command to first step"), and 
 
 So when Python may not write bytecode (`sys.dont_write_bytecode`) and torch has no .pyc beside its sources, the CLI
 points `sys.pycache_prefix` at a folder of the toolkit's cache and lets Python write there: the first run fills it
-(about 75 MB for torch and transformers), later runs read it. Nothing is written beside the packages, which is what
+(65-75 MB for torch and transformers), later runs read it. Nothing is written beside the packages, which is what
 the setting protects. The processes a command starts (torchrun's launcher, the ranks, `toolkit tune`'s trials) get
-the folder through PYTHONPYCACHEPREFIX. Python checks each .pyc against its source's size and time, so an upgraded package is compiled
-again, and it writes them atomically, so ranks starting together are safe.
+the folder through PYTHONPYCACHEPREFIX. Python checks each .pyc against its source's size and time, so an upgraded
+package is compiled again, and it writes them atomically, so ranks starting together are safe.
 
 Left alone: an install that keeps .pyc beside its sources (a plain `pip install`; a prefix would make Python ignore
 them and compile everything once more), an explicit PYTHONPYCACHEPREFIX, and a Python that writes bytecode anyway.
