@@ -5,6 +5,7 @@ In a source checkout they are the top-level folders beside `toolkit/`; in an
 installed package they are copied under `toolkit/_shipped/` (see pyproject.toml).
 Of benchmarks/ only RESULTS.md ships: the tutorials quote its figures.
 """
+import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -31,3 +32,8 @@ def schema_path() -> Path:
 def results_path() -> Path:
     """benchmarks/RESULTS.md: the committed benchmark figures (the only file of benchmarks/ that ships)."""
     return shipped_dir("benchmarks") / "RESULTS.md"
+
+
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME, else ~/.cache: under it the toolkit's caches (kernels, bytecode) and a recipe's ${cache}."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

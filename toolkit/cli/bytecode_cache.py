@@ -22,13 +22,15 @@ import os
 import sys
 from pathlib import Path
 
+from toolkit.resources import user_cache_dir
+
 ENV = "TOOLKIT_BYTECODE_CACHE"
 _used: Path | None = None  # the folder use_bytecode_cache chose in this process
 
 
 def default_folder() -> Path:
     """$XDG_CACHE_HOME/toolkit/bytecode (~/.cache/toolkit/bytecode), beside the kernel cache."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toolkit" / "bytecode"
+    return user_cache_dir() / "toolkit" / "bytecode"
 
 
 def keeps_no_bytecode(probe: str = "torch") -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError, warn_once
 from toolkit.regular_files import regular_file_problem
+from toolkit.resources import user_cache_dir
 
 # The variables `${name}` a path in a recipe may use; the schema's descriptions and the
 # README list the same names (tests/data/test_data_recipes.py checks that they agree).
@@ -41,7 +42,7 @@ def variable_values(recipe_dir: Path | None) -> dict[str, str]:
         "recipe_dir": str(recipe_dir if recipe_dir is not None else Path.cwd()),
         "cwd": str(Path.cwd()),
         "home": str(Path.home()),
-        "cache": os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"),
+        "cache": str(user_cache_dir()),
     }
 
 

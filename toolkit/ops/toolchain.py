@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from toolkit.resources import user_cache_dir
+
 
 # ---------------------------------------------------------------------------
 # Target architectures
@@ -145,8 +147,7 @@ def cache_root() -> Path:
     """TOOLKIT_KERNELS_CACHE, else $XDG_CACHE_HOME/toolkit/kernels (~/.cache/toolkit/kernels)."""
     if os.environ.get("TOOLKIT_KERNELS_CACHE"):
         return Path(os.environ["TOOLKIT_KERNELS_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "toolkit" / "kernels"
+    return user_cache_dir() / "toolkit" / "kernels"
 
 
 def find_nvcc() -> str | None:
