@@ -61,8 +61,11 @@ def launch_ranks(nproc: int, toolkit_args: list[str], run_dir: Path) -> int:
         return _report_failure(exc.failures, nproc, _read_notes(notes), run_dir)
     except SignalException as exc:
         stopped = [line for code, lines in _read_notes(notes).values() if code == 128 + exc.sigval for line in lines]
-        _print_once(stopped or [f"stopped by {signal.Signals(exc.sigval).name} before the ranks saved a "
-                                f"checkpoint; to resume, run the same command with --run-dir {run_dir}"])
+        # no rank's line: they were killed (the shutdown timeout) or ended otherwise, so whether this stop
+        # saved a checkpoint is unknown here; the resume takes the last complete one either way
+        _print_once(stopped or [f"stopped by {signal.Signals(exc.sigval).name}; no rank said where it stopped; "
+                                f"to resume from the last complete checkpoint, run the same command with "
+                                f"--run-dir {run_dir}"])
         return 128 + exc.sigval
     finally:
         shutil.rmtree(notes, ignore_errors=True)
@@ -180,7 +183,9 @@ def end_rank(exc: BaseException) -> int:
     its exit code. A bug is re-raised and keeps its traceback."""
     rank = int(os.environ.get("RANK", "0"))
     if isinstance(exc, RunStopped):
-        code, lines = exc.exit_code, [exc.describe()] if rank == 0 else []
+        # NOTE: every rank leaves the same line (the launcher says it once): the checkpoint was saved together, so
+        # any rank can tell it, and the line survives one rank ending otherwise (a lost peer on the way out).
+        code, lines = exc.exit_code, [exc.describe()]
     elif isinstance(exc, UserError):
         code, lines = EXIT_USER_ERROR, [f"error: {line}" for line in exc.lines]
     elif lost_peer(exc):
@@ -190,8 +195,8 @@ def end_rank(exc: BaseException) -> int:
     else:
         raise exc
     notes = os.environ.get(NOTES_ENV)
-    if notes is None:
-        for line in lines:
+    if notes is None:  # one process, or torchrun: a stop line from rank 0 only
+        for line in lines if rank == 0 or not isinstance(exc, RunStopped) else []:
             print(line, file=sys.stderr, flush=True)
     elif code != EXIT_PEER_LOST and lines:  # under the launcher, which names the rank that failed first
         try:
