@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|tp1pp1 ...]
+#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|attention|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|tp1pp1 ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -129,6 +129,8 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
           --markdown "$OUT/recipes.md" -- python3 -m toolkit run "recipes/$name.json" "training.max_steps=$steps" \
           checkpoint.save_final=false ${extra//,/ } 2>&1 | tee -a "$OUT/recipes.txt"
       done ;;
+    attention)  # issue 33: torch's attention backends (flash, cuDNN, memory-efficient) at the recipes' shapes
+      timeout 200 python3 -m benchmarks.attention_backends --markdown "$OUT/attention.md" 2>&1 | tee "$OUT/attention.txt" ;;
     deepspeed)  # issue 36's peer: DeepSpeed's ZeRO-2 + CPU offload on GPT-2 1.5B (benchmarks/deepspeed_offload.py; its wheel
                 # and deps carried in .whl: built with DS_BUILD_OPS=0, its CPU Adam JIT-built here first; DS_ARGS: its arguments)
       timeout ${DS_S:-300} python3 -m benchmarks.deepspeed_offload --markdown "$OUT/deepspeed.md" ${DS_ARGS:-} 2>&1 \
