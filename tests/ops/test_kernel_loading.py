@@ -2,6 +2,7 @@
 architecture list parses what users set, and the CUDA sources compile for sm_90 with nvcc. The ops
 themselves: test_fused_ops.py."""
 import re
+import sys
 import shutil
 import subprocess
 import warnings
@@ -162,7 +163,7 @@ def test_builds_started_in_the_background_are_what_the_engine_then_waits_for(mon
         assert release.wait(10)
         return object(), True
 
-    monkeypatch.setattr(loader, "_problem", lambda extension, toolchain=False: None)
+    monkeypatch.setattr(loader, "_problem", lambda extension, need="build": None)
     monkeypatch.setattr(loader, "build_or_import", slow_build)
     loader.build_in_background(GPT2_NEEDS)
     threading.Timer(0.3, release.set).start()
@@ -282,7 +283,7 @@ def kernel_line(lines, name):
 
 
 def test_doctor_with_an_empty_cache_builds_nothing_and_names_the_command(fresh_loader, monkeypatch, tmp_path):
-    monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True: None)  # as on a machine with nvcc
+    monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True, builder=True: None)  # as on a machine with nvcc
     lines = loader.doctor_lines()
     assert fresh_loader == [] and list(tmp_path.iterdir()) == []  # nothing compiled, no cache folder made
     for name in loader.KERNELS:
@@ -397,3 +398,51 @@ def test_eager_autograd_functions_match_the_custom_ops(monkeypatch):
         for got, want in zip(torch.autograd.grad(out.sum(), inputs), grads_ref):
             torch.testing.assert_close(got, want)
 
+
+
+def test_a_finished_cuda_build_loads_without_asking_for_ninja(fresh_loader, monkeypatch):
+    """A cached start imports the finished library: it needs nvcc's version for the cache key, not the builder
+    (ninja is a process to ask, and torch's builder imports setuptools)."""
+    from toolkit.ops import build_cache
+
+    asked = []
+    monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True, builder=True: asked.append(builder))
+    monkeypatch.setattr(loader, "ninja_problem", lambda: 1 / 0)  # never asked on this path
+    plan = loader.build_plan("norm")
+    plan.directory.mkdir(parents=True)
+    plan.library.write_bytes(b"")
+    (plan.directory / build_cache.DONE_FILE).write_text("")
+    monkeypatch.setattr(build_cache, "_import_library", lambda p: ("imported", p.directory))
+    monkeypatch.setattr(loader, "build_or_import", lambda p, verbose=False: (build_cache._import_library(p), False))
+    assert loader.load_extension("norm") == ("imported", plan.directory)
+    assert asked == [False] and fresh_loader == []
+
+
+def test_an_unfinished_cuda_build_asks_for_the_builder_first(fresh_loader, monkeypatch):
+    monkeypatch.setattr(loader, "build_problem",
+                        lambda need_gpu=True, builder=True: ("ninja is not installed", "pip install ninja") if builder
+                        else None)
+    assert loader.load_extension("norm") is None
+    status = loader.kernel_status("layernorm")
+    assert (status.state, status.reason) == ("unavailable", "ninja is not installed") and fresh_loader == []
+
+
+def test_finding_nvcc_does_not_import_torchs_extension_builder():
+    """find_nvcc follows cpp_extension's guesses for CUDA_HOME without importing it (it imports setuptools)."""
+    code = ("import sys; from toolkit.ops import toolchain; toolchain.find_nvcc(); "
+            "toolchain.build_problem(need_gpu=False, builder=False); "
+            "print('torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_find_nvcc_takes_cuda_home_then_path(monkeypatch, tmp_path):
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    assert toolchain.find_nvcc() == str(nvcc)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
+    monkeypatch.setenv("PATH", str(nvcc.parent))
+    nvcc.chmod(0o755)
+    assert toolchain.find_nvcc() == str(nvcc)

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from toolkit.ops.build_cache import BuildPlan, build_or_import, cpu_features
-from toolkit.ops.toolchain import (build_problem, cache_root, gencode_flags, nvcc_parallel_flags, nvcc_version,
-                                   target_archs)
+from toolkit.ops.toolchain import (build_problem, cache_root, gencode_flags, ninja_problem, nvcc_parallel_flags,
+                                   nvcc_version, target_archs)
 from toolkit.errors import UserError
 from toolkit.resources import shipped_dir
 
@@ -163,21 +163,23 @@ def _first_error_line(text: str) -> str:
     return lines[-1][:200] if lines else "unknown error"
 
 
-def _problem(extension: str, toolchain: bool = True) -> tuple[str, str] | None:
+def _problem(extension: str, need: str = "build") -> tuple[str, str] | None:
     """Why `extension` cannot be built or loaded here, as (reason, fix); None when nothing is missing.
-    toolchain=False looks only at the switch TOOLKIT_DISABLE_<EXTENSION>."""
+    need: "switch" looks only at TOOLKIT_DISABLE_<EXTENSION>; "key" adds what the cache key names (a CUDA
+    extension's: CUDA torch and nvcc), enough to load a finished build; "build" adds the builder (ninja)."""
     env = disable_env(extension)
     if os.environ.get(env):
         return f"disabled by {env}", f"unset {env}"
-    if not toolchain:
+    if need == "switch":
         return None
-    if EXTENSIONS[extension].cuda:
-        return build_problem(need_gpu=False)  # building and importing need no GPU, only CUDA torch + nvcc
-    from torch.utils import cpp_extension
+    if EXTENSIONS[extension].cuda:  # building and importing need no GPU, only CUDA torch + nvcc
+        return build_problem(need_gpu=False, builder=need == "build")
+    return ninja_problem() if need == "build" else None
 
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not installed (torch's extension builder needs it)", "pip install ninja"
-    return None
+
+def _key_need(extension: str) -> str:
+    """What finding an extension's cache entry needs: a CUDA extension's key names nvcc; a CPU one's nothing."""
+    return "key" if EXTENSIONS[extension].cuda else "switch"
 
 
 def _build_failure(extension: str, errors: list[tuple[BuildPlan, str]]) -> tuple[str, str]:
@@ -206,10 +208,9 @@ def load_extension(extension: str, verbose: bool = False, build: bool = True):
             return _modules[extension]
         if extension in _failures:
             return None
-        # NOTE: a CUDA extension's cache key names nvcc, so its toolchain is checked first; a cached CPU
-        # extension is imported without looking for ninja (0.2 s of imports on every run).
-        cuda = EXTENSIONS[extension].cuda
-        problem = _problem(extension, toolchain=cuda)
+        # NOTE: a CUDA extension's cache key names nvcc, so nvcc is checked first; a finished build is imported
+        # without looking for ninja (asking it costs a process, and torch's builder imports setuptools).
+        problem = _problem(extension, _key_need(extension))
         if problem is None:
             try:
                 plans = [build_plan(extension, v) for v in range(len(EXTENSIONS[extension].cxx_flag_sets))]
@@ -219,8 +220,8 @@ def load_extension(extension: str, verbose: bool = False, build: bool = True):
                 plans[0].directory.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 problem = (f"cannot use the kernel cache ({exc})", "set TOOLKIT_KERNELS_CACHE to a writable folder")
-        if problem is None and not cuda and not plans[0].finished:
-            problem = _problem(extension, toolchain=True)
+        if problem is None and not plans[0].finished:
+            problem = _problem(extension, "build")
         if problem is not None:
             _failures[extension] = problem
             return None
@@ -262,7 +263,7 @@ def kernel_status(name: str, build: bool = False) -> KernelStatus:
         return KernelStatus(name, "unavailable", *_failures[extension])
     # NOTE: the order of load_extension: a CUDA extension's toolchain first (its cache key names nvcc),
     # a CPU extension's cache first (a cached build imports without ninja).
-    problem = _problem(extension, toolchain=EXTENSIONS[extension].cuda)
+    problem = _problem(extension, _key_need(extension))
     if problem is not None:
         return KernelStatus(name, "unavailable", *problem)
     plans = [build_plan(extension, v) for v in range(len(EXTENSIONS[extension].cxx_flag_sets))]

@@ -151,17 +151,19 @@ def cache_root() -> Path:
 
 
 def find_nvcc() -> str | None:
-    """The nvcc torch's extension builder will use (CUDA_HOME/bin/nvcc), else the one on PATH."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    try:
-        from torch.utils.cpp_extension import CUDA_HOME
+    """The nvcc torch's extension builder will use: $CUDA_HOME (or $CUDA_PATH)/bin/nvcc, else the one on PATH, else
+    /usr/local/cuda's (torch.utils.cpp_extension's guesses for CUDA_HOME, in its order).
 
-        home = home or CUDA_HOME
-    except Exception:
-        pass
+    NOTE: not by importing cpp_extension, which imports setuptools: a cached start only loads finished
+    builds, and that import was a second of it on the GPU image (benchmarks/RESULTS.md, "Command to first step")."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and (Path(home) / "bin" / "nvcc").is_file():
         return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+    on_path = shutil.which("nvcc")
+    if on_path is not None:
+        return on_path
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if not home and default.is_file() else None
 
 
 @lru_cache(maxsize=None)
@@ -220,11 +222,12 @@ def _nvcc_output(flag: str) -> str | None:
     return out
 
 
-def build_problem(need_gpu: bool = True) -> tuple[str, str] | None:
-    """Why no kernel can be built or run here, as (reason, fix); None when nothing is missing."""
+def build_problem(need_gpu: bool = True, builder: bool = True) -> tuple[str, str] | None:
+    """Why no kernel can be built or run here, as (reason, fix); None when nothing is missing.
+    builder=False leaves out what only a build needs (ninja): loading a finished build needs CUDA torch and,
+    for the cache key, nvcc's version."""
     try:
         import torch
-        from torch.utils import cpp_extension
     except Exception as exc:  # pragma: no cover - torch is a dependency
         return f"torch cannot be imported ({exc})", "install torch"
     if torch.version.cuda is None:
@@ -239,6 +242,13 @@ def build_problem(need_gpu: bool = True) -> tuple[str, str] | None:
     if version is not None and version.split(".")[0] != torch.version.cuda.split(".")[0]:
         return (f"nvcc is CUDA {version} but torch was built with CUDA {torch.version.cuda}",
                 f"point CUDA_HOME at a CUDA {torch.version.cuda.split('.')[0]}.x toolkit")
+    return ninja_problem() if builder else None
+
+
+def ninja_problem() -> tuple[str, str] | None:
+    """(reason, fix) when torch's extension builder cannot find ninja, else None."""
+    from torch.utils import cpp_extension
+
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (torch's extension builder needs it)", "pip install ninja"
     return None
