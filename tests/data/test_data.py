@@ -335,3 +335,25 @@ def test_a_missing_cache_entry_on_a_read_only_mount_is_one_line_naming_the_key(t
     assert len(refused.value.lines) == 1
     assert refused.value.lines[0].startswith(f"recipe.data.cache_dir: {tmp_path / 'cache'}: cannot write: "
                                              "Read-only file system (EROFS)"), refused.value.lines
+
+
+@pytest.mark.parametrize("vocab_size, branching", [(97, 4), (50257, 4), (300, 300)])
+def test_synthetic_tokens_follow_the_seeded_chain_one_sequence_at_a_time(vocab_size, branching):
+    """markov_chain_tokens builds all sequences position by position in small dtypes; a sequence walked alone with
+    int64 draws from the same generators gives the same tokens (and the first draws are the recipe's seed's)."""
+    from toolkit.data.batches import markov_chain_tokens
+    from toolkit.specs import DataSpec
+
+    spec = DataSpec(kind="synthetic", seq_len=9, vocab_size=vocab_size, branching=branching, num_samples=6,
+                    eval_samples=2, seed=3)
+    tokens = markov_chain_tokens(spec, 6, stream=1)
+    successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(3 * 1_000_003 + 7919 * 2)
+    first = torch.randint(0, vocab_size, (6,), generator=gen)
+    choices = torch.randint(0, branching, (6, 9), generator=gen)
+    for i in range(6):
+        walk = [int(first[i])]
+        for t in range(9):
+            walk.append(int(successors[walk[-1], choices[i, t]]))
+        assert tokens[i].tolist() == walk
+    assert tokens.dtype == torch.long and tokens.shape == (6, 10)
