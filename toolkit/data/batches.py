@@ -58,7 +58,8 @@ def markov_chain_tokens(spec: DataSpec, num_samples: int, stream: int) -> torch.
     first = torch.randint(0, spec.vocab_size, (num_samples,), generator=gen)
     # NOTE: randint draws the same values whatever the integer dtype (one 32-bit draw per element, then modulo), so
     # the choices and the chain are held small: uint8 / int32 move a quarter / half of int64's bytes through the
-    # transposes and gathers (124M's data: 1.27 -> 0.70 s on the 2-core VM, the same tokens).
+    # transposes and gathers (124M's data: 1.09 -> 0.61 s on the 2-core VM, the same tokens;
+    # benchmarks/synthetic_data.py).
     small = torch.uint8 if spec.branching <= 256 else torch.long
     choices = torch.randint(0, spec.branching, (num_samples, spec.seq_len), generator=gen, dtype=small).T.contiguous()
     token = torch.int32 if spec.vocab_size * spec.branching < 2**31 else torch.long  # index arithmetic fits
