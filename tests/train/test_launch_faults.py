@@ -120,8 +120,12 @@ def test_the_launcher_holds_the_run_dir_and_sigterm_stops_every_rank_in_one_line
     two_ranks = run_cli("run", "quickstart", "--nproc", "2", "--run-dir", str(run_dir), *RUN)
     assert two_ranks.returncode == 2 and _told(two_ranks.stderr) == [busy]
 
+    sent = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=120)
+    took = time.monotonic() - sent
     assert launcher.returncode == 143, err
     [line] = _told(err)
-    assert line.startswith("stopped by SIGTERM at step ") and line.endswith(f"--run-dir {run_dir}")
+    ranks_said = (run_dir.parent / "launcher.out").read_text().splitlines()[-8:]  # when it fails: what led there
+    assert line.startswith("stopped by SIGTERM at step ") and line.endswith(f"--run-dir {run_dir}"), \
+        (line, f"{took:.1f} s from SIGTERM to exit", ranks_said)

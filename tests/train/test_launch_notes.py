@@ -38,3 +38,25 @@ def test_without_a_launcher_only_rank_0_prints_the_stop_line(tmp_path, monkeypat
         monkeypatch.setenv("RANK", str(rank))
         end_rank(_stopped(tmp_path))
     assert capsys.readouterr().err.splitlines() == [_stopped(tmp_path).describe()]
+
+
+def test_a_stopped_rank_leaves_its_line_before_the_slow_teardown(tmp_path, monkeypatch):
+    """The launcher kills ranks still tearing down when its shutdown timeout ends: the stop line is left as soon as
+    the checkpoint is saved, before the trackers close, memory.png is drawn and the group is left."""
+    import pytest
+
+    from toolkit.observe.memory_monitor import MemoryMonitor
+    from toolkit.recipe.load import load_recipe
+    from toolkit.train import loop
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    monkeypatch.setenv(NOTES_ENV, str(notes))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(loop, "_loop", lambda run, stop, start: signal.SIGTERM)  # stopped at the first boundary
+    seen = []
+    monkeypatch.setattr(MemoryMonitor, "write_timeline", lambda self, path: seen.append(_read_notes(notes)) or "")
+    recipe = load_recipe("quickstart", ["training.max_steps=2", "checkpoint.save_final=false"])
+    with pytest.raises(RunStopped) as stopped:
+        loop.run(recipe, run_dir=tmp_path / "run", quiet=True)
+    assert seen == [{0: (143, [stopped.value.describe()])}]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from toolkit.errors import UserError
 from toolkit.train.run_dir import LOCK_HELD_ENV, RunDirLock
-from toolkit.train.stop import EXIT_PEER_LOST, LAUNCHER_PID_ENV, NOTES_ENV, RunStopped, lost_peer
+from toolkit.train.stop import EXIT_PEER_LOST, LAUNCHER_PID_ENV, NOTES_ENV, RunStopped, leave_note, lost_peer
 
 EXIT_USER_ERROR = 2
 # Exit codes of ranks that ended because another one failed first: stopped by the launcher's
@@ -194,15 +194,10 @@ def end_rank(exc: BaseException) -> int:
                                        f"({first[-120:]})"]
     else:
         raise exc
-    notes = os.environ.get(NOTES_ENV)
-    if notes is None:  # one process, or torchrun: a stop line from rank 0 only
+    if os.environ.get(NOTES_ENV) is None:  # one process, or torchrun: a stop line from rank 0 only
         for line in lines if rank == 0 or not isinstance(exc, RunStopped) else []:
             print(line, file=sys.stderr, flush=True)
-    elif code != EXIT_PEER_LOST and lines:  # under the launcher, which names the rank that failed first
-        try:
-            (Path(notes) / f"rank-{rank:05d}.json").write_text(
-                json.dumps({"rank": rank, "exit_code": code, "lines": lines}), encoding="utf-8")
-        except OSError:  # no room for the note: say it here
-            for line in lines:
-                print(line, file=sys.stderr, flush=True)
+    elif code != EXIT_PEER_LOST and lines and not leave_note(code, lines):  # the launcher names the first failure
+        for line in lines:  # no room for the note: say it here
+            print(line, file=sys.stderr, flush=True)
     return code

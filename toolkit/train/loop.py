@@ -34,7 +34,7 @@ from toolkit.observe.memory_monitor import MemoryMonitor
 from toolkit.train.preflight import checkpoint_dir_of, preflight
 from toolkit.train.run_dir import check_room_for_checkpoint, check_writable, claim_run_dir, default_run_dir
 from toolkit.train.startup_table import MESH_NOT_COUNTED, startup_table
-from toolkit.train.stop import RunStopped, StopSignals, under_elastic_launcher
+from toolkit.train.stop import RunStopped, StopSignals, leave_note, under_elastic_launcher
 from toolkit.specs import Recipe
 from toolkit.observe.trackers import Trackers, build_trackers
 from toolkit.distributed import DistInfo, any_true, barrier, broadcast_object, shutdown, start_process_group
@@ -149,18 +149,24 @@ def _train(recipe: Recipe, run_dir: Path, info: DistInfo, stop: StopSignals, num
     pre-flight's count (None: the checkpoint's room is checked here, once the model is built)."""
     run = _set_up(recipe, run_dir, info, num_parameters, quiet=quiet)
     start = time.perf_counter()
+    stopped = None
     try:
         stopped_by = _loop(run, stop, start)
+        if stopped_by:
+            stopped = RunStopped(stopped_by, run_dir, run.engine.global_step, recipe.training.max_steps,
+                                 run.checkpointer.last_saved_path,
+                                 why="no step was trained" if run.engine.global_step == 0 else
+                                 "checkpoint.interval is 0 and checkpoint.save_final is false")
+            # NOTE: said now, before the teardown (trackers, memory.png, the group): a launcher whose shutdown
+            # timeout kills this rank meanwhile still prints where the run stopped (end_rank says it again)
+            leave_note(stopped.exit_code, [stopped.describe()])
     finally:
         run.trackers.close()
         run.monitor.close()
     memory_note = run.monitor.write_timeline(run_dir / "memory.png") if info.is_main else ""
     shutdown(info)
-    if stopped_by:
-        raise RunStopped(stopped_by, run_dir, run.engine.global_step, recipe.training.max_steps,
-                         run.checkpointer.last_saved_path,
-                         why="no step was trained" if run.engine.global_step == 0 else
-                         "checkpoint.interval is 0 and checkpoint.save_final is false")
+    if stopped is not None:
+        raise stopped
     if not quiet:
         _report(run, time.perf_counter() - start, memory_note)
     return run.result

@@ -17,6 +17,7 @@ an OSError (EFBIG) that becomes one line instead of killing the process.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -101,6 +102,21 @@ class StopSignals:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.signum = int(flag.item())
         return self.signum
+
+
+def leave_note(code: int, lines: list[str]) -> bool:
+    """Under `toolkit run --nproc`: leave this rank's exit code and lines for the launcher to print (a later note
+    replaces an earlier one); False when there is no launcher or no room for the note (the caller prints)."""
+    folder = os.environ.get(NOTES_ENV)
+    if folder is None:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        (Path(folder) / f"rank-{rank:05d}.json").write_text(
+            json.dumps({"rank": rank, "exit_code": code, "lines": lines}), encoding="utf-8")
+    except OSError:
+        return False
+    return True
 
 
 def under_elastic_launcher() -> bool:
