@@ -111,9 +111,11 @@ def leave_note(code: int, lines: list[str]) -> bool:
     if folder is None:
         return False
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        (Path(folder) / f"rank-{rank:05d}.json").write_text(
-            json.dumps({"rank": rank, "exit_code": code, "lines": lines}), encoding="utf-8")
+    note = Path(folder) / f"rank-{rank:05d}.json"
+    partial = note.with_name(f"{note.name}.partial")
+    try:  # whole or not at all: a rank killed while it rewrites its note keeps the earlier one
+        partial.write_text(json.dumps({"rank": rank, "exit_code": code, "lines": lines}), encoding="utf-8")
+        partial.replace(note)
     except OSError:
         return False
     return True
