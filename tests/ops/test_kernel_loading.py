@@ -163,7 +163,8 @@ def test_builds_started_in_the_background_are_what_the_engine_then_waits_for(mon
         assert release.wait(10)
         return object(), True
 
-    monkeypatch.setattr(loader, "_problem", lambda extension, need="build": None)
+    monkeypatch.setattr(loader, "_problem", lambda extension: None)
+    monkeypatch.setattr(loader, "ninja_problem", lambda: None)
     monkeypatch.setattr(loader, "build_or_import", slow_build)
     loader.build_in_background(GPT2_NEEDS)
     threading.Timer(0.3, release.set).start()
@@ -284,6 +285,7 @@ def kernel_line(lines, name):
 
 def test_doctor_with_an_empty_cache_builds_nothing_and_names_the_command(fresh_loader, monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True, builder=True: None)  # as on a machine with nvcc
+    monkeypatch.setattr(loader, "ninja_problem", lambda: None)  # and ninja
     lines = loader.doctor_lines()
     assert fresh_loader == [] and list(tmp_path.iterdir()) == []  # nothing compiled, no cache folder made
     for name in loader.KERNELS:
@@ -419,9 +421,8 @@ def test_a_finished_cuda_build_loads_without_asking_for_ninja(fresh_loader, monk
 
 
 def test_an_unfinished_cuda_build_asks_for_the_builder_first(fresh_loader, monkeypatch):
-    monkeypatch.setattr(loader, "build_problem",
-                        lambda need_gpu=True, builder=True: ("ninja is not installed", "pip install ninja") if builder
-                        else None)
+    monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True, builder=True: None)  # nvcc is here
+    monkeypatch.setattr(loader, "ninja_problem", lambda: ("ninja is not installed", "pip install ninja"))
     assert loader.load_extension("norm") is None
     status = loader.kernel_status("layernorm")
     assert (status.state, status.reason) == ("unavailable", "ninja is not installed") and fresh_loader == []

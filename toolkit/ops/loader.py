@@ -163,23 +163,16 @@ def _first_error_line(text: str) -> str:
     return lines[-1][:200] if lines else "unknown error"
 
 
-def _problem(extension: str, need: str = "build") -> tuple[str, str] | None:
-    """Why `extension` cannot be built or loaded here, as (reason, fix); None when nothing is missing.
-    need: "switch" looks only at TOOLKIT_DISABLE_<EXTENSION>; "key" adds what the cache key names (a CUDA
-    extension's: CUDA torch and nvcc), enough to load a finished build; "build" adds the builder (ninja)."""
+def _problem(extension: str) -> tuple[str, str] | None:
+    """Why a finished build of `extension` cannot be found or imported here, as (reason, fix); None when nothing
+    is missing. Checks TOOLKIT_DISABLE_<EXTENSION> and, for a CUDA extension, what its cache key names (CUDA torch
+    and nvcc). A build also needs ninja: callers ask ninja_problem only when there is no finished build."""
     env = disable_env(extension)
     if os.environ.get(env):
         return f"disabled by {env}", f"unset {env}"
-    if need == "switch":
-        return None
-    if EXTENSIONS[extension].cuda:  # building and importing need no GPU, only CUDA torch + nvcc
-        return build_problem(need_gpu=False, builder=need == "build")
-    return ninja_problem() if need == "build" else None
-
-
-def _key_need(extension: str) -> str:
-    """What finding an extension's cache entry needs: a CUDA extension's key names nvcc; a CPU one's nothing."""
-    return "key" if EXTENSIONS[extension].cuda else "switch"
+    if EXTENSIONS[extension].cuda:  # importing needs no GPU, only CUDA torch + nvcc
+        return build_problem(need_gpu=False, builder=False)
+    return None
 
 
 def _build_failure(extension: str, errors: list[tuple[BuildPlan, str]]) -> tuple[str, str]:
@@ -210,7 +203,7 @@ def load_extension(extension: str, verbose: bool = False, build: bool = True):
             return None
         # NOTE: a CUDA extension's cache key names nvcc, so nvcc is checked first; a finished build is imported
         # without looking for ninja (asking it costs a process, and torch's builder imports setuptools).
-        problem = _problem(extension, _key_need(extension))
+        problem = _problem(extension)
         if problem is None:
             try:
                 plans = [build_plan(extension, v) for v in range(len(EXTENSIONS[extension].cxx_flag_sets))]
@@ -221,7 +214,7 @@ def load_extension(extension: str, verbose: bool = False, build: bool = True):
             except OSError as exc:
                 problem = (f"cannot use the kernel cache ({exc})", "set TOOLKIT_KERNELS_CACHE to a writable folder")
         if problem is None and not plans[0].finished:
-            problem = _problem(extension, "build")
+            problem = ninja_problem()  # the rest a build needs was checked above
         if problem is not None:
             _failures[extension] = problem
             return None
@@ -263,14 +256,14 @@ def kernel_status(name: str, build: bool = False) -> KernelStatus:
         return KernelStatus(name, "unavailable", *_failures[extension])
     # NOTE: the order of load_extension: a CUDA extension's toolchain first (its cache key names nvcc),
     # a CPU extension's cache first (a cached build imports without ninja).
-    problem = _problem(extension, _key_need(extension))
+    problem = _problem(extension)
     if problem is not None:
         return KernelStatus(name, "unavailable", *problem)
     plans = [build_plan(extension, v) for v in range(len(EXTENSIONS[extension].cxx_flag_sets))]
     for plan in plans:
         if plan.finished:
             return KernelStatus(name, "cached", "in the cache, loads on first use", where=str(plan.directory))
-    problem = _problem(extension)
+    problem = ninja_problem()  # as in load_extension: only a build needs it
     if problem is not None:
         return KernelStatus(name, "unavailable", *problem)
     logs = [plan.log for plan in plans if plan.log.is_file()]  # written when every flag set failed to build
