@@ -38,9 +38,6 @@ NO_OUTPUT = {
     "03-workflow-29": "removes the notebook's temporary directory; prints nothing",
     "13-communication-19": "removes the ranks' temporary output directory; prints nothing",
     "17-convert-export-resume-11": "removes the notebook's temporary directory; prints nothing",
-    "gpu/08_fused_kernels.ipynb": "executed on an H100 (2026-12-06, fresh #6) before its start-up cell changed; no GPU "
-                                  "was left this session: `GALLERY=08_fused_kernels bash benchmarks/gpu_check.sh "
-                                  "gallery` re-executes it",
 }
 
 
