@@ -24,8 +24,11 @@ NO_OUTPUT = {
     "01-quickstart-10": "removes the notebook's temporary run directory; prints nothing",
     "02-zero-memory-09": "removes the notebook's temporary run directory; prints nothing",
     "03-workflow-01": "the parameters cell: assignments only",
-    "04-precision-15": "defines DeepSpeed's loss-scale rule, transcribed; prints nothing",
-    "04-precision-25": "removes the notebook's temporary run directory; prints nothing",
+    "04-precision-15": "defines DeepSpeed's loss-scale rule, transcribed; prints nothing (GPU variant)",
+    "04-precision-25": "removes the notebook's temporary run directory; prints nothing (GPU variant)",
+    "04-precision-17": "defines DeepSpeed's loss-scale rule, transcribed; prints nothing (CPU variant: its bf16 "
+                       "speed section comes first)",
+    "04-precision-27": "removes the notebook's temporary run directory; prints nothing (CPU variant)",
     "07-zero-offload-19": "defines the sweep's timing function; prints nothing",
     "07-zero-offload-29": "removes the notebook's temporary run directory; prints nothing",
     "09-real-data-21": "removes the notebook's temporary cache directory; prints nothing",

@@ -42,6 +42,8 @@ def distributed_lines() -> list[str]:
     import torch
     import torch.distributed as dist
 
+    from toolkit.runtime.cpu_matmul import describe_bf16_matmuls
+
     lines = []
     if not dist.is_available():
         lines.append("torch.distributed unavailable in this build: one process only")
@@ -58,7 +60,7 @@ def distributed_lines() -> list[str]:
                      f"mpi {'yes' if dist.is_mpi_available() else 'no'}")
         lines.append("launch: toolkit run --nproc N RECIPE, or torchrun --nproc_per_node N -m toolkit run RECIPE")
     lines.append(f"cpu {cpu_name()}: {os.cpu_count()} logical CPUs, {torch.get_num_threads()} torch threads, "
-                 f"SIMD {_cpu_flags()}")
+                 f"SIMD {_cpu_flags()}; bf16 matmuls: {describe_bf16_matmuls()}")
     lines.append(cpu_threads_line())
     return lines
 
