@@ -1,8 +1,8 @@
 """Whether this CPU multiplies bf16 matrices at speed, and a warning for a CPU run in bf16 where it does not.
 
-torch runs CPU bf16 matmuls through oneDNN where the CPU has the instructions for it (AVX-512, with or without
-its BF16 extension, or AMX); on other CPUs (AVX2 only: many AMD EPYC and older Intel parts) through its generic
-kernel, tens of times slower than fp32 (benchmarks/RESULTS.md, "CPU matmuls by dtype"). A bf16 CPU run there pays
+torch runs CPU bf16 matmuls through oneDNN where it reports oneDNN bf16 support (CPUs with AVX-512 or AMX); on
+others (AVX2 only, as this project's 2-core VM of 2026-12-06, an AMD EPYC) through its generic kernel, tens of
+times slower than fp32 (benchmarks/RESULTS.md, "CPU matmuls by dtype"). A bf16 CPU run there pays
 that on every matmul for no gain, so the run says so, with the slowdown measured on this CPU when it starts.
 """
 from __future__ import annotations
