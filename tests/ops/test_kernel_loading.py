@@ -284,7 +284,7 @@ def kernel_line(lines, name):
 
 
 def test_doctor_with_an_empty_cache_builds_nothing_and_names_the_command(fresh_loader, monkeypatch, tmp_path):
-    monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True, builder=True: None)  # as on a machine with nvcc
+    monkeypatch.setattr(loader, "build_problem", lambda: None)  # as on a machine with nvcc
     monkeypatch.setattr(loader, "ninja_problem", lambda: None)  # and ninja
     lines = loader.doctor_lines()
     assert fresh_loader == [] and list(tmp_path.iterdir()) == []  # nothing compiled, no cache folder made
@@ -408,7 +408,7 @@ def test_a_finished_cuda_build_loads_without_asking_for_ninja(fresh_loader, monk
     from toolkit.ops import build_cache
 
     asked = []
-    monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True, builder=True: asked.append(builder))
+    monkeypatch.setattr(loader, "build_problem", lambda: asked.append("toolchain"))
     monkeypatch.setattr(loader, "ninja_problem", lambda: 1 / 0)  # never asked on this path
     plan = loader.build_plan("norm")
     plan.directory.mkdir(parents=True)
@@ -417,11 +417,11 @@ def test_a_finished_cuda_build_loads_without_asking_for_ninja(fresh_loader, monk
     monkeypatch.setattr(build_cache, "_import_library", lambda p: ("imported", p.directory))
     monkeypatch.setattr(loader, "build_or_import", lambda p, verbose=False: (build_cache._import_library(p), False))
     assert loader.load_extension("norm") == ("imported", plan.directory)
-    assert asked == [False] and fresh_loader == []
+    assert asked == ["toolchain"] and fresh_loader == []
 
 
 def test_an_unfinished_cuda_build_asks_for_the_builder_first(fresh_loader, monkeypatch):
-    monkeypatch.setattr(loader, "build_problem", lambda need_gpu=True, builder=True: None)  # nvcc is here
+    monkeypatch.setattr(loader, "build_problem", lambda: None)  # nvcc is here
     monkeypatch.setattr(loader, "ninja_problem", lambda: ("ninja is not installed", "pip install ninja"))
     assert loader.load_extension("norm") is None
     status = loader.kernel_status("layernorm")
@@ -431,7 +431,7 @@ def test_an_unfinished_cuda_build_asks_for_the_builder_first(fresh_loader, monke
 def test_finding_nvcc_does_not_import_torchs_extension_builder():
     """find_nvcc follows cpp_extension's guesses for CUDA_HOME without importing it (it imports setuptools)."""
     code = ("import sys; from toolkit.ops import toolchain; toolchain.find_nvcc(); "
-            "toolchain.build_problem(need_gpu=False, builder=False); "
+            "toolchain.build_problem(); "
             "print('torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr

@@ -171,7 +171,7 @@ def _problem(extension: str) -> tuple[str, str] | None:
     if os.environ.get(env):
         return f"disabled by {env}", f"unset {env}"
     if EXTENSIONS[extension].cuda:  # importing needs no GPU, only CUDA torch + nvcc
-        return build_problem(need_gpu=False, builder=False)
+        return build_problem()
     return None
 
 

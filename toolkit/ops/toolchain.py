@@ -2,8 +2,8 @@
 
 The architectures come from the GPUs present plus TORCH_CUDA_ARCH_LIST in any form users
 write ("9.0a", "9.0+PTX", "8.0;9.0", "sm_90", "Hopper"; DeepSpeed 0.19's JIT builder crashes
-on "9.0a"), less what this nvcc cannot target. `build_problem` says, as (reason, fix), why
-nothing can be built or run here. Importing this module never needs CUDA.
+on "9.0a"), less what this nvcc cannot target. `build_problem` and `ninja_problem` say, as (reason,
+fix), why nothing can be built or loaded here. Importing this module never needs CUDA.
 """
 from __future__ import annotations
 
@@ -222,10 +222,10 @@ def _nvcc_output(flag: str) -> str | None:
     return out
 
 
-def build_problem(need_gpu: bool = True, builder: bool = True) -> tuple[str, str] | None:
-    """Why no kernel can be built or run here, as (reason, fix); None when nothing is missing.
-    builder=False leaves out what only a build needs (ninja): loading a finished build needs CUDA torch and,
-    for the cache key, nvcc's version."""
+def build_problem() -> tuple[str, str] | None:
+    """Why no kernel can be built or loaded here, as (reason, fix); None when nothing is missing: CUDA torch and an
+    nvcc of its CUDA major (a finished build's cache key names nvcc's version). No GPU is needed to build or import;
+    a build also needs ninja, which ninja_problem asks only when there is no finished build."""
     try:
         import torch
     except Exception as exc:  # pragma: no cover - torch is a dependency
@@ -233,8 +233,6 @@ def build_problem(need_gpu: bool = True, builder: bool = True) -> tuple[str, str
     if torch.version.cuda is None:
         return (f"this torch build has no CUDA (torch {torch.__version__})",
                 "install a CUDA build of torch (https://pytorch.org/get-started)")
-    if need_gpu and not torch.cuda.is_available():
-        return "no CUDA device is visible", "run on a machine with an NVIDIA GPU (check nvidia-smi, CUDA_VISIBLE_DEVICES)"
     if find_nvcc() is None:
         return ("no CUDA compiler: nvcc not found (CUDA_HOME unset, none on PATH)",
                 f"install the CUDA {torch.version.cuda} toolkit (nvcc) or set CUDA_HOME to it")
@@ -242,7 +240,7 @@ def build_problem(need_gpu: bool = True, builder: bool = True) -> tuple[str, str
     if version is not None and version.split(".")[0] != torch.version.cuda.split(".")[0]:
         return (f"nvcc is CUDA {version} but torch was built with CUDA {torch.version.cuda}",
                 f"point CUDA_HOME at a CUDA {torch.version.cuda.split('.')[0]}.x toolkit")
-    return ninja_problem() if builder else None
+    return None
 
 
 def ninja_problem() -> tuple[str, str] | None:
