@@ -3,8 +3,10 @@
 Runs the configurations of benchmarks/end_to_end.py, and after 3 warm-up steps records --steps steps
 with torch.profiler. Prints, per configuration, wall ms per step, GPU kernel ms per step (busy
 time) and the kernels grouped into families (GEMM, attention, norm, GELU, cross-entropy, AdamW,
-other elementwise, ...); then one table of the families side by side, so a gap between two
-configurations shows up as the family that holds it.
+other elementwise, ...), then the GPU time by the op that launched it (the innermost aten op with its
+input shapes, its caller, and the autograd node whose backward ran it): where a family's kernels come
+from; then one table of the families side by side, so a gap between two configurations shows up as the
+family that holds it.
 
     python -m benchmarks.profile_e2e --size 1.5b --only "toolkit fused compiled,plain compiled" [--markdown FILE]
 """
@@ -52,7 +54,8 @@ def profile(model, step, steps: int) -> dict:
     for i in range(3):
         step(batches[i % 4])
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         started = time.perf_counter()
         for i in range(steps):
             step(batches[i % 4])
@@ -67,9 +70,32 @@ def profile(model, step, steps: int) -> dict:
     by_family: dict[str, float] = defaultdict(float)
     for name, ms in by_name.items():
         by_family[family(name)] += ms
+    by_op: dict[tuple[str, str], float] = defaultdict(float)
+    op_counts: dict[tuple[str, str], int] = defaultdict(int)
+    for event in prof.events():
+        for kernel in getattr(event, "kernels", ()):  # the kernels this CPU op launched itself
+            key = (family(kernel.name), launched_by(event))
+            by_op[key] += kernel.duration / 1e3
+            op_counts[key] += 1
     return {"wall ms": 1e3 * wall / steps, "gpu ms": sum(by_name.values()) / steps,
             "families": {k: v / steps for k, v in by_family.items()},
-            "top": sorted(((ms / steps, counts[n] / steps, n) for n, ms in by_name.items()), reverse=True)[:25]}
+            "top": sorted(((ms / steps, counts[n] / steps, n) for n, ms in by_name.items()), reverse=True)[:25],
+            "ops": sorted(((ms / steps, op_counts[k] / steps, k) for k, ms in by_op.items()), reverse=True)[:40]}
+
+
+def launched_by(event) -> str:
+    """'aten::add_ [[16, 1024, 1600], [16, 1024, 1600], []] < aten::foo | backward of AddBackward0': the op that
+    launched a kernel, with its input shapes, its caller, and the autograd node it ran for (or 'forward')."""
+    shapes = [list(s) for s in (event.input_shapes or [])][:3]
+    names, parent, node = [], event.cpu_parent, "forward"
+    while parent is not None:
+        if parent.name.startswith("autograd::engine::evaluate_function: "):
+            node = "backward of " + parent.name.split(": ", 1)[1]
+            break
+        if len(names) < 2 and parent.name != event.name:
+            names.append(parent.name)
+        parent = parent.cpu_parent
+    return " < ".join([f"{event.name} {shapes}"] + names) + f" | {node}"
 
 
 def main() -> int:
@@ -88,6 +114,9 @@ def main() -> int:
         print(f"\n## {name}: wall {r['wall ms']:.1f} ms/step, GPU kernels {r['gpu ms']:.1f} ms/step", flush=True)
         for ms, count, kernel in r["top"]:
             print(f"  {ms:8.3f} ms  x{count:5.0f}  [{family(kernel)}] {kernel[:150]}", flush=True)
+        print("  by the op that launched it:", flush=True)
+        for ms, count, (fam, op) in r["ops"]:
+            print(f"  {ms:8.3f} ms  x{count:5.0f}  [{fam}] {op[:240]}", flush=True)
         del model, step
         torch.cuda.empty_cache()
     names = list(results)
