@@ -40,3 +40,22 @@ def test_every_trial_that_ran_was_predicted_within_ten_percent(tune_file):
     assert ran
     for t in ran:
         assert 0.9 <= t["predicted_gib"] / t["measured_peak_gib"] <= 1.1, t
+
+
+def _grid_points() -> list[tuple[str, dict]]:
+    rows = [(path.stem, json.loads(line)) for path in sorted(GRIDS.glob("*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
+    return [(name, row) for name, row in rows if row["status"] == "ok" and row.get("peak_bytes")]
+
+
+@pytest.mark.parametrize("grid,row", _grid_points(), ids=lambda v: v if isinstance(v, str) else v["label"])
+def test_every_measured_grid_point_is_predicted_within_the_calibration_tolerance(grid, row):
+    """The grids are measured peaks the memory model was not fitted on (checkpointing at every stage, micro 8-64):
+    today's model must still predict each within the calibration's tolerance."""
+    from toolkit.observe.peak import CALIBRATION_TOLERANCE, predict_peak
+    from toolkit.recipe.load import load_recipe
+    from toolkit.train.tune_space import override_args
+
+    recipe = load_recipe(row["recipe"], override_args(None if row["baseline"] else row["changes"]))
+    ratio = predict_peak(recipe, on_cuda=True).allocated / row["peak_bytes"]
+    assert abs(ratio - 1) <= CALIBRATION_TOLERANCE, f"{grid} {row['label']}: predicted / measured {ratio:.3f}"

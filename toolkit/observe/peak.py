@@ -52,6 +52,10 @@ FUSED_LOGIT_BYTES = 3.7
 # backward, the logits and their gradient (fit 4.0 bytes per logit); or, where larger, one block
 # recomputed in backward: its activations and the gradients flowing through its MLP (three i-wide).
 CKPT_LAYER_H = 2.35
+# At stage 0 under autocast that input is the fp32 residual stream: 2 more bytes per element (counted, not
+# fitted; without it the H100 grids' stage-0 checkpointed rows measured up to 1.21x the prediction, growing
+# with the micro batch, where stages 1-3 held within 0.96-1.02; benchmarks/RESULTS.md).
+CKPT_FP32_INPUT_H = 2.0
 CKPT_LOGIT_BYTES = 4.0
 CKPT_BACKWARD_I = 6.0
 # Without the fused kernels (the CPU, or `kernels.* off`): torch's cross-entropy on an fp32 copy keeps
@@ -141,6 +145,8 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
         probs = model.n_head * seq_len * seq_len * micro_batch * MATH_ATTENTION_BYTES
     if model.activation_checkpointing:
         acts = (CPU_FP32_CKPT_LAYER_H if counted else CKPT_LAYER_H) * n * t * h * scale
+        if stage == 0 and dtype != "fp32":
+            acts += CKPT_FP32_INPUT_H * n * t * h
         return int(acts), int(max(logits, (block + CKPT_BACKWARD_I * i) * t * scale + 2 * probs))
     acts = n * t * block * scale + (CPU_FP32_OUTSIDE_H if counted else OUTSIDE_H)[fam] * t * h * scale
     if stage == 0 and dtype != "fp32":
