@@ -59,6 +59,7 @@ def test_a_cuda_out_of_memory_message_becomes_one_line():
     line = allocation_failure(load_recipe("quickstart"), exc)
     assert isinstance(line, UserError) and len(line.lines) == 1
     assert line.lines[0].startswith("recipe: ran out of memory allocating 20.00 MiB (RuntimeError)")
+    assert "data.vocab_size 256," in line.lines[0]  # every size named by its recipe key, the vocabulary too
 
 
 @pytest.mark.parametrize("name, world_size", [("gpt2-124m", 1), ("llama-1b", 1), ("gpt2-medium-zero2", 8),

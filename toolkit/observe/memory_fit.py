@@ -184,7 +184,8 @@ def allocation_failure(recipe: Recipe, exc: BaseException) -> UserError:
     amount = "" if tried is None else f" allocating {tried[2] or format_bytes(int(tried[1]))}"
     return UserError(f"recipe: ran out of memory{amount} ({type(exc).__name__}); the size comes from "
                      f"batch.micro_batch_per_rank {b.micro_batch_per_rank}, data.seq_len {d.seq_len}, model.n_embd "
-                     f"{m.n_embd}, model.n_layer {m.n_layer}, vocabulary {m.vocab_size}, zero.stage {recipe.zero.stage}; "
+                     f"{m.n_embd}, model.n_layer {m.n_layer}, data.vocab_size {d.vocab_size or m.vocab_size}, "
+                     f"zero.stage {recipe.zero.stage}; "
                      f"lower one of them, or turn on model.activation_checkpointing or zero.offload_optimizer")
 
 
