@@ -83,3 +83,18 @@ def test_a_cpu_steps_measured_peak_is_within_tolerance_of_the_prediction(extra):
     assert done.returncode == 0, done.stderr[-2000:]
     predicted, measured = map(int, done.stdout.split()[-2:])
     assert abs(predicted / measured - 1) <= CALIBRATION_TOLERANCE, (predicted / 2**20, measured / 2**20)
+
+
+def test_a_checkpointed_block_keeps_an_fp32_input_at_stage_0_and_a_16_bit_one_above():
+    """CKPT_FP32_INPUT_H is counted: under bf16 autocast with checkpointing, what one more block adds to the saved
+    bytes is its input alone, fp32 at stage 0 (fp32 weights, so an fp32 residual stream) and bf16 at stage 1."""
+    from toolkit.observe.peak import CKPT_FP32_INPUT_H
+
+    def one_block(stage):
+        extra = ("precision.dtype=bf16", "model.activation_checkpointing=true", f"zero.stage={stage}")
+        saved = [_saved(_overrides("gpt2", 64, 4, 4, None, layers=n, extra=extra))[0] for n in (1, 2)]  # bf16 wins
+        return saved[1] - saved[0]
+
+    t, h = 4 * 32, 64
+    assert one_block(1) == 2 * t * h
+    assert one_block(0) - one_block(1) == CKPT_FP32_INPUT_H * t * h
