@@ -11,9 +11,12 @@ GRIDS = Path(__file__).resolve().parents[2] / "benchmarks" / "tune_grid"
 TUNES = sorted(GRIDS.glob("*.tune.json"))
 
 
+def grid_rows(grid_file: Path) -> list[dict]:
+    return [json.loads(line) for line in grid_file.read_text().splitlines() if line.strip()]
+
+
 def grid_speeds(tune_file: Path) -> dict[str, float]:
-    rows = [json.loads(line) for line in tune_file.with_name(tune_file.name.replace(".tune.json", ".jsonl"))
-            .read_text().splitlines()]
+    rows = grid_rows(tune_file.with_name(tune_file.name.replace(".tune.json", ".jsonl")))
     return {r["label"]: r["tokens_per_s"] for r in rows if r["tokens_per_s"]}
 
 
@@ -43,9 +46,8 @@ def test_every_trial_that_ran_was_predicted_within_ten_percent(tune_file):
 
 
 def _grid_points() -> list[tuple[str, dict]]:
-    rows = [(path.stem, json.loads(line)) for path in sorted(GRIDS.glob("*.jsonl"))
-            for line in path.read_text().splitlines() if line.strip()]
-    return [(name, row) for name, row in rows if row["status"] == "ok" and row.get("peak_bytes")]
+    return [(path.stem, row) for path in sorted(GRIDS.glob("*.jsonl")) for row in grid_rows(path)
+            if row["status"] == "ok" and row.get("peak_bytes")]
 
 
 @pytest.mark.parametrize("grid,row", _grid_points(), ids=lambda v: v if isinstance(v, str) else v["label"])

@@ -60,18 +60,23 @@ def host_available_bytes() -> tuple[int, str]:
     return max(available, 0), source
 
 
+def _vocab_words(recipe: Recipe) -> str:
+    """The vocabulary as a message names it: by its recipe key (data.vocab_size, else the model's)."""
+    return f"data.vocab_size {recipe.data.vocab_size or recipe.model.vocab_size}"
+
+
 def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]]:
     """(device terms, host terms) of one rank: the calibrated peak (toolkit/observe/peak.py) term by term."""
     m, d, b, z = recipe.model, recipe.data, recipe.batch, recipe.zero
     peak = predict_peak(recipe, on_cuda=on_cuda)
     shape = "model.pretrained" if m.pretrained else (f"model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
-                                                     f"data.vocab_size {d.vocab_size or m.vocab_size}")
+                                                     f"{_vocab_words(recipe)}")
     states = Term("model states", peak.states + peak.weight_cache,
                   f"{shape}, zero.stage {z.stage}, world size {b.world_size}, precision.dtype {recipe.precision.dtype}")
     acts = Term("activations", peak.activations + peak.logits,
                 f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len {d.seq_len}, model.n_embd "
                 f"{m.n_embd}, model.n_layer {m.n_layer}, model.activation_checkpointing "
-                f"{str(m.activation_checkpointing).lower()}, data.vocab_size {d.vocab_size or m.vocab_size}")
+                f"{str(m.activation_checkpointing).lower()}, {_vocab_words(recipe)}")
     data = Term("data", EstimateInput.from_recipe(recipe).token_buffer_bytes,
                 f"data.num_samples + data.eval_samples {d.num_samples + d.eval_samples} x data.seq_len {d.seq_len}")
     offloaded = Term("offloaded optimizer", peak.host,
@@ -184,7 +189,7 @@ def allocation_failure(recipe: Recipe, exc: BaseException) -> UserError:
     amount = "" if tried is None else f" allocating {tried[2] or format_bytes(int(tried[1]))}"
     return UserError(f"recipe: ran out of memory{amount} ({type(exc).__name__}); the size comes from "
                      f"batch.micro_batch_per_rank {b.micro_batch_per_rank}, data.seq_len {d.seq_len}, model.n_embd "
-                     f"{m.n_embd}, model.n_layer {m.n_layer}, data.vocab_size {d.vocab_size or m.vocab_size}, "
+                     f"{m.n_embd}, model.n_layer {m.n_layer}, {_vocab_words(recipe)}, "
                      f"zero.stage {recipe.zero.stage}; "
                      f"lower one of them, or turn on model.activation_checkpointing or zero.offload_optimizer")
 

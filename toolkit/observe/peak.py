@@ -129,6 +129,7 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
     padded = -(-vocab // PADDED_VOCAB) * PADDED_VOCAB if on_cuda else vocab
     norm, gelu, loss = (f and on_cuda for f in fused)
     counted = not on_cuda and dtype == "fp32"  # the CPU_FP32_* terms: counted tensors, not fitted ones
+    fp32_residual = stage == 0 and dtype != "fp32"  # fp32 weights under autocast: the residual stream is fp32
     if counted:
         block = CPU_FP32_BLOCK_H[fam] * h + CPU_FP32_BLOCK_RH[fam] * r * h + CPU_FP32_BLOCK_I[fam] * i
         block += 2 * (model.n_head + CPU_FP32_NORM_STATS[fam])  # 4-byte numbers in 16-bit units
@@ -145,11 +146,11 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
         probs = model.n_head * seq_len * seq_len * micro_batch * MATH_ATTENTION_BYTES
     if model.activation_checkpointing:
         acts = (CPU_FP32_CKPT_LAYER_H if counted else CKPT_LAYER_H) * n * t * h * scale
-        if stage == 0 and dtype != "fp32":
+        if fp32_residual:
             acts += CKPT_FP32_INPUT_H * n * t * h
         return int(acts), int(max(logits, (block + CKPT_BACKWARD_I * i) * t * scale + 2 * probs))
     acts = n * t * block * scale + (CPU_FP32_OUTSIDE_H if counted else OUTSIDE_H)[fam] * t * h * scale
-    if stage == 0 and dtype != "fp32":
+    if fp32_residual:
         acts += n * t * FP32_RESIDUAL_H[fam] * h
     acts += n * probs + 2 * probs
     return int(acts), int(logits)
