@@ -144,11 +144,11 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
       grep -Eq '[0-9]+ passed' "$OUT/tests.txt" || { echo "tests: no test passed"; return 1; } ;;
     grid)  # issue 31: every point of `toolkit tune`'s space for GRID_RECIPES (default gpt2-124m), measured once
            # (benchmarks/tune_grid.py; GRID_MICROS, GRID_STAGES, GRID_OFFLOADS default none; GRID_SKIP: a label regex
-           # left out; GRID_S: no point starts after)
+           # left out; GRID_MISSING: a grid file, only its unmeasured points run; GRID_S: no point starts after)
       # shellcheck disable=SC2086  # the recipes are words
       python3 -m benchmarks.tune_grid ${GRID_RECIPES:-gpt2-124m} --micros "${GRID_MICROS:-}" \
         --stages "${GRID_STAGES:-0,1,2,3}" --offloads "${GRID_OFFLOADS:-none}" --seconds "${GRID_S:-420}" \
-        ${GRID_SKIP:+--skip "$GRID_SKIP"} --out "$OUT/grid.jsonl" --md "$OUT/grid.md" 2>&1 | tee "$OUT/grid.txt" ;;
+        ${GRID_SKIP:+--skip "$GRID_SKIP"} ${GRID_MISSING:+--missing "$GRID_MISSING"} --out "$OUT/grid.jsonl" --md "$OUT/grid.md" 2>&1 | tee "$OUT/grid.txt" ;;
     calibrate)  # issue 31: a memory calibration matrix measured here (CALIB_MATRIX, default stage0ckpt; CALIB_GIB: how many
                 # GiB of predicted peaks run at once), rows and the predicted / measured table (benchmarks/memory_calibration.py)
       python3 -m benchmarks.memory_calibration --matrix "${CALIB_MATRIX:-stage0ckpt}" --parallel-gib "${CALIB_GIB:-70}" \

@@ -8,6 +8,10 @@ what the axes leave out (--micros, --offloads) or --skip names is not run. Rows 
 cut short keeps them:
 
     python -m benchmarks.tune_grid gpt2-124m --offloads none --micros 4,8,16,32,64 --out grid.jsonl --md grid.md
+
+A grid measured over several calls: `--missing FILE` runs only the points FILE has no measurement of (the recipe as
+written runs anyway, to compare the hosts), `--merge FILE NEW` folds a call's rows into FILE, and `--report FILE...`
+holds every measured peak against today's memory model (the figures benchmarks/RESULTS.md quotes).
 """
 from __future__ import annotations
 
@@ -24,10 +28,18 @@ from toolkit.train.tune import PRUNE_MARGIN, build_kernels, candidates, memory_c
 from toolkit.train.tune_space import Trial, TuneSpace, original_changes
 
 
+MEASURED = ("ok", "failed")  # a point that ran: its speed, or its failure (out of memory) is the measurement
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def grid(recipe_name: str, space: TuneSpace, *, warmup: int, measure: int, deadline: float, out: Path | None,
-         log=print, skip: str | None = None) -> list[dict]:
+         log=print, skip: str | None = None, done: set[str] = frozenset()) -> list[dict]:
     """Every point's row (changes, predicted bytes, status, tokens/s, peak, wall), the recipe as written first.
-    `skip`: a regular expression; the candidates whose label it finds are listed as not run (a call's time)."""
+    `skip`: a regular expression; the candidates whose label it finds are listed as not run (a call's time).
+    `done`: labels measured before (--missing), listed as not run."""
     from toolkit.runtime.engine import pick_device
 
     path = find_recipe_file(recipe_name)
@@ -46,6 +58,8 @@ def grid(recipe_name: str, space: TuneSpace, *, warmup: int, measure: int, deadl
             trial.status, trial.why = "pruned", error or f"predicted {format_bytes(predicted)} over the cap"
         elif i and skip and re.search(skip, trial.label):
             trial.status, trial.why = "not run", f"left out (--skip {skip})"
+        elif i and trial.label in done:
+            trial.status, trial.why = "not run", "measured before (--missing)"
         elif time.monotonic() > deadline:
             trial.status, trial.why = "not run", "past the deadline"
         else:
@@ -80,9 +94,44 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def merge(rows: list[dict], new: list[dict]) -> list[dict]:
+    """`rows` with each point `new` measured and `rows` did not put in its place (new points appended); a point both
+    measured keeps `rows`' figure (the recipe as written, rerun on each call to compare hosts, keeps the first)."""
+    merged = {r["label"]: r for r in rows}
+    for r in new:
+        if r["status"] in MEASURED and merged.get(r["label"], {}).get("status") not in MEASURED:
+            merged[r["label"]] = r
+    return list(merged.values())
+
+
+def report(paths: list[Path]) -> str:
+    """Each measured peak against today's memory model: the range of predicted / measured, and the widest rows."""
+    from toolkit.observe.peak import CALIBRATION_TOLERANCE, predict_peak
+    from toolkit.recipe.load import load_recipe
+    from toolkit.train.tune_space import override_args
+
+    ratios = []
+    for path in paths:
+        for r in read_rows(path):
+            if r["status"] == "ok" and r.get("peak_bytes"):
+                recipe = load_recipe(r["recipe"], override_args(None if r["baseline"] else r["changes"]))
+                predicted = predict_peak(recipe, on_cuda=True).allocated
+                ratios.append((predicted / r["peak_bytes"], path.stem, r["label"], predicted, r["peak_bytes"]))
+    if not ratios:
+        return "no measured peak"
+    ratios.sort()
+    outside = [x for x in ratios if abs(x[0] - 1) > CALIBRATION_TOLERANCE]
+    lines = [f"{len(ratios)} measured peaks, predicted / measured {ratios[0][0]:.3f}-{ratios[-1][0]:.3f}; "
+             f"{len(outside)} outside +-{CALIBRATION_TOLERANCE:.0%}", "",
+             "| grid | point | predicted GiB | measured GiB | predicted / measured |", "| --- | --- | --- | --- | --- |"]
+    for ratio, grid_name, label, predicted, peak in ratios[:3] + ratios[-3:] if len(ratios) > 6 else ratios:
+        lines.append(f"| {grid_name} | {label} | {predicted / 2**30:.1f} | {peak / 2**30:.1f} | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("recipes", nargs="+")
+    parser.add_argument("recipes", nargs="*")
     parser.add_argument("--micros", default="", help="comma-separated micro batches (default: the tuner's)")
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--offloads", default="none,cpu,cpu@0.5")
@@ -92,7 +141,20 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=3600.0, help="no point starts after this many seconds")
     parser.add_argument("--out", type=Path, help="rows as JSON lines, appended as each ends")
     parser.add_argument("--md", type=Path, help="the tables, one per recipe")
+    parser.add_argument("--missing", type=Path, help="run only the points this grid file has no measurement of")
+    parser.add_argument("--merge", nargs=2, type=Path, metavar=("FILE", "NEW"), help="fold NEW's rows into FILE")
+    parser.add_argument("--report", nargs="+", type=Path, metavar="FILE", help="measured peaks against the model")
     args = parser.parse_args(argv)
+    if args.merge:
+        path, new = args.merge
+        path.write_text("".join(json.dumps(r) + "\n" for r in merge(read_rows(path), read_rows(new))))
+        return 0
+    if args.report:
+        print(report(args.report))
+        return 0
+    if not args.recipes:
+        parser.error("name a recipe (or --merge / --report)")
+    done = {r["label"] for r in read_rows(args.missing) if r["status"] in MEASURED} if args.missing else set()
     space = TuneSpace(stages=tuple(int(s) for s in args.stages.split(",")),
                       micro_batches=tuple(int(m) for m in args.micros.split(",")) if args.micros else None,
                       offloads=tuple(args.offloads.split(",")))
@@ -100,7 +162,7 @@ def main(argv=None) -> int:
     tables = []
     for name in args.recipes:
         rows = grid(name, space, warmup=args.warmup, measure=args.measure, deadline=deadline, out=args.out,
-                    log=lambda s: print(s, flush=True), skip=args.skip)
+                    log=lambda s: print(s, flush=True), skip=args.skip, done=done)
         tables.append(f"### {name}\n\n{table(rows)}\n")
         print(tables[-1], flush=True)
     if args.md:
