@@ -8,6 +8,8 @@ tokens/s over --steps optimizer steps, peak allocated memory and MFU:
                           auto (fused LayerNorm, bias+GELU, cross-entropy, AdamW), eager
   toolkit fused parallel 1x1  as the first with parallel.tensor = parallel.pipeline = 1 named
   toolkit fused stage 1   as the first at ZeRO stage 1: 16-bit weights, fp32 master in the optimizer
+  ... unfused residual    the same with each block's attention residual add apart from the norm after it
+                          (the blocks' fused forward off: toolkit/ops/fused_modules.py)
   toolkit fallbacks       toolkit.Engine, recipe.kernels off (torch everywhere), eager
   toolkit fused compiled  as the first, training.compile: true
   ... unpadded head      the same with the LM head at the vocabulary's width (the engine pads it
@@ -40,7 +42,7 @@ def flops_per_token(n_params: int, layers: int, width: int) -> float:
     return 6 * n_params + 12 * layers * width * SEQ
 
 
-def run_toolkit(size: str, steps: int, overrides: list[str], pad_head: bool = True):
+def run_toolkit(size: str, steps: int, overrides: list[str], pad_head: bool = True, fuse_residual: bool = True):
     from toolkit.runtime.engine import Engine
     from toolkit.recipe.load import load_recipe
 
@@ -50,6 +52,10 @@ def run_toolkit(size: str, steps: int, overrides: list[str], pad_head: bool = Tr
     engine = Engine(recipe)
     if not pad_head:
         engine._padded_head = None  # its `padded` flag then stays unset: logits at the vocabulary's width
+    if not fuse_residual:
+        for module in engine.model.modules():
+            if type(module).__name__ in ("FusedGPT2Block", "FusedLlamaDecoderLayer"):
+                module.fused = False  # the block's own forward: add, then the fused norm
     return engine.model, lambda tokens: engine.train_batch([tokens]).loss_tensor, engine.kernels.describe()
 
 
@@ -127,6 +133,8 @@ CONFIGS = {
                                                                               "parallel.pipeline=1"]),
     # on one rank stage 1 holds 16-bit weights (fp32 master in the optimizer) where stage 0 casts fp32 weights
     "toolkit fused stage 1": lambda size, steps: run_toolkit(size, steps, ["precision.dtype=bf16", "zero.stage=1"]),
+    "toolkit fused stage 1 unfused residual": lambda size, steps: run_toolkit(
+        size, steps, ["precision.dtype=bf16", "zero.stage=1"], fuse_residual=False),
     "toolkit fallbacks": lambda size, steps: run_toolkit(
         size, steps, ["precision.dtype=bf16"] + [f"kernels.{k}=off" for k in
                                                  ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")]),

@@ -268,9 +268,9 @@ template <typename G, typename T, bool kRms, int kPer, int kRows, bool kPrefetch
           int kMinBlocks>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
-                    const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
-                    float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows, int cols, int group,
-                    bool packed) {
+                    const float* __restrict__ mean, const float* __restrict__ rstd, const T* __restrict__ dres,
+                    T* __restrict__ dx, float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows,
+                    int cols, int group, bool packed) {
   static_assert(!(kPrefetch && kStages > 0), "the bulk-copied stages replace the register prefetch");
   __shared__ float scratch[2][32 * 2 * kRows];  // halves alternate by iteration: one barrier per group_sums
   __shared__ uint64_t landed[kStages > 0 ? kStages : 1];  // a barrier per stage (bulk copies)
@@ -353,6 +353,12 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
         const float mean_g = kRms ? 0.f : sums[2 * k] / cols, mean_gx = sums[2 * k + 1] / cols;
 #pragma unroll
         for (int j = 0; j < kPer; ++j) xv[k][j] = rs[k] * (gv[k][j] - mean_g - xv[k][j] * mean_gx);
+        if (dres != nullptr) {  // the residual's gradient summed in, after dx's own rounding, as autograd sums them
+          float rv[kPer];
+          load_row<T, kPer>(dres + r * cols, packed, t, group, cols, rv);
+#pragma unroll
+          for (int j = 0; j < kPer; ++j) xv[k][j] = to_float(from_float<T>(xv[k][j])) + rv[j];
+        }
         store_row<T, kPer, BackwardHints<kRms>::store_out>(dx + r * cols, packed, t, group, cols, xv[k]);
       }
     }
@@ -403,11 +409,13 @@ constexpr size_t kStaticSmemBound = 4096;
 // kStages: the bulk-copied stages where the rows are packed and the GPU has bulk copies, else none.
 template <bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads, int kMinBlocks>
 cudaError_t launch_shape(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
-                         void* dx, float* partial_w, float* partial_b, int64_t rows, int cols, DType dy_dtype,
+                         const void* dres, void* dx, float* partial_w, float* partial_b, int64_t rows, int cols,
+                         DType dy_dtype,
                          DType x_dtype, const RowLayout& l, int grid_limit, int* grid_out, cudaStream_t stream) {
   const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype), kPer) &&
                       rows_packed(dy, cols, dtype_bytes(dy_dtype), kPer) &&
-                      rows_packed(dx, cols, dtype_bytes(x_dtype), kPer) && is_aligned(weight, 16);
+                      rows_packed(dx, cols, dtype_bytes(x_dtype), kPer) && is_aligned(weight, 16) &&
+                      (dres == nullptr || rows_packed(dres, cols, dtype_bytes(x_dtype), kPer));
   const bool staged = kStages > 0 && packed && bulk_copy_supported();
   const size_t reduce_bytes = sizeof(float) * 2 * (size_t)l.group * kPer * l.groups;
   const size_t stage_bytes = (size_t)l.groups * kRows * cols * (dtype_bytes(x_dtype) + dtype_bytes(dy_dtype));
@@ -428,7 +436,8 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
         const int grid = (int)(wave < grid_limit ? wave : grid_limit);
         *grid_out = grid;
         kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight,
-                                                    mean, rstd, static_cast<T*>(dx), partial_w, partial_b, rows, cols,
+                                                    mean, rstd, static_cast<const T*>(dres), static_cast<T*>(dx),
+                                                    partial_w, partial_b, rows, cols,
                                                     l.group, packed);
       });
     });
@@ -442,7 +451,8 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
 int64_t norm_bwd_workspace(int64_t rows, int cols) { return 2 * max_grid(rows, cols) * cols; }
 
 cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
-                            void* dx, float* dweight, float* dbias, float* workspace, int64_t rows, int cols,
+                            const void* dresidual, void* dx, float* dweight, float* dbias, float* workspace,
+                            int64_t rows, int cols,
                             DType dy_dtype, DType x_dtype, bool rms, cudaStream_t stream) {
   if (cols <= 0 || cols > kNormMaxCols) return cudaErrorInvalidValue;
   if (rows == 0) {
@@ -457,19 +467,19 @@ cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, 
   int grid = 0;
   cudaError_t err;
   if (!narrow(cols))
-    err = rms ? launch_shape<true, kWidePer, 1, false, 0, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
-                                                                         partial_b, rows, cols, dy_dtype, x_dtype, l,
-                                                                         limit, &grid, stream)
-              : launch_shape<false, kWidePer, 1, false, 0, kWideBlock, 1>(dy, x, weight, mean, rstd, dx, partial_w,
-                                                                          partial_b, rows, cols, dy_dtype, x_dtype, l,
-                                                                          limit, &grid, stream);
+    err = rms ? launch_shape<true, kWidePer, 1, false, 0, kWideBlock, 1>(dy, x, weight, mean, rstd, dresidual, dx,
+                                                                         partial_w, partial_b, rows, cols, dy_dtype,
+                                                                         x_dtype, l, limit, &grid, stream)
+              : launch_shape<false, kWidePer, 1, false, 0, kWideBlock, 1>(dy, x, weight, mean, rstd, dresidual, dx,
+                                                                          partial_w, partial_b, rows, cols, dy_dtype,
+                                                                          x_dtype, l, limit, &grid, stream);
   else
     err = rms ? launch_shape<true, kPer, kRows, kPrefetch, BackwardHints<true>::bulk_stages, kBlock, kMinBlocks>(
-                    dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l, limit,
-                    &grid, stream)
+                    dy, x, weight, mean, rstd, dresidual, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l,
+                    limit, &grid, stream)
               : launch_shape<false, kPer, kRows, kPrefetch, BackwardHints<false>::bulk_stages, kBlock, kMinBlocks>(
-                    dy, x, weight, mean, rstd, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l, limit,
-                    &grid, stream);
+                    dy, x, weight, mean, rstd, dresidual, dx, partial_w, partial_b, rows, cols, dy_dtype, x_dtype, l,
+                    limit, &grid, stream);
   if (err != cudaSuccess) return err;
   // dw and db partials summed by one launch.
   return launch_column_sum(partial_w, dweight, rms ? nullptr : partial_b, rms ? nullptr : dbias, grid, cols, stream);

@@ -62,17 +62,19 @@ cudaError_t launch_grad_norm(const AdamWTensor* tensors, const int64_t* chunk_st
 // Largest `cols` the norm kernels take (a row group of up to 16 warps holds a row in registers).
 constexpr int kNormMaxCols = 8192;
 
-cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bias, void* y, float* mean, float* rstd,
-                            int64_t rows, int cols, float eps, DType x_dtype, DType y_dtype, bool rms,
-                            cudaStream_t stream);
+// residual and sum (both nullable, x's dtype): x + residual, rounded to x's dtype, is written to sum and normalised.
+cudaError_t launch_norm_fwd(const void* x, const void* residual, void* sum, const float* weight, const float* bias,
+                            void* y, float* mean, float* rstd, int64_t rows, int cols, float eps, DType x_dtype,
+                            DType y_dtype, bool rms, cudaStream_t stream);
 
 // Floats of workspace launch_norm_bwd needs.
 int64_t norm_bwd_workspace(int64_t rows, int cols);
 
-// dx has x's dtype; dweight / dbias are fp32 (dbias ignored when rms).
+// dx has x's dtype; dweight / dbias are fp32 (dbias ignored when rms). dresidual (nullable, x's dtype) is added to
+// dx after dx's rounding (the gradient of a residual add before the norm, as autograd sums the two).
 cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
-                            void* dx, float* dweight, float* dbias, float* workspace, int64_t rows, int cols,
-                            DType dy_dtype, DType x_dtype, bool rms, cudaStream_t stream);
+                            const void* dresidual, void* dx, float* dweight, float* dbias, float* workspace,
+                            int64_t rows, int cols, DType dy_dtype, DType x_dtype, bool rms, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // fused_bias_gelu.cu: y = gelu_tanh(h + bias) over [rows, cols]; bias fp32 [cols].

@@ -24,8 +24,8 @@ def set_reference_ops(model, value=True):
 
 
 @pytest.mark.parametrize("build, use, expected", [
-    (tiny_gpt2, {"layernorm": True, "bias_gelu": True}, {"layernorm": 5, "bias_gelu": 2}),
-    (tiny_llama, {"rmsnorm": True}, {"rmsnorm": 5}),
+    (tiny_gpt2, {"layernorm": True, "bias_gelu": True}, {"layernorm": 5, "bias_gelu": 2, "residual_norm": 2}),
+    (tiny_llama, {"rmsnorm": True}, {"rmsnorm": 5, "residual_norm": 2}),
 ])
 def test_swapped_model_with_torch_fallbacks_gives_identical_logits(build, use, expected):
     model = build()
@@ -47,12 +47,55 @@ def test_fused_path_matches_transformers_forward_and_backward(build, use):
     swap_fused_modules(fused, use)
     set_reference_ops(fused)
     ids = torch.randint(0, 97, (2, 16))
-    out_ref, out = reference(input_ids=ids).logits, fused(input_ids=ids).logits
+    out_ref, out = reference(input_ids=ids).logits, fused(input_ids=ids, use_cache=False).logits  # the blocks fuse too
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     out_ref.square().mean().backward()
     out.square().mean().backward()
     for (name, a), b in zip(reference.named_parameters(), fused.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("build, use", [(tiny_gpt2, {"layernorm": True}), (tiny_llama, {"rmsnorm": True})])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_residual_add_fused_into_the_norm_changes_no_bit(build, use, dtype, monkeypatch):
+    """The blocks' add + norm in one op (norm_ops.add_layer_norm / add_rms_norm) against the same model whose blocks
+    add first and call the fused norm after: the sum rounds where torch's add rounds, and the backward sums the two
+    gradients of the sum after dx's rounding, as autograd does, so logits and every gradient are equal bit for bit."""
+    calls = []
+    for name in ("add_layer_norm", "add_rms_norm"):
+        op = getattr(custom_ops, name)
+        monkeypatch.setattr(custom_ops, name, lambda *a, op=op, **k: calls.append(1) or op(*a, **k))
+    model = build().to(dtype)
+    assert swap_fused_modules(model, use)["residual_norm"] == 2
+    set_reference_ops(model)
+    ids = torch.randint(0, 97, (2, 16))
+    results = []
+    for fused_blocks in (False, True):
+        for module in model.modules():
+            if type(module).__name__.startswith("Fused") and type(module).__name__.endswith(("Block", "Layer")):
+                module.fused = fused_blocks
+        model.zero_grad()
+        logits = model(input_ids=ids, use_cache=False).logits  # as the engine's configs: no cache in training
+        logits.float().square().mean().backward()
+        results.append((logits, [p.grad.clone() for p in model.parameters()]))
+        assert len(calls) == (2 if fused_blocks else 0)  # one per block, in the fused round only
+    (logits_a, grads_a), (logits_b, grads_b) = results
+    assert torch.equal(logits_a, logits_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_the_fused_blocks_take_transformers_own_forward_with_a_cache(monkeypatch):
+    """Generation passes a cache: the fused blocks leave the whole block to transformers (its add and norm: the
+    fused op is never called) and generate what the unswapped model does."""
+    monkeypatch.setattr(custom_ops, "add_layer_norm", lambda *a, **k: 1 / 0)
+    reference = tiny_gpt2()
+    fused = copy.deepcopy(reference)
+    swap_fused_modules(fused, {"layernorm": True})
+    set_reference_ops(fused)
+    ids = torch.randint(0, 97, (1, 8))
+    a = reference.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    b = fused.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(a, b)
 
 
 def test_compile_traces_the_fused_ops_without_graph_breaks():

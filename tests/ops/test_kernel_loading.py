@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_cli
-from toolkit.ops import custom_ops, loader, toolchain
+from toolkit.ops import custom_ops, loader, norm_ops, op_dispatch, toolchain
+from toolkit.ops.op_dispatch import CODE_DTYPES
 from toolkit.errors import UserError
 from toolkit.specs import KernelsSpec
 
@@ -362,11 +363,14 @@ class ReferenceExtension:
     """Stands in for the CUDA extensions with the torch references, same signatures as the bindings."""
 
     def norm_fwd(self, x, weight, bias, eps, rms, out_code):
-        return list(custom_ops._norm_fwd_reference(x, weight, bias, eps, rms,
-                                                  custom_ops._CODE_DTYPES.get(out_code, x.dtype)))
+        return list(norm_ops._norm_fwd_reference(x, weight, bias, eps, rms, CODE_DTYPES.get(out_code, x.dtype)))
 
-    def norm_bwd(self, dy, x, weight, mean, rstd, rms):
-        return list(custom_ops._norm_bwd_reference(dy, x, weight, mean, rstd, rms))
+    def add_norm_fwd(self, x, residual, weight, bias, eps, rms, out_code):
+        s = x + residual
+        return [s, *self.norm_fwd(s, weight, bias, eps, rms, out_code)]
+
+    def norm_bwd(self, dy, x, weight, mean, rstd, rms, dresidual=None):
+        return list(norm_ops._norm_bwd_reference(dy, x, weight, mean, rstd, rms, dresidual))
 
     def bias_gelu_fwd(self, h, bias):
         return custom_ops._bias_gelu_reference(h, bias)
@@ -387,6 +391,11 @@ def test_eager_autograd_functions_match_the_custom_ops(monkeypatch):
         (lambda x, w, b: custom_ops.layer_norm(x, w, b, 1e-5), (torch.randn(3, 4, 9, **d), torch.randn(9, **d),
                                                                torch.randn(9, **d))),
         (lambda x, w: custom_ops.rms_norm(x, w, 1e-6), (torch.randn(5, 9, **d), torch.randn(9, **d))),
+        # the residual add fused into the norm: both outputs, so the sum's gradient takes the other path too
+        (lambda x, r, w, b: torch.cat(custom_ops.add_layer_norm(x, r, w, b, 1e-5), -1),
+         (torch.randn(3, 4, 9, **d), torch.randn(3, 4, 9, **d), torch.randn(9, **d), torch.randn(9, **d))),
+        (lambda x, r, w: torch.cat(custom_ops.add_rms_norm(x, r, w, 1e-6), -1),
+         (torch.randn(5, 9, **d), torch.randn(5, 9, **d), torch.randn(9, **d))),
         (custom_ops.bias_gelu, (torch.randn(5, 7, **d), torch.randn(7, **d))),
         (lambda z: custom_ops.cross_entropy(z, torch.tensor([0, 12, -100, 5])), (torch.randn(4, 13, **d),)),
         (lambda z: custom_ops.cross_entropy(z, torch.tensor([0, 12, -100, 5]), classes=13), (torch.randn(4, 16, **d),)),
@@ -395,11 +404,13 @@ def test_eager_autograd_functions_match_the_custom_ops(monkeypatch):
     for fn, inputs in cases:
         out = fn(*inputs)
         expected.append((out.detach(), torch.autograd.grad(out.sum(), inputs)))
-    monkeypatch.setattr(custom_ops, "_ext", lambda extension, *tensors: ReferenceExtension())
+    for module in (custom_ops, norm_ops, op_dispatch):  # each holds its own name for it
+        monkeypatch.setattr(module, "kernel_module", lambda extension, *tensors: ReferenceExtension())
     for (fn, inputs), (out_ref, grads_ref) in zip(cases, expected):
         out = fn(*inputs)
-        if out.dim():  # the eager path ran (the loss is a mean over its per-row output)
-            assert type(out.grad_fn).__name__.endswith("FunctionBackward"), type(out.grad_fn).__name__
+        if out.dim():  # the eager path ran (the loss is a mean over its per-row output; the add-norms' two outputs cat)
+            nodes = [out.grad_fn, *(f for f, _ in out.grad_fn.next_functions if f is not None)]
+            assert any(type(f).__name__.endswith("FunctionBackward") for f in nodes), nodes
         torch.testing.assert_close(out, out_ref)
         for got, want in zip(torch.autograd.grad(out.sum(), inputs), grads_ref):
             torch.testing.assert_close(got, want)

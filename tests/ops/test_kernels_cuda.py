@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.ops import custom_ops, loader
+from toolkit.ops import custom_ops, loader, norm_ops
 from toolkit.ops.fused_adamw import FusedAdamW, adamw_step, global_grad_norm
 
 pytestmark = pytest.mark.cuda
@@ -87,7 +87,7 @@ def test_norm_forward_and_backward_match_float64(shape, dtype, rms):
     assert y.dtype == dtype and rel_err(y, y64) < tol
     # NOTE: dx = rstd * (dy*w - mean(dy*w) - xhat * mean(dy*w*xhat)) cancels to ~0 when a row has one
     # element (RMSNorm: xhat = +-1); judge it against the size of the terms that cancel.
-    _, _, rstd = custom_ops._norm_fwd_reference(x64.detach(), w64.detach(), None if rms else b64.detach(), 1e-6 if rms
+    _, _, rstd = norm_ops._norm_fwd_reference(x64.detach(), w64.detach(), None if rms else b64.detach(), 1e-6 if rms
                                                else 1e-5, rms, torch.float64)
     terms = float((rstd.unsqueeze(-1) * dy.double().reshape(-1, cols) * w64.detach()).norm())
     assert rel_err(x.grad, x64.grad, floor=terms) < tol
@@ -105,6 +105,58 @@ def test_norm_writes_the_autocast_dtype_directly(out_dtype):
     assert y.dtype == out_dtype
     assert rel_err(y, F.layer_norm(x.double(), (768,), w.double(), b.double(), 1e-5)) < 1e-2
     assert torch.equal(y, custom_ops.layer_norm(x, w, b, 1e-5).to(out_dtype))  # one rounding, as autocast's cast
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 7), (9, 1001), (64, 1600), (4099, 768), (8, 8192), (2500, 2048)], ids=str)
+def test_the_residual_add_in_the_norm_kernel_is_the_add_then_the_norm_bit_for_bit(shape, dtype, rms):
+    """add_norm_fwd's sum is torch's x + r and its y / mean / rstd the norm kernel's on that sum; norm_bwd with a
+    residual gradient is the plain backward's dx plus it (autograd's sum), bit for bit: a fused block trains as
+    the unfused one. Also with misaligned (unpacked) rows and a 16-bit output as under autocast."""
+    require("layernorm")
+    module = loader.loaded_extension("norm")
+    cols = shape[-1]
+    w, b = torch.randn(cols, device="cuda"), None if rms else torch.randn(cols, device="cuda")
+    eps, code = (1e-6 if rms else 1e-5), 1 if dtype == torch.float32 else -1
+    for misaligned in (False, True):
+        x, r = randn(shape, dtype, misaligned), randn(shape, dtype, misaligned)
+        poison((shape, dtype))
+        s, y, mean, rstd = module.add_norm_fwd(x, r, w, b, eps, rms, code)
+        assert torch.equal(s, x + r)
+        for got, want in zip((y, mean, rstd), module.norm_fwd(x + r, w, b, eps, rms, code)):
+            assert torch.equal(got, want)
+        dy, ds = randn(shape, y.dtype), randn(shape, dtype, misaligned)
+        dx, dw, db = module.norm_bwd(dy, s, w, mean, rstd, rms, ds)
+        dx0, dw0, db0 = module.norm_bwd(dy, s, w, mean, rstd, rms)
+        assert torch.equal(dx, dx0 + ds) and torch.equal(dw, dw0) and torch.equal(db, db0)
+
+
+def test_a_gpt2_block_with_the_fused_residual_trains_as_the_unfused_one():
+    """The engine's GPT-2 under bf16 autocast at stage 1 (16-bit residual stream): the blocks' fused forward against
+    the same model with it off (add, then the fused norm), logits and every gradient bit for bit."""
+    require("layernorm")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from toolkit.ops.fused_modules import swap_fused_modules
+    from tests.ops.tiny_models import tiny_gpt2
+
+    model = tiny_gpt2().cuda().to(torch.bfloat16).train()
+    assert swap_fused_modules(model, {"layernorm": True, "bias_gelu": True})["residual_norm"] == 2
+    ids = torch.randint(0, 97, (4, 32), device="cuda")
+    results = []
+    for fused in (False, True):
+        for module in model.modules():
+            if type(module).__name__ == "FusedGPT2Block":
+                module.fused = fused
+        model.zero_grad()
+        # the math attention: a deterministic backward, so any difference is the fusion's
+        with torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(SDPBackend.MATH):
+            logits = model(input_ids=ids, use_cache=False).logits
+        logits.float().square().mean().backward()
+        results.append((logits, [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
 
 
 # ---------------------------------------------------------------------------

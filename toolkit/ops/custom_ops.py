@@ -24,165 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from toolkit.ops import loader
-
-# Output dtypes cross the op boundary as small ints (the kernels' DType codes).
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-NORM_MAX_COLS = 8192  # kernels/launchers.h kNormMaxCols
-
-
-def _ext(extension: str, *tensors: Tensor):
-    """The loaded extension when every tensor is a CUDA tensor of a dtype the kernels take, else None."""
-    module = loader.loaded_extension(extension)
-    if module is None:
-        return None
-    if all(t.is_cuda and t.dtype in _DTYPE_CODES for t in tensors):
-        return module
-    return None
-
-
-def _eager(extension: str, *tensors: Tensor):
-    """The extension for an eager call (not while torch.compile traces) on supported CUDA tensors, else None."""
-    if torch.compiler.is_compiling():
-        return None
-    return _ext(extension, *tensors)
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-# ---------------------------------------------------------------------------
-# LayerNorm / RMSNorm
-
-def _norm_fwd_reference(x, weight, bias, eps, rms, out_dtype):
-    acc = _compute_dtype(x)
-    xf = x.to(acc)
-    if rms:
-        mean = xf.new_empty((0,))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-        y = xf * rstd.unsqueeze(-1) * weight.to(acc)
-    else:
-        var, mean = torch.var_mean(xf, dim=-1, unbiased=False)
-        rstd = torch.rsqrt(var + eps)
-        y = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1) * weight.to(acc) + bias.to(acc)
-        mean = mean.reshape(-1)
-    return y.to(out_dtype), mean, rstd.reshape(-1)
-
-
-@torch.library.custom_op("toolkit::norm_fwd", mutates_args=())
-def norm_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
-             out_code: int) -> tuple[Tensor, Tensor, Tensor]:
-    """LayerNorm (rms=False) or RMSNorm over the last dim -> (y, mean [rows] or empty, rstd [rows])."""
-    out_dtype = _CODE_DTYPES.get(out_code, x.dtype)
-    module = _ext("norm", x)
-    if module is not None and 0 < x.shape[-1] <= NORM_MAX_COLS:
-        y, mean, rstd = module.norm_fwd(x.contiguous(), weight.float().contiguous(),
-                                        None if rms else bias.float().contiguous(), eps, rms, _DTYPE_CODES[out_dtype])
-        return y, mean, rstd
-    return _norm_fwd_reference(x, weight, bias, eps, rms, out_dtype)
-
-
-@norm_fwd.register_fake
-def _(x, weight, bias, eps, rms, out_code):
-    rows = x.numel() // x.shape[-1]
-    out_dtype = _CODE_DTYPES.get(out_code, x.dtype)
-    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty((0 if rms else rows,), dtype=stat),
-            x.new_empty((rows,), dtype=stat))
-
-
-def _norm_bwd_reference(dy, x, weight, mean, rstd, rms):
-    acc = _compute_dtype(x)
-    cols = x.shape[-1]
-    xf, g = x.to(acc).reshape(-1, cols), dy.to(acc).reshape(-1, cols)
-    r = rstd.to(acc).unsqueeze(-1)
-    xhat = xf * r if rms else (xf - mean.to(acc).unsqueeze(-1)) * r
-    gw = g * weight.to(acc)
-    dx = gw - xhat * (gw * xhat).mean(-1, keepdim=True)
-    if not rms:
-        dx = dx - gw.mean(-1, keepdim=True)
-    dx = (dx * r).reshape(x.shape).to(x.dtype)
-    dweight = (g * xhat).sum(0)
-    dbias = g.new_empty((0,)) if rms else g.sum(0)
-    return dx, dweight, dbias
-
-
-@torch.library.custom_op("toolkit::norm_bwd", mutates_args=())
-def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor,
-             rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of norm_fwd -> (dx in x's dtype, dweight fp32, dbias fp32 or empty)."""
-    module = _ext("norm", x, dy)
-    if module is not None and 0 < x.shape[-1] <= NORM_MAX_COLS:
-        dx, dweight, dbias = module.norm_bwd(dy.contiguous(), x.contiguous(), weight.float().contiguous(),
-                                             mean, rstd, rms)
-        return dx, dweight, dbias
-    return _norm_bwd_reference(dy, x, weight, mean, rstd, rms)
-
-
-@norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, rms):
-    cols = x.shape[-1]
-    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.new_empty(x.shape), x.new_empty((cols,), dtype=stat), x.new_empty((0 if rms else cols,), dtype=stat)
-
-
-def _norm_setup(ctx, inputs, output):
-    x, weight, bias, eps, rms, out_code = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.rms = rms
-    ctx.bias_dtype = None if bias is None else bias.dtype
-
-
-def _norm_backward(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    dx, dweight, dbias = norm_bwd(dy, x, weight, mean, rstd, ctx.rms)
-    dbias = None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype)
-    return dx, dweight.to(weight.dtype), dbias, None, None, None
-
-
-norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup)
-
-
-class _NormFunction(torch.autograd.Function):
-    """Eager path of norm_fwd / norm_bwd: the same kernels, no custom-op dispatch."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, out_code, module):
-        y, mean, rstd = module.norm_fwd(x.contiguous(), weight.float().contiguous(),
-                                        None if rms else bias.float().contiguous(), eps, rms, out_code)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.rms, ctx.module, ctx.bias_dtype = rms, module, None if bias is None else bias.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = ctx.module.norm_bwd(dy.contiguous(), x.contiguous(), weight.float().contiguous(),
-                                                 mean, rstd, ctx.rms)
-        dbias = None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype)
-        return dx, dweight.to(weight.dtype), dbias, None, None, None, None
-
-
-def _norm(x, weight, bias, eps, rms, out_dtype):
-    code = _DTYPE_CODES.get(out_dtype, -1)
-    module = _eager("norm", x)
-    if module is not None and 0 < x.shape[-1] <= NORM_MAX_COLS:
-        return _NormFunction.apply(x, weight, bias, eps, rms, code, module)
-    return norm_fwd(x, weight, bias, eps, rms, code)[0]
-
-
-def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
-    """LayerNorm over the last dim in fp32; the output in out_dtype (default: x's dtype)."""
-    return _norm(x, weight, bias, eps, False, out_dtype)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
-    """RMSNorm (x * rsqrt(mean(x^2) + eps) * weight) in fp32; the output in out_dtype (default: x's dtype)."""
-    return _norm(x, weight, None, eps, True, out_dtype)
-
+from toolkit.ops.norm_ops import add_layer_norm, add_rms_norm, layer_norm, norm_bwd, norm_fwd, rms_norm  # noqa: F401
+from toolkit.ops.op_dispatch import compute_dtype, eager_module, kernel_module
 
 # ---------------------------------------------------------------------------
 # bias + GELU (tanh approximation, GPT-2's gelu_new)
@@ -192,14 +35,14 @@ _K1 = 0.044715
 
 
 def _bias_gelu_reference(h, bias):
-    u = h.to(_compute_dtype(h)) + bias.to(_compute_dtype(h))
+    u = h.to(compute_dtype(h)) + bias.to(compute_dtype(h))
     return (0.5 * u * (1.0 + torch.tanh(_K0 * (u + _K1 * u * u * u)))).to(h.dtype)
 
 
 @torch.library.custom_op("toolkit::bias_gelu_fwd", mutates_args=())
 def bias_gelu_fwd(h: Tensor, bias: Tensor) -> Tensor:
     """gelu_tanh(h + bias) over the last dim, in h's dtype (fp32 math)."""
-    module = _ext("bias_gelu", h)
+    module = kernel_module("bias_gelu", h)
     if module is not None:
         return module.bias_gelu_fwd(h.contiguous(), bias.float().contiguous())
     return _bias_gelu_reference(h, bias)
@@ -211,7 +54,7 @@ def _(h, bias):
 
 
 def _bias_gelu_bwd_reference(dy, h, bias):
-    acc = _compute_dtype(h)
+    acc = compute_dtype(h)
     u = h.to(acc) + bias.to(acc)
     t = torch.tanh(_K0 * (u + _K1 * u * u * u))
     d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _K0 * (1.0 + 3.0 * _K1 * u * u)
@@ -222,7 +65,7 @@ def _bias_gelu_bwd_reference(dy, h, bias):
 @torch.library.custom_op("toolkit::bias_gelu_bwd", mutates_args=())
 def bias_gelu_bwd(dy: Tensor, h: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """Backward of bias_gelu_fwd -> (dh in h's dtype, dbias fp32)."""
-    module = _ext("bias_gelu", h)
+    module = kernel_module("bias_gelu", h)
     if module is not None:
         dh, dbias = module.bias_gelu_bwd(dy.to(h.dtype).contiguous(), h.contiguous(), bias.float().contiguous())
         return dh, dbias
@@ -267,7 +110,7 @@ class _BiasGeluFunction(torch.autograd.Function):
 
 def bias_gelu(h: Tensor, bias: Tensor) -> Tensor:
     """gelu_new(h + bias), fused: one read of h, one write of the output."""
-    module = _eager("bias_gelu", h)
+    module = eager_module("bias_gelu", h)
     if module is not None:
         return _BiasGeluFunction.apply(h, bias, module)
     return bias_gelu_fwd(h, bias)
@@ -277,7 +120,7 @@ def bias_gelu(h: Tensor, bias: Tensor) -> Tensor:
 # Cross-entropy over the vocabulary (logits stay in their own dtype)
 
 def _cross_entropy_fwd_reference(logits, targets, ignore_index, classes):
-    x = logits[:, :classes].to(_compute_dtype(logits))
+    x = logits[:, :classes].to(compute_dtype(logits))
     lse = torch.logsumexp(x, dim=-1)
     keep = targets != ignore_index
     picked = x.gather(1, torch.where(keep, targets, 0).unsqueeze(1)).squeeze(1)
@@ -288,7 +131,7 @@ def _cross_entropy_fwd_reference(logits, targets, ignore_index, classes):
 def cross_entropy_fwd(logits: Tensor, targets: Tensor, ignore_index: int, classes: int) -> tuple[Tensor, Tensor]:
     """Per-row softmax cross-entropy over the first `classes` columns of [tokens, width] logits ->
     (loss, logsumexp), fp32 [tokens]."""
-    module = _ext("cross_entropy", logits)
+    module = kernel_module("cross_entropy", logits)
     if module is not None:
         return tuple(module.cross_entropy_fwd(logits.contiguous(), targets.contiguous(), ignore_index, classes))
     return _cross_entropy_fwd_reference(logits, targets, ignore_index, classes)
@@ -302,7 +145,7 @@ def _(logits, targets, ignore_index, classes):
 
 
 def _cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index, classes):
-    acc = _compute_dtype(logits)
+    acc = compute_dtype(logits)
     keep = targets != ignore_index
     probs = torch.exp(logits[:, :classes].to(acc) - lse.to(acc).unsqueeze(1))
     onehot = torch.zeros_like(probs).scatter_(1, torch.where(keep, targets, 0).unsqueeze(1), 1.0)
@@ -314,7 +157,7 @@ def _cross_entropy_bwd_reference(dloss, logits, targets, lse, ignore_index, clas
 def cross_entropy_bwd(dloss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, ignore_index: int,
                       classes: int) -> Tensor:
     """Backward of cross_entropy_fwd -> dlogits in the logits' dtype (0 in the columns past `classes`)."""
-    module = _ext("cross_entropy", logits)
+    module = kernel_module("cross_entropy", logits)
     if module is not None:
         return module.cross_entropy_bwd(dloss.float().contiguous(), logits.contiguous(), targets.contiguous(),
                                         lse.float().contiguous(), ignore_index, classes)
@@ -368,7 +211,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100, cla
     if not 0 < classes <= width:
         raise ValueError(f"cross_entropy: classes must be in [1, {width}], got {classes}")
     logits, targets = logits.reshape(-1, width), targets.reshape(-1)
-    module = _eager("cross_entropy", logits)
+    module = eager_module("cross_entropy", logits)
     if module is not None:
         losses = _CrossEntropyFunction.apply(logits, targets, ignore_index, classes, module)
     else:

@@ -15,6 +15,8 @@ its fp32 buffer disappear; gradients are unchanged (the cast's backward is exact
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +67,61 @@ def _fused_gelu_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return super(type(self), self).forward(hidden_states)
 
 
+def _call_arguments(cls: type, args: tuple, kwargs: dict) -> dict:
+    """A block's call as keywords, by the names its transformers version gives its forward (5.17's past_key_values,
+    5.2x's cache)."""
+    names = _positional_names.get(cls)
+    if names is None:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[2:]  # after self, hidden_states
+        names = _positional_names[cls] = [p.name for p in parameters
+                                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    call = dict(zip(names, args))
+    call.update(kwargs)
+    return call
+
+
+_positional_names: dict[type, list[str]] = {}
+
+
+def _training_call(call: dict) -> bool:
+    """No cache and no cross-attention: the blocks' path the fused forwards below take."""
+    return (call.get("cache") is None and call.get("past_key_values") is None and not call.get("use_cache")
+            and call.get("encoder_hidden_states") is None)
+
+
+def _fused_gpt2_block_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """GPT2Block's forward with the attention's residual add fused into ln_2 (norm_ops.add_layer_norm); with a
+    cache or cross-attention, or ln_2 not fused, transformers' own."""
+    parent = super(type(self), self)
+    call = _call_arguments(type(self).__bases__[1], args, kwargs)  # Fused<cls>'s bases: (_Fused, cls)
+    ln_2 = self.ln_2
+    if not (self._use_ops(hidden_states) and isinstance(ln_2, FusedLayerNorm) and ln_2._use_ops(hidden_states)
+            and _training_call(call)):
+        return parent.forward(hidden_states, *args, **kwargs)
+    call.pop("encoder_hidden_states", None)
+    call.pop("encoder_attention_mask", None)
+    attn_output, _ = self.attn(self.ln_1(hidden_states), **call)
+    hidden_states, h = custom_ops.add_layer_norm(attn_output, hidden_states, ln_2.weight, ln_2.bias, ln_2.eps,
+                                                 out_dtype=_autocast_dtype(attn_output))
+    return hidden_states + self.mlp(h)
+
+
+def _fused_llama_layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """LlamaDecoderLayer's forward with the attention's residual add fused into post_attention_layernorm
+    (norm_ops.add_rms_norm); with a cache, or that norm not fused, transformers' own."""
+    parent = super(type(self), self)
+    call = _call_arguments(type(self).__bases__[1], args, kwargs)
+    norm = self.post_attention_layernorm
+    if not (self._use_ops(hidden_states) and isinstance(norm, _Fused) and norm._use_ops(hidden_states)
+            and _training_call(call)):
+        return parent.forward(hidden_states, *args, **kwargs)
+    attn_output, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **call)
+    out_dtype = _autocast_dtype(attn_output) or torch.promote_types(norm.weight.dtype, attn_output.dtype)
+    hidden_states, h = custom_ops.add_rms_norm(attn_output, hidden_states, norm.weight, norm.variance_epsilon,
+                                               out_dtype=out_dtype)
+    return hidden_states + self.mlp(h)
+
+
 _subclasses: dict[tuple[type, str], type] = {}
 
 
@@ -86,9 +143,11 @@ def swap_fused_modules(model: nn.Module, use: dict[str, bool], reference_ops: bo
     """Swap the modules of the kernels in `use` (name -> fused?) in place; returns how many of each were swapped.
 
     Kernels: layernorm (plain nn.LayerNorm over one dim, with bias), rmsnorm (transformers *RMSNorm with a
-    weight and variance_epsilon), bias_gelu (GPT-2 MLPs whose activation is gelu_new).
+    weight and variance_epsilon), bias_gelu (GPT-2 MLPs whose activation is gelu_new). With a norm's kernel, the
+    blocks (GPT2Block, LlamaDecoderLayer: "residual_norm") also fuse the attention's residual add into the norm
+    after it, where that norm is swapped too.
     """
-    counts = {"layernorm": 0, "rmsnorm": 0, "bias_gelu": 0}
+    counts = {"layernorm": 0, "rmsnorm": 0, "bias_gelu": 0, "residual_norm": 0}
     for module in model.modules():
         cls = type(module)
         if issubclass(cls, _Fused):
@@ -104,6 +163,13 @@ def swap_fused_modules(model: nn.Module, use: dict[str, bool], reference_ops: bo
         elif "bias_gelu" in use and cls.__name__ == "GPT2MLP" and type(module.act).__name__ in _TANH_GELUS:
             _swap(module, _fused_subclass(cls, _fused_gelu_mlp_forward), use["bias_gelu"], reference_ops)
             counts["bias_gelu"] += 1
+        elif "layernorm" in use and cls.__name__ == "GPT2Block" and type(getattr(module, "ln_2", None)) is nn.LayerNorm:
+            _swap(module, _fused_subclass(cls, _fused_gpt2_block_forward), use["layernorm"], reference_ops)
+            counts["residual_norm"] += 1
+        elif "rmsnorm" in use and cls.__name__ == "LlamaDecoderLayer" \
+                and type(getattr(module, "post_attention_layernorm", None)).__name__.endswith("RMSNorm"):
+            _swap(module, _fused_subclass(cls, _fused_llama_layer_forward), use["rmsnorm"], reference_ops)
+            counts["residual_norm"] += 1
     return counts
 
 
