@@ -8,4 +8,7 @@ from pathlib import Path
 collect_ignore = ["gpu"]
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
+# NOTE: the kernels' idle OpenMP threads sleep, as under the CLI that stored the outputs (`tutorials build
+# --execute`): spinning, a kernel's second torch thread starves the other test worker on a 2-core machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [_ROOT, os.environ.get("PYTHONPATH", "")] if p)
