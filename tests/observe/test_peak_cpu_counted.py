@@ -98,3 +98,26 @@ def test_a_checkpointed_block_keeps_an_fp32_input_at_stage_0_and_a_16_bit_one_ab
     t, h = 4 * 32, 64
     assert one_block(1) == 2 * t * h
     assert one_block(0) - one_block(1) == CKPT_FP32_INPUT_H * t * h
+
+
+def test_bf16_optimizer_states_at_stage_0_keep_a_16_bit_stream_as_stage_1_does():
+    """optimizer.state_dtype bf16 makes the bf16 weights the master at stage 0: no fp32 weights under autocast, so
+    no fp32 residual stream and no autocast weight copies. Measured: a checkpointed block saves its bf16 input alone
+    (stage 1's bytes), and a block without checkpointing saves what stage 1's saves, bf16 weight copies included
+    in neither; predicted the same way."""
+    def one_block(stage, *extra):
+        extra = ("precision.dtype=bf16", f"zero.stage={stage}", *extra)
+        saved = [_saved(_overrides("gpt2", 64, 4, 4, None, layers=n, extra=extra))[0] for n in (1, 2)]
+        return saved[1] - saved[0]
+
+    t, h = 4 * 32, 64
+    bf16_states = "optimizer.state_dtype=bf16"
+    assert one_block(0, bf16_states, "model.activation_checkpointing=true") == 2 * t * h
+    assert one_block(0, bf16_states) == one_block(1) < one_block(0)
+    recipe = toolkit.load_recipe("quickstart", _overrides("gpt2", 64, 4, 4, None, layers=2, extra=(
+        "precision.dtype=bf16", bf16_states)))
+    stage1 = toolkit.load_recipe("quickstart", _overrides("gpt2", 64, 4, 4, None, layers=2, extra=(
+        "precision.dtype=bf16", bf16_states, "zero.stage=1")))
+    for on_cuda in (False, True):
+        assert predict_peak(recipe, on_cuda=on_cuda).weight_cache == 0
+        assert predict_peak(recipe, on_cuda=on_cuda).activations == predict_peak(stage1, on_cuda=on_cuda).activations
