@@ -10,11 +10,10 @@ ends within the ZeRO tests' tolerance of it (tests/runtime/zero_helpers.py: rtol
 """
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import become_rank, free_port, leave_rank
+from tests.conftest import become_rank, leave_rank
 from tests.runtime.zero_helpers import (BASE, DELAYED, RTOL, SMALL_BUCKETS, STEPS, WARMUP, assert_params_close,
-                                        assert_the_repeated_clip_equals_copying_again, delayed_reference,
+                                        assert_the_repeated_clip_equals_copying_again, delayed_reference, fork_ranks,
                                         owned_states, save_and_resume, tiny_engine, train)
 
 @pytest.fixture(scope="module")
@@ -270,7 +269,7 @@ def _rank_main(rank, world, port, out_dir):
 
 @pytest.mark.dist
 def test_two_gloo_ranks_follow_the_hand_written_delayed_rule(tmp_path, reference):
-    mp.spawn(_rank_main, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+    fork_ranks(_rank_main, 2, tmp_path)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         for name in DIST:

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from tests.conftest import REPO, become_rank, free_port, leave_rank
+from tests.conftest import REPO, become_rank, leave_rank
+from tests.runtime.zero_helpers import fork_ranks
 from toolkit.runtime.engine import initialize
 from toolkit.errors import UserError
 from toolkit.recipe.load import recipe_from_dict
@@ -304,7 +304,7 @@ def _dist_rank(rank, world, port, out_dir):
 def two_ranks(tmp_path_factory):
 
     out_dir = tmp_path_factory.mktemp("engine-api-dist")
-    mp.spawn(_dist_rank, args=(2, free_port(), out_dir), nprocs=2, join=True)
+    fork_ranks(_dist_rank, 2, out_dir)
     return out_dir, torch.load(out_dir / "results.pt", weights_only=False)
 
 

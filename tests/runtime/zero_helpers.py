@@ -94,14 +94,24 @@ def train_and_save(world, overrides, run_dir, save_after):
     return engine, losses, saved
 
 
-def spawn_ranks(rank_main, world: int, result_file, *args) -> list:
-    """`rank_main(rank, world, port, *args)` on `world` spawned gloo ranks; then what each rank saved at
-    `result_file(rank)`."""
+def fork_ranks(rank_main, world: int, *args) -> None:
+    """`rank_main(rank, world, port, *args)` on `world` forked gloo ranks, waited for."""
     import torch.multiprocessing as mp
 
     from tests.conftest import free_port
 
-    mp.spawn(rank_main, args=(world, free_port(), *args), nprocs=world, join=True)
+    # NOTE: forked ranks inherit the parent's imports (transformers, the engine): on a loaded 2-core machine a
+    # spawned rank spent several seconds importing them, more than its training (test_zero_dist: 2 + 4 + 2 ranks).
+    from transformers import GPT2LMHeadModel  # noqa: F401
+    import toolkit.runtime.engine  # noqa: F401
+
+    mp.start_processes(rank_main, args=(world, free_port(), *args), nprocs=world, join=True, start_method="fork")
+
+
+def spawn_ranks(rank_main, world: int, result_file, *args) -> list:
+    """`rank_main(rank, world, port, *args)` on `world` (forked) gloo ranks; then what each rank saved at
+    `result_file(rank)`."""
+    fork_ranks(rank_main, world, *args)
     return [torch.load(result_file(r), weights_only=False) for r in range(world)]
 
 
