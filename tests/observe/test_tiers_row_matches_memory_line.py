@@ -6,9 +6,9 @@ import re
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import become_rank, free_port, leave_rank
+from tests.conftest import become_rank, leave_rank
+from tests.runtime.zero_helpers import fork_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -43,7 +43,7 @@ def _rank_main(rank, world, port, out_dir):
 def printed(tmp_path_factory):
     """{config: (tiers row, memory summary)} of each of 2 ranks."""
     out_dir = tmp_path_factory.mktemp("tiers-row")
-    mp.spawn(_rank_main, args=(2, free_port(), out_dir), nprocs=2, join=True)
+    fork_ranks(_rank_main, 2, out_dir)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
