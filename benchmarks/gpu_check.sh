@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|attention|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|tp1pp1 ...]
+#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|attention|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|tp1pp1|treeab|addnorm ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -274,6 +274,22 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
             --steps 20 --rounds 5 --only "toolkit fused" --markdown "$table") 2>&1 | tee -a "$OUT/tp1pp1.txt"
           { echo "alternation $i, $BASELINE_TREE"; cat "$table"; } >> "$OUT/tp1pp1.md"
         fi
+      done ;;
+    addnorm)  # issue 33: the residual add fused into the norm against its parts, kernel time (benchmarks/add_norm.py)
+      timeout 120 python3 -m benchmarks.add_norm --markdown "$OUT/add_norm.md" 2>&1 | tee "$OUT/add_norm.txt" ;;
+    treeab)  # today's tree against BASELINE_TREE (a `git archive` of an earlier commit, with pyproject.toml), each
+             # alone in its process, AB_N alternations: benchmarks/end_to_end.py at micro AB_MICRO (32), today's
+             # AB_ONLY configurations (interleaved in its process) against the baseline's BASELINE_ONLY
+      local i table
+      table=$(mktemp)
+      for i in $(seq "${AB_N:-3}"); do
+        timeout 200 python3 -m benchmarks.end_to_end --steps 20 --rounds 3 --micro "${AB_MICRO:-32}" \
+          --only "${AB_ONLY:-toolkit fused stage 1}" --markdown "$table" 2>&1 | tee -a "$OUT/treeab.txt"
+        { echo "alternation $i, today's tree"; cat "$table"; } >> "$OUT/treeab.md"
+        (cd "$BASELINE_TREE" && PYTHONPATH=$PWD${SITE_PATH:+:$SITE_PATH} timeout 200 python3 -m benchmarks.end_to_end \
+          --steps 20 --rounds 3 --micro "${AB_MICRO:-32}" --only "${BASELINE_ONLY:-toolkit fused stage 1}" \
+          --markdown "$table") 2>&1 | tee -a "$OUT/treeab.txt"
+        { echo "alternation $i, $BASELINE_TREE"; cat "$table"; } >> "$OUT/treeab.md"
       done ;;
     *)
       echo "unknown stage '$stage'; see the stages at the top of benchmarks/gpu_check.sh" >&2

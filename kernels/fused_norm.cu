@@ -150,7 +150,7 @@ __device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const T* _
       float rv[kVec];
       load4<Hints::load_x>(res + r * cols, t * kVec + k * stride, cols, packed, rv);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v[k][j] = to_float(from_float<T>(v[k][j] + rv[j]));
+      for (int j = 0; j < kVec; ++j) v[k][j] = to_float(from_float<T>(__fadd_rn(v[k][j], rv[j])));
       store4<kCacheDefault>(sum + r * cols, t * kVec + k * stride, cols, packed, v[k]);
     }
   }

@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
                     const float* __restrict__ mean, const float* __restrict__ rstd, const T* __restrict__ dres,
                     T* __restrict__ dx, float* __restrict__ partial_w, float* __restrict__ partial_b, int64_t rows,
-                    int cols, int group, bool packed) {
+                    int cols, int group, bool packed, bool dres_packed) {
   static_assert(!(kPrefetch && kStages > 0), "the bulk-copied stages replace the register prefetch");
   __shared__ float scratch[2][32 * 2 * kRows];  // halves alternate by iteration: one barrier per group_sums
   __shared__ uint64_t landed[kStages > 0 ? kStages : 1];  // a barrier per stage (bulk copies)
@@ -354,10 +354,22 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
 #pragma unroll
         for (int j = 0; j < kPer; ++j) xv[k][j] = rs[k] * (gv[k][j] - mean_g - xv[k][j] * mean_gx);
         if (dres != nullptr) {  // the residual's gradient summed in, after dx's own rounding, as autograd sums them
+          // NOTE: element loads where dres is not 16-byte aligned, so its alignment never changes `packed` (the
+          // columns a thread holds, hence the order of the row sums: dx must be the plain backward's, bit for
+          // bit); __fadd_rn: no contraction into an FMA with dx's last multiply (fp32 rounds once more there)
+          const T* row = dres + r * cols;
           float rv[kPer];
-          load_row<T, kPer>(dres + r * cols, packed, t, group, cols, rv);
+          if (dres_packed) {
+            load_row<T, kPer>(row, true, t, group, cols, rv);
+          } else {
 #pragma unroll
-          for (int j = 0; j < kPer; ++j) xv[k][j] = to_float(from_float<T>(xv[k][j])) + rv[j];
+            for (int j = 0; j < kPer; ++j) {
+              const int c = col_of<kPer>(packed, t, j, group);
+              rv[j] = c < cols ? to_float(row[c]) : 0.f;
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < kPer; ++j) xv[k][j] = __fadd_rn(to_float(from_float<T>(xv[k][j])), rv[j]);
         }
         store_row<T, kPer, BackwardHints<kRms>::store_out>(dx + r * cols, packed, t, group, cols, xv[k]);
       }
@@ -414,8 +426,8 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
                          DType x_dtype, const RowLayout& l, int grid_limit, int* grid_out, cudaStream_t stream) {
   const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype), kPer) &&
                       rows_packed(dy, cols, dtype_bytes(dy_dtype), kPer) &&
-                      rows_packed(dx, cols, dtype_bytes(x_dtype), kPer) && is_aligned(weight, 16) &&
-                      (dres == nullptr || rows_packed(dres, cols, dtype_bytes(x_dtype), kPer));
+                      rows_packed(dx, cols, dtype_bytes(x_dtype), kPer) && is_aligned(weight, 16);
+  const bool dres_packed = packed && dres != nullptr && rows_packed(dres, cols, dtype_bytes(x_dtype), kPer);
   const bool staged = kStages > 0 && packed && bulk_copy_supported();
   const size_t reduce_bytes = sizeof(float) * 2 * (size_t)l.group * kPer * l.groups;
   const size_t stage_bytes = (size_t)l.groups * kRows * cols * (dtype_bytes(x_dtype) + dtype_bytes(dy_dtype));
@@ -438,7 +450,7 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
         kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight,
                                                     mean, rstd, static_cast<const T*>(dres), static_cast<T*>(dx),
                                                     partial_w, partial_b, rows, cols,
-                                                    l.group, packed);
+                                                    l.group, packed, dres_packed);
       });
     });
     return cudaGetLastError();
