@@ -264,8 +264,10 @@ __device__ __forceinline__ void load_staged_rows(const RowStages<G, T>& stages, 
   }
 }
 
+// kRes: dres (the gradient of a residual add's sum by its other path) is added into dx; a variant of its own, so
+// the plain backward keeps its registers.
 template <typename G, typename T, bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads,
-          int kMinBlocks>
+          int kMinBlocks, bool kRes>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     norm_bwd_kernel(const G* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ weight,
                     const float* __restrict__ mean, const float* __restrict__ rstd, const T* __restrict__ dres,
@@ -353,7 +355,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
         const float mean_g = kRms ? 0.f : sums[2 * k] / cols, mean_gx = sums[2 * k + 1] / cols;
 #pragma unroll
         for (int j = 0; j < kPer; ++j) xv[k][j] = rs[k] * (gv[k][j] - mean_g - xv[k][j] * mean_gx);
-        if (dres != nullptr) {  // the residual's gradient summed in, after dx's own rounding, as autograd sums them
+        if constexpr (kRes) {  // the residual's gradient summed in, after dx's own rounding, as autograd sums them
           // NOTE: element loads where dres is not 16-byte aligned, so its alignment never changes `packed` (the
           // columns a thread holds, hence the order of the row sums: dx must be the plain backward's, bit for
           // bit); __fadd_rn: no contraction into an FMA with dx's last multiply (fp32 rounds once more there)
@@ -418,6 +420,11 @@ int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 // At least the kernel's static shared memory (scratch and barriers: 1 KB at two rows per iteration).
 constexpr size_t kStaticSmemBound = 4096;
 
+template <typename X>
+struct TypeTag {  // a type passed to a generic lambda (std::type_identity is C++20)
+  using type = X;
+};
+
 // kStages: the bulk-copied stages where the rows are packed and the GPU has bulk copies, else none.
 template <bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads, int kMinBlocks>
 cudaError_t launch_shape(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
@@ -433,27 +440,42 @@ cudaError_t launch_shape(const void* dy, const void* x, const float* weight, con
   const size_t stage_bytes = (size_t)l.groups * kRows * cols * (dtype_bytes(x_dtype) + dtype_bytes(dy_dtype));
   const size_t smem = staged && kStages * stage_bytes > reduce_bytes ? kStages * stage_bytes : reduce_bytes;
   cudaError_t err = cudaSuccess;
-  // One launch of the kernel with S stages (a generic lambda: S is a compile-time constant).
-  auto run = [&](auto stages) -> cudaError_t {
+  // One launch of the kernel for G, T, S stages and kRes (a generic lambda: they are compile-time).
+  auto launch = [&](auto g_tag, auto t_tag, auto stages, auto res) -> cudaError_t {
+    using G = typename decltype(g_tag)::type;
+    using T = typename decltype(t_tag)::type;
     constexpr int S = decltype(stages)::value;
+    constexpr bool kRes = decltype(res)::value;
+    auto kernel = norm_bwd_kernel<G, T, kRms, kPer, kRows, kPrefetch, S, kMaxThreads, kMinBlocks, kRes>;
+    if (smem + kStaticSmemBound > 48 * 1024) {  // the default cap counts static shared memory too
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      if (err != cudaSuccess) return err;
+    }
+    const int64_t wave =
+        (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
+    const int grid = (int)(wave < grid_limit ? wave : grid_limit);
+    *grid_out = grid;
+    kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight, mean,
+                                                rstd, static_cast<const T*>(dres), static_cast<T*>(dx), partial_w,
+                                                partial_b, rows, cols, l.group, packed, dres_packed);
+    return cudaGetLastError();
+  };
+  auto run = [&](auto stages) -> cudaError_t {
+    // NOTE: the residual variants only where dy has x's dtype (a block's 16-bit stream under autocast, or fp32
+    // throughout): 3 more instantiations per shape, not 9
+    if (dres != nullptr) {
+      if (dy_dtype != x_dtype) return cudaErrorInvalidValue;
+      TOOLKIT_DISPATCH(x_dtype, T, {
+        return launch(TypeTag<T>{}, TypeTag<T>{}, stages, std::true_type{});
+      });
+      return cudaErrorInvalidValue;
+    }
     TOOLKIT_DISPATCH(dy_dtype, G, {
       TOOLKIT_DISPATCH(x_dtype, T, {
-        auto kernel = norm_bwd_kernel<G, T, kRms, kPer, kRows, kPrefetch, S, kMaxThreads, kMinBlocks>;
-        if (smem + kStaticSmemBound > 48 * 1024) {  // the default cap counts static shared memory too
-          err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-          if (err != cudaSuccess) return err;
-        }
-        const int64_t wave =
-            (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel), l.threads(), smem);
-        const int grid = (int)(wave < grid_limit ? wave : grid_limit);
-        *grid_out = grid;
-        kernel<<<grid, l.threads(), smem, stream>>>(static_cast<const G*>(dy), static_cast<const T*>(x), weight,
-                                                    mean, rstd, static_cast<const T*>(dres), static_cast<T*>(dx),
-                                                    partial_w, partial_b, rows, cols,
-                                                    l.group, packed, dres_packed);
+        return launch(TypeTag<G>{}, TypeTag<T>{}, stages, std::false_type{});
       });
     });
-    return cudaGetLastError();
+    return cudaErrorInvalidValue;
   };
   return staged ? run(std::integral_constant<int, kStages>{}) : run(std::integral_constant<int, 0>{});
 }

@@ -113,12 +113,13 @@ def test_norm_writes_the_autocast_dtype_directly(out_dtype):
 def test_the_residual_add_in_the_norm_kernel_is_the_add_then_the_norm_bit_for_bit(shape, dtype, rms):
     """add_norm_fwd's sum is torch's x + r and its y / mean / rstd the norm kernel's on that sum; norm_bwd with a
     residual gradient is the plain backward's dx plus it (autograd's sum), bit for bit: a fused block trains as
-    the unfused one. Also with misaligned (unpacked) rows and a 16-bit output as under autocast."""
+    the unfused one. Also with misaligned rows. (The residual variants take one dtype throughout, y's and dy's
+    too: norm_ops adds in torch elsewhere; the last lines hold that path to the unfused ops as well.)"""
     require("layernorm")
     module = loader.loaded_extension("norm")
     cols = shape[-1]
     w, b = torch.randn(cols, device="cuda"), None if rms else torch.randn(cols, device="cuda")
-    eps, code = (1e-6 if rms else 1e-5), 1 if dtype == torch.float32 else -1
+    eps, code = (1e-6 if rms else 1e-5), -1
     for misaligned in (False, True):
         x, r = randn(shape, dtype, misaligned), randn(shape, dtype, misaligned)
         poison((shape, dtype))
@@ -130,6 +131,10 @@ def test_the_residual_add_in_the_norm_kernel_is_the_add_then_the_norm_bit_for_bi
         dx, dw, db = module.norm_bwd(dy, s, w, mean, rstd, rms, ds)
         dx0, dw0, db0 = module.norm_bwd(dy, s, w, mean, rstd, rms)
         assert torch.equal(dx, dx0 + ds) and torch.equal(dw, dw0) and torch.equal(db, db0)
+    if dtype == torch.float32:  # an fp32 stream with a bf16 output (autocast at stage 0): torch's add, the norm kernel
+        s, y = norm_ops.add_rms_norm(x, r, w, eps, torch.bfloat16) if rms else norm_ops.add_layer_norm(
+            x, r, w, b, eps, torch.bfloat16)
+        assert torch.equal(s, x + r) and torch.equal(y, module.norm_fwd(x + r, w, b, eps, rms, 1)[0])
 
 
 def test_a_gpt2_block_with_the_fused_residual_trains_as_the_unfused_one():

@@ -25,6 +25,12 @@ def _fits(x: Tensor) -> bool:
     return 0 < x.shape[-1] <= NORM_MAX_COLS
 
 
+def _one_dtype(*dtypes: torch.dtype) -> bool:
+    """The kernels' residual variants take one dtype throughout (x, the residual and the norm's output, or dy: a
+    block's 16-bit stream under autocast, or fp32 throughout): elsewhere the add stays torch's."""
+    return len(set(dtypes)) == 1
+
+
 def _norm_fwd_reference(x, weight, bias, eps, rms, out_dtype):
     acc = compute_dtype(x)
     xf = x.to(acc)
@@ -94,11 +100,11 @@ def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, 
     """Backward of norm_fwd -> (dx in x's dtype, dweight fp32, dbias fp32 or empty); `dresidual` (x's dtype) is
     added into dx: the gradient of add_norm_fwd's sum by its other path."""
     module = kernel_module("norm", x, dy)
-    if module is not None and _fits(x) and (dresidual is None or dresidual.dtype == x.dtype):
+    if module is not None and _fits(x):
+        fused = dresidual is not None and _one_dtype(dy.dtype, x.dtype, dresidual.dtype)
         dx, dweight, dbias = module.norm_bwd(dy.contiguous(), x.contiguous(), weight.float().contiguous(),
-                                             mean, rstd, rms,
-                                             None if dresidual is None else dresidual.contiguous())
-        return dx, dweight, dbias
+                                             mean, rstd, rms, dresidual.contiguous() if fused else None)
+        return (dx if fused or dresidual is None else dx + dresidual), dweight, dbias
     return _norm_bwd_reference(dy, x, weight, mean, rstd, rms, dresidual)
 
 
@@ -133,13 +139,13 @@ def add_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | Non
     """s = x + residual (x's dtype, shape and dtype equal), then norm_fwd of s -> (s, y, mean, rstd)."""
     out_dtype = CODE_DTYPES.get(out_code, x.dtype)
     module = kernel_module("norm", x, residual)
-    if module is not None and _fits(x):
+    if module is not None and _fits(x) and out_dtype == x.dtype:
         s, y, mean, rstd = module.add_norm_fwd(x.contiguous(), residual.contiguous(), weight.float().contiguous(),
                                                None if rms else bias.float().contiguous(), eps, rms,
                                                DTYPE_CODES[out_dtype])
         return s, y, mean, rstd
     s = x + residual
-    return (s, *_norm_fwd_reference(s, weight, bias, eps, rms, out_dtype))
+    return (s, *norm_fwd(s, weight, bias, eps, rms, out_code))
 
 
 @add_norm_fwd.register_fake
@@ -188,8 +194,11 @@ class _NormFunction(torch.autograd.Function):
         ds, dy = grads if ctx.residual else (None, grads[0])
         s, weight, mean, rstd = ctx.saved_tensors
         dres = None if ds is None else ds.to(s.dtype).contiguous()
+        fused = dres is not None and _one_dtype(dy.dtype, s.dtype)
         dx, dweight, dbias = ctx.module.norm_bwd(dy.contiguous(), s.contiguous(), weight.float().contiguous(),
-                                                 mean, rstd, ctx.rms, dres)
+                                                 mean, rstd, ctx.rms, dres if fused else None)
+        if dres is not None and not fused:
+            dx = dx + dres
         dbias = None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype)
         return dx, dx if ctx.residual else None, dweight.to(weight.dtype), dbias, None, None, None, None
 
@@ -203,8 +212,8 @@ def _norm(x, weight, bias, eps, rms, out_dtype):
 
 
 def _add_norm(x, residual, weight, bias, eps, rms, out_dtype) -> tuple[Tensor, Tensor]:
-    if x.dtype != residual.dtype or x.shape != residual.shape:  # e.g. a bf16 branch onto an fp32 stream: unfused
-        s = x + residual
+    if x.shape != residual.shape or not _one_dtype(x.dtype, residual.dtype, out_dtype or x.dtype):
+        s = x + residual  # e.g. a bf16 branch onto an fp32 stream (stage 0 under autocast): the two ops
         return s, _norm(s, weight, bias, eps, rms, out_dtype)
     code = DTYPE_CODES.get(out_dtype, -1)
     module = eager_module("norm", x, residual)
