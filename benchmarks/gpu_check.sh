@@ -277,15 +277,18 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
       done ;;
     addnorm)  # issue 33: the residual add fused into the norm against its parts, kernel time (benchmarks/add_norm.py)
       timeout 120 python3 -m benchmarks.add_norm --markdown "$OUT/add_norm.md" 2>&1 | tee "$OUT/add_norm.txt" ;;
-    treeab)  # today's tree against BASELINE_TREE (a `git archive` of an earlier commit, with pyproject.toml), each
-             # alone in its process, AB_N alternations: benchmarks/end_to_end.py at micro AB_MICRO (32), today's
-             # AB_ONLY configurations (interleaved in its process) against the baseline's BASELINE_ONLY
-      local i table
+    treeab)  # today's tree against BASELINE_TREE (a `git archive` of an earlier commit, with pyproject.toml): AB_N
+             # alternations of benchmarks/end_to_end.py at micro AB_MICRO (32), each of today's AB_ONLY configurations
+             # and the baseline's BASELINE_ONLY alone in its process (a process holding two engines runs slower)
+      local i config table
       table=$(mktemp)
       for i in $(seq "${AB_N:-3}"); do
-        timeout 200 python3 -m benchmarks.end_to_end --steps 20 --rounds 3 --micro "${AB_MICRO:-32}" \
-          --only "${AB_ONLY:-toolkit fused stage 1}" --markdown "$table" 2>&1 | tee -a "$OUT/treeab.txt"
-        { echo "alternation $i, today's tree"; cat "$table"; } >> "$OUT/treeab.md"
+        IFS=, read -ra configs <<< "${AB_ONLY:-toolkit fused stage 1}"
+        for config in "${configs[@]}"; do
+          timeout 200 python3 -m benchmarks.end_to_end --steps 20 --rounds 3 --micro "${AB_MICRO:-32}" \
+            --only "$config" --markdown "$table" 2>&1 | tee -a "$OUT/treeab.txt"
+          { echo "alternation $i, today's tree"; cat "$table"; } >> "$OUT/treeab.md"
+        done
         (cd "$BASELINE_TREE" && PYTHONPATH=$PWD${SITE_PATH:+:$SITE_PATH} timeout 200 python3 -m benchmarks.end_to_end \
           --steps 20 --rounds 3 --micro "${AB_MICRO:-32}" --only "${BASELINE_ONLY:-toolkit fused stage 1}" \
           --markdown "$table") 2>&1 | tee -a "$OUT/treeab.txt"
