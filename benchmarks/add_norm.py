@@ -1,9 +1,10 @@
-"""Benchmark (not a test): the residual add fused into the norm (kernels/fused_norm*.cu's residual path, issue 33)
-against its parts, GPU time of the kernels alone (benchmarks.kernels.gpu_ms, the profiler's kernel durations).
+"""Benchmark (not a test): the residual add's gradient fused into the norm's backward (kernels/fused_norm_backward.cu's
+residual variant, issue 33) against its parts, GPU time of the kernels alone (benchmarks.kernels.gpu_ms, the
+profiler's kernel durations).
 
-At the recipes' shapes, bf16 (the residual stream at ZeRO stage 1): forward, torch's add then the toolkit's norm
-against add_norm_fwd; backward, the norm's backward then torch's add of the other gradient against norm_bwd with
-that gradient. Also the bytes each moves and the bandwidth that implies (the bound it should meet).
+At the recipes' shapes, bf16 (the residual stream at ZeRO stage 1): the norm's backward and then torch's add of the
+sum's other gradient, against norm_bwd given that gradient; the bytes the fused one moves (reads dy, x and the
+gradient, writes dx) and the bandwidth that implies.
 
     python -m benchmarks.add_norm [--markdown FILE]
 """
@@ -29,21 +30,15 @@ def rows(module) -> list[list]:
         bf16 = dict(device="cuda", dtype=torch.bfloat16)
         x, r, dy, ds = (torch.randn(n, cols, **bf16) for _ in range(4))
         w, b = torch.randn(cols, device="cuda"), None if rms else torch.randn(cols, device="cuda")
-        eps, code = 1e-5, 1
-        s, y, mean, rstd = module.add_norm_fwd(x, r, w, b, eps, rms, code)
-        parts_fwd = gpu_ms(lambda: module.norm_fwd(x + r, w, b, eps, rms, code), iters=20)
-        fused_fwd = gpu_ms(lambda: module.add_norm_fwd(x, r, w, b, eps, rms, code), iters=20)
+        eps, code = 1e-5, -1
+        s = x + r
+        _, mean, rstd = module.norm_fwd(s, w, b, eps, rms, code)
         parts_bwd = gpu_ms(lambda: module.norm_bwd(dy, s, w, mean, rstd, rms)[0] + ds, iters=20)
         fused_bwd = gpu_ms(lambda: module.norm_bwd(dy, s, w, mean, rstd, rms, ds), iters=20)
-        unit = n * cols * 2  # one pass over a bf16 [rows, cols] tensor
-        # bytes: forward reads x, r and writes s, y (parts: the add's 3 passes, the norm's 2); backward reads dy,
-        # s, ds and writes dx (parts: the norm's 3, the add's 3)
-        fused_bytes = (4 * unit, 4 * unit)
-        out.append([name, f"{parts_fwd:.3f}", f"{fused_fwd:.3f}", f"{parts_fwd / fused_fwd:.2f}x",
-                    f"{fused_bytes[0] / fused_fwd / 1e6:.0f}",
-                    f"{parts_bwd:.3f}", f"{fused_bwd:.3f}", f"{parts_bwd / fused_bwd:.2f}x",
-                    f"{fused_bytes[1] / fused_bwd / 1e6:.0f}"])
-        del x, r, dy, ds, s, y
+        moved = 4 * n * cols * 2  # bf16 [rows, cols]: dy, x and ds read, dx written
+        out.append([name, f"{parts_bwd:.3f}", f"{fused_bwd:.3f}", f"{parts_bwd / fused_bwd:.2f}x",
+                    f"{moved / fused_bwd / 1e6:.0f}"])
+        del x, r, dy, ds, s
     return out
 
 
@@ -52,9 +47,8 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     module = loader.load_extension("norm")
-    text = table(f"Residual add + norm, {torch.cuda.get_device_name()}, GPU ms per call (kernels only)",
-                 ["shape", "add, then norm", "fused", "speed-up", "fused GB/s", "norm bwd, then add", "fused bwd",
-                  "speed-up", "fused bwd GB/s"], rows(module))
+    text = table(f"Norm backward with the residual gradient, {torch.cuda.get_device_name()}, GPU ms per call (kernels)",
+                 ["shape", "norm bwd, then add", "fused", "speed-up", "fused GB/s"], rows(module))
     print(text)
     if args.markdown:
         args.markdown.write_text(text)

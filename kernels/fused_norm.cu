@@ -2,8 +2,6 @@
 // pass is fused_norm_backward.cu), over the last dimension of a [rows, cols] tensor, fp32 math.
 //
 // What it computes (w, b fp32 [cols]; mean, rstd fp32 [rows] saved for backward):
-//   with a residual r (nullable): x = x + r first, rounded to x's dtype and written to `sum`, as torch's
-//              add would (the transformer block's residual add and the next norm in one pass)
 //   LayerNorm  mu = mean(x), rstd = 1/sqrt(mean((x - mu)^2) + eps), y = (x - mu) * rstd * w + b
 //   RMSNorm    mu = 0,       rstd = 1/sqrt(mean(x^2) + eps),        y = x * rstd * w
 //   backward   xhat = (x - mu) * rstd, g = dy * w
@@ -131,9 +129,8 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, int warps, float2* 
 
 // Row r of x normalised into y (and its mean / rstd saved) by a row group; scratch: this call's.
 // wh and bh: the thread's packs of w and b held in registers (ForwardHints), else w and b are read here.
-template <typename T, typename O, bool kRms, int kPacks, int kHeld, bool kAdd>
-__device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ sum,
-                                             const float* __restrict__ weight,
+template <typename T, typename O, bool kRms, int kPacks, int kHeld>
+__device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const float* __restrict__ weight,
                                              const float* __restrict__ bias, O* __restrict__ y,
                                              float* __restrict__ mean, float* __restrict__ rstd, int64_t r, int cols,
                                              float eps, int warps, bool packed, int t, float2 (&scratch)[2][kMaxWarps],
@@ -144,16 +141,6 @@ __device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const T* _
   float v[kPacks][kVec];
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) load4<Hints::load_x>(xr, t * kVec + k * stride, cols, packed, v[k]);
-  if constexpr (kAdd) {  // the residual add: rounded to T as torch's add rounds it, so y is the unfused y
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      float rv[kVec];
-      load4<Hints::load_x>(res + r * cols, t * kVec + k * stride, cols, packed, rv);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v[k][j] = to_float(from_float<T>(__fadd_rn(v[k][j], rv[j])));
-      store4<kCacheDefault>(sum + r * cols, t * kVec + k * stride, cols, packed, v[k]);
-    }
-  }
   float mu = 0.f;
   if (!kRms) {
     float s = 0.f;
@@ -194,12 +181,10 @@ __device__ __forceinline__ void norm_fwd_row(const T* __restrict__ x, const T* _
   }
 }
 
-// kAdd: x + res first (a variant of its own, so the plain norm keeps its registers and occupancy).
-template <typename T, typename O, bool kRms, int kPacks, bool kAdd>
+template <typename T, typename O, bool kRms, int kPacks>
 __global__ void __launch_bounds__(kBlockThreads, (ForwardHints<kRms, kPacks>::min_blocks)) norm_fwd_kernel(
-    const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ sum, const float* __restrict__ weight,
-    const float* __restrict__ bias, O* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, int64_t rows,
-    int cols, float eps, int warps, bool packed) {
+    const T* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, O* __restrict__ y,
+    float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int cols, float eps, int warps, bool packed) {
   // [iteration parity][row_sum2 call]: a group's warps are at most one iteration apart (the
   // barrier in row_sum2), so alternating halves keep a fast warp off the slots a slow one reads.
   __shared__ float2 scratch[2][2][kMaxWarps];
@@ -217,13 +202,13 @@ __global__ void __launch_bounds__(kBlockThreads, (ForwardHints<kRms, kPacks>::mi
   int64_t r = (int64_t)blockIdx.x * groups + threadIdx.x / group;
   if (!kPersistent) {
     if (r < rows)
-      norm_fwd_row<T, O, kRms, kPacks, kHeld, kAdd>(x, res, sum, weight, bias, y, mean, rstd, r, cols, eps, warps,
-                                                    packed, t, scratch[0], wh, bh);
+      norm_fwd_row<T, O, kRms, kPacks, kHeld>(x, weight, bias, y, mean, rstd, r, cols, eps, warps, packed, t,
+                                              scratch[0], wh, bh);
     return;
   }
   for (int it = 0; r < rows; r += (int64_t)gridDim.x * groups, ++it)
-    norm_fwd_row<T, O, kRms, kPacks, kHeld, kAdd>(x, res, sum, weight, bias, y, mean, rstd, r, cols, eps, warps,
-                                                  packed, t, scratch[it & 1], wh, bh);
+    norm_fwd_row<T, O, kRms, kPacks, kHeld>(x, weight, bias, y, mean, rstd, r, cols, eps, warps, packed, t,
+                                            scratch[it & 1], wh, bh);
 }
 
 // The body once, with NAME a compile-time pack count (norm_layout's variants).
@@ -247,56 +232,34 @@ bool rows_packed(const void* p, int cols, int elem_bytes) {
 
 int dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
-// One variant's launch: the grid is one wave where the kernel is persistent.
-template <typename T, typename O, bool kAdd>
-cudaError_t launch_fwd(const void* x, const void* residual, void* sum, const float* weight, const float* bias, void* y,
-                       float* mean, float* rstd, int64_t rows, int cols, float eps, bool rms, const NormLayout& l,
-                       bool packed, cudaStream_t stream) {
-  int64_t blocks = (rows + l.groups() - 1) / l.groups();
-  if (blocks > 0x7fffffffLL && !kPersistent) return cudaErrorInvalidValue;
-  TOOLKIT_NORM_PACKS(l.packs, P, {
-    auto kernel = rms ? norm_fwd_kernel<T, O, true, P, kAdd> : norm_fwd_kernel<T, O, false, P, kAdd>;
-    if (kPersistent) {
-      const int64_t wave = (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel),
-                                                                 l.threads(), 0);
-      blocks = blocks < wave ? blocks : wave;
-    }
-    kernel<<<(unsigned)blocks, l.threads(), 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<T*>(sum), weight, bias,
-        static_cast<O*>(y), mean, rstd, rows, cols, eps, l.warps, packed);
-  });
-  return cudaGetLastError();
-}
-
 }  // namespace
 
-cudaError_t launch_norm_fwd(const void* x, const void* residual, void* sum, const float* weight, const float* bias,
-                            void* y, float* mean, float* rstd, int64_t rows, int cols, float eps, DType x_dtype,
-                            DType y_dtype, bool rms, cudaStream_t stream) {
-  if ((residual == nullptr) != (sum == nullptr)) return cudaErrorInvalidValue;
-  // NOTE: the residual variants only where y has x's dtype (a block's 16-bit stream under autocast, or fp32
-  // throughout): 3 dtypes, not 9, of instantiations to build
-  if (residual != nullptr && x_dtype != y_dtype) return cudaErrorInvalidValue;
+cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bias, void* y, float* mean, float* rstd,
+                            int64_t rows, int cols, float eps, DType x_dtype, DType y_dtype, bool rms,
+                            cudaStream_t stream) {
   if (cols <= 0 || cols > kNormMaxCols) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const NormLayout l = norm_layout(cols);
   const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype)) && rows_packed(y, cols, dtype_bytes(y_dtype)) &&
-                      is_aligned(weight, 16) && (rms || is_aligned(bias, 16)) &&
-                      (residual == nullptr || (rows_packed(residual, cols, dtype_bytes(x_dtype)) &&
-                                               rows_packed(sum, cols, dtype_bytes(x_dtype))));
-  if (residual != nullptr) {
-    TOOLKIT_DISPATCH(x_dtype, T, {
-      return launch_fwd<T, T, true>(x, residual, sum, weight, bias, y, mean, rstd, rows, cols, eps, rms, l, packed,
-                                    stream);
-    });
-  }
+                      is_aligned(weight, 16) && (rms || is_aligned(bias, 16));
+  int64_t blocks = (rows + l.groups() - 1) / l.groups();
+  if (blocks > 0x7fffffffLL && !kPersistent) return cudaErrorInvalidValue;
   TOOLKIT_DISPATCH(x_dtype, T, {
     TOOLKIT_DISPATCH(y_dtype, O, {
-      return launch_fwd<T, O, false>(x, residual, sum, weight, bias, y, mean, rstd, rows, cols, eps, rms, l, packed,
-                                     stream);
+      TOOLKIT_NORM_PACKS(l.packs, P, {
+        auto kernel = rms ? norm_fwd_kernel<T, O, true, P> : norm_fwd_kernel<T, O, false, P>;
+        if (kPersistent) {
+          const int64_t wave = (int64_t)sm_count() * resident_blocks(reinterpret_cast<const void*>(kernel),
+                                                                     l.threads(), 0);
+          blocks = blocks < wave ? blocks : wave;
+        }
+        kernel<<<(unsigned)blocks, l.threads(), 0, stream>>>(static_cast<const T*>(x), weight, bias,
+                                                             static_cast<O*>(y), mean, rstd, rows, cols, eps,
+                                                             l.warps, packed);
+      });
     });
   });
-  return cudaErrorInvalidValue;
+  return cudaGetLastError();
 }
 
 }  // namespace toolkit

@@ -19,11 +19,9 @@ int cols_of(const at::Tensor& x, const at::Tensor& weight) {
   return static_cast<int>(cols);
 }
 
-// Returns (y, mean, rstd, sum); mean is empty for RMSNorm; sum = x + residual (empty without a residual), which is what
-// is normalised. out_dtype: -1 = x's dtype, else toolkit::DType.
-std::vector<at::Tensor> norm_fwd_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                      const at::Tensor& weight, const c10::optional<at::Tensor>& bias, double eps,
-                                      bool rms, int64_t out_dtype) {
+// Returns (y, mean, rstd); mean is empty for RMSNorm. out_dtype: -1 = x's dtype, else toolkit::DType.
+std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                                 double eps, bool rms, int64_t out_dtype) {
   const int cols = cols_of(x, weight);
   check_cuda_contiguous(x, x, "x");
   check_cuda_contiguous(weight, x, "weight");
@@ -32,11 +30,6 @@ std::vector<at::Tensor> norm_fwd_impl(const at::Tensor& x, const c10::optional<a
                 "layer_norm: bias must be float32 [", cols, "]");
     check_cuda_contiguous(*bias, x, "bias");
   }
-  if (residual.has_value()) {
-    check_cuda_contiguous(*residual, x, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
-                "add_norm: residual must match x's shape and dtype");
-  }
   const c10::cuda::CUDAGuard guard(x.device());
   const toolkit::DType x_dtype = dtype_of(x, "x");
   const toolkit::DType y_dtype = out_dtype < 0 ? x_dtype : static_cast<toolkit::DType>(out_dtype);
@@ -44,33 +37,16 @@ std::vector<at::Tensor> norm_fwd_impl(const at::Tensor& x, const c10::optional<a
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(toolkit::scalar_type_of(y_dtype)));
   at::Tensor mean = at::empty({rms ? 0 : rows}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
-  at::Tensor sum = residual.has_value() ? at::empty_like(x) : at::empty({0}, x.options());
-  check_launch(toolkit::launch_norm_fwd(x.data_ptr(), residual.has_value() ? residual->data_ptr() : nullptr,
-                                        residual.has_value() ? sum.data_ptr() : nullptr, weight.data_ptr<float>(),
-                                        rms ? nullptr : bias->data_ptr<float>(), y.data_ptr(),
-                                        rms ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, cols,
-                                        static_cast<float>(eps), x_dtype, y_dtype, rms, toolkit::current_stream()),
+  check_launch(toolkit::launch_norm_fwd(x.data_ptr(), weight.data_ptr<float>(), rms ? nullptr : bias->data_ptr<float>(),
+                                        y.data_ptr(), rms ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                                        rows, cols, static_cast<float>(eps), x_dtype, y_dtype, rms,
+                                        toolkit::current_stream()),
                rms ? "rms_norm forward" : "layer_norm forward");
-  return {y, mean, rstd, sum};
-}
-
-// Returns (y, mean, rstd).
-std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                 double eps, bool rms, int64_t out_dtype) {
-  auto out = norm_fwd_impl(x, c10::nullopt, weight, bias, eps, rms, out_dtype);
-  out.pop_back();
-  return out;
-}
-
-// Returns (sum, y, mean, rstd): sum = x + residual in x's dtype, y its norm.
-std::vector<at::Tensor> add_norm_fwd(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                     const c10::optional<at::Tensor>& bias, double eps, bool rms, int64_t out_dtype) {
-  auto out = norm_fwd_impl(x, residual, weight, bias, eps, rms, out_dtype);
-  return {out[3], out[0], out[1], out[2]};
+  return {y, mean, rstd};
 }
 
 // Returns (dx, dweight, dbias): dx in x's dtype, dweight / dbias float32 (dbias empty for RMSNorm). dresidual: the
-// gradient that reached a residual add's sum by its other path (add_norm_fwd's sum), added into dx.
+// gradient that reached a residual add's sum by its other path (the norm's input x is that sum), added into dx.
 std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                  const at::Tensor& mean, const at::Tensor& rstd, bool rms,
                                  const c10::optional<at::Tensor>& dresidual) {
@@ -110,8 +86,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "toolkit fused LayerNorm / RMSNorm (kernels/fused_norm.cu)";
   m.def("norm_fwd", &norm_fwd, "LayerNorm / RMSNorm forward -> (y, mean, rstd)", py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("eps"), py::arg("rms"), py::arg("out_dtype"));
-  m.def("add_norm_fwd", &add_norm_fwd, "residual add, then LayerNorm / RMSNorm -> (sum, y, mean, rstd)", py::arg("x"),
-        py::arg("residual"), py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("rms"), py::arg("out_dtype"));
   m.def("norm_bwd", &norm_bwd, "LayerNorm / RMSNorm backward -> (dx, dweight, dbias)", py::arg("dy"), py::arg("x"),
         py::arg("weight"), py::arg("mean"), py::arg("rstd"), py::arg("rms"), py::arg("dresidual") = py::none());
 }

@@ -62,10 +62,9 @@ cudaError_t launch_grad_norm(const AdamWTensor* tensors, const int64_t* chunk_st
 // Largest `cols` the norm kernels take (a row group of up to 16 warps holds a row in registers).
 constexpr int kNormMaxCols = 8192;
 
-// residual and sum (both nullable, x's dtype): x + residual, rounded to x's dtype, is written to sum and normalised.
-cudaError_t launch_norm_fwd(const void* x, const void* residual, void* sum, const float* weight, const float* bias,
-                            void* y, float* mean, float* rstd, int64_t rows, int cols, float eps, DType x_dtype,
-                            DType y_dtype, bool rms, cudaStream_t stream);
+cudaError_t launch_norm_fwd(const void* x, const float* weight, const float* bias, void* y, float* mean, float* rstd,
+                            int64_t rows, int cols, float eps, DType x_dtype, DType y_dtype, bool rms,
+                            cudaStream_t stream);
 
 // Floats of workspace launch_norm_bwd needs.
 int64_t norm_bwd_workspace(int64_t rows, int cols);

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.ops import custom_ops, loader
+from toolkit.ops import custom_ops, loader, norm_ops
 from toolkit.ops.fused_adamw import FusedAdamW, adamw_step, global_grad_norm
 from toolkit.ops.fused_modules import swap_fused_modules
 from toolkit.runtime.optim import param_groups
@@ -119,6 +119,10 @@ def test_compile_traces_the_fused_ops_without_graph_breaks():
 @pytest.mark.parametrize("op, args", [
     ("norm_fwd", lambda: (torch.randn(3, 5, 16), torch.randn(16), torch.randn(16), 1e-5, False, -1)),
     ("norm_fwd", lambda: (torch.randn(4, 16), torch.randn(16), None, 1e-6, True, 1)),
+    ("add_norm_fwd", lambda: (torch.randn(3, 5, 16), torch.randn(3, 5, 16), torch.randn(16), torch.randn(16), 1e-5,
+                              False, -1)),
+    ("norm_bwd", lambda: (torch.randn(4, 16), torch.randn(4, 16), torch.randn(16), torch.randn(4), torch.rand(4),
+                          False, torch.randn(4, 16))),
     ("bias_gelu_fwd", lambda: (torch.randn(6, 24), torch.randn(24))),
     ("cross_entropy_fwd", lambda: (torch.randn(5, 11), torch.tensor([1, -100, 3, 10, 0]), -100, 11)),
     ("cross_entropy_fwd", lambda: (torch.randn(5, 16), torch.tensor([1, -100, 3, 10, 0]), -100, 11)),
@@ -126,7 +130,7 @@ def test_compile_traces_the_fused_ops_without_graph_breaks():
 def test_custom_ops_are_well_formed(op, args):
     from torch.library import opcheck
 
-    result = opcheck(getattr(custom_ops, op), args())
+    result = opcheck(getattr(norm_ops, op, None) or getattr(custom_ops, op), args())
     assert set(result.values()) == {"SUCCESS"}, result
 
 

@@ -365,10 +365,6 @@ class ReferenceExtension:
     def norm_fwd(self, x, weight, bias, eps, rms, out_code):
         return list(norm_ops._norm_fwd_reference(x, weight, bias, eps, rms, CODE_DTYPES.get(out_code, x.dtype)))
 
-    def add_norm_fwd(self, x, residual, weight, bias, eps, rms, out_code):
-        s = x + residual
-        return [s, *self.norm_fwd(s, weight, bias, eps, rms, out_code)]
-
     def norm_bwd(self, dy, x, weight, mean, rstd, rms, dresidual=None):
         return list(norm_ops._norm_bwd_reference(dy, x, weight, mean, rstd, rms, dresidual))
 

@@ -110,31 +110,43 @@ def test_norm_writes_the_autocast_dtype_directly(out_dtype):
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(3, 7), (9, 1001), (64, 1600), (4099, 768), (8, 8192), (2500, 2048)], ids=str)
-def test_the_residual_add_in_the_norm_kernel_is_the_add_then_the_norm_bit_for_bit(shape, dtype, rms):
-    """add_norm_fwd's sum is torch's x + r and its y / mean / rstd the norm kernel's on that sum; norm_bwd with a
-    residual gradient is the plain backward's dx plus it (autograd's sum), bit for bit: a fused block trains as
-    the unfused one. Also with misaligned rows. (The residual variants take one dtype throughout, y's and dy's
-    too: norm_ops adds in torch elsewhere; the last lines hold that path to the unfused ops as well.)"""
+def test_the_norm_backward_with_a_residual_gradient_is_the_backward_then_the_add_bit_for_bit(shape, dtype, rms):
+    """norm_bwd given the residual sum's other gradient is the plain backward's dx plus it (autograd's sum), bit for
+    bit, with aligned and misaligned gradients (a misaligned one must not change the row sums' order); dw and db
+    unchanged. So a fused block trains as the unfused one."""
     require("layernorm")
     module = loader.loaded_extension("norm")
     cols = shape[-1]
     w, b = torch.randn(cols, device="cuda"), None if rms else torch.randn(cols, device="cuda")
-    eps, code = (1e-6 if rms else 1e-5), -1
+    eps = 1e-6 if rms else 1e-5
+    x = randn(shape, dtype)
+    _, mean, rstd = module.norm_fwd(x, w, b, eps, rms, -1)
     for misaligned in (False, True):
-        x, r = randn(shape, dtype, misaligned), randn(shape, dtype, misaligned)
+        dy, ds = randn(shape, dtype), randn(shape, dtype, misaligned)
         poison((shape, dtype))
-        s, y, mean, rstd = module.add_norm_fwd(x, r, w, b, eps, rms, code)
-        assert torch.equal(s, x + r)
-        for got, want in zip((y, mean, rstd), module.norm_fwd(x + r, w, b, eps, rms, code)):
-            assert torch.equal(got, want)
-        dy, ds = randn(shape, y.dtype), randn(shape, dtype, misaligned)
-        dx, dw, db = module.norm_bwd(dy, s, w, mean, rstd, rms, ds)
-        dx0, dw0, db0 = module.norm_bwd(dy, s, w, mean, rstd, rms)
+        dx, dw, db = module.norm_bwd(dy, x, w, mean, rstd, rms, ds)
+        dx0, dw0, db0 = module.norm_bwd(dy, x, w, mean, rstd, rms)
         assert torch.equal(dx, dx0 + ds) and torch.equal(dw, dw0) and torch.equal(db, db0)
-    if dtype == torch.float32:  # an fp32 stream with a bf16 output (autocast at stage 0): torch's add, the norm kernel
-        s, y = norm_ops.add_rms_norm(x, r, w, eps, torch.bfloat16) if rms else norm_ops.add_layer_norm(
-            x, r, w, b, eps, torch.bfloat16)
-        assert torch.equal(s, x + r) and torch.equal(y, module.norm_fwd(x + r, w, b, eps, rms, 1)[0])
+    # through norm_ops, as a block calls it (the eager autograd function), and with a 16-bit output over an fp32
+    # stream (stage 0 under autocast, where dy is 16-bit and the backward adds in torch)
+    for out_dtype in {dtype, torch.bfloat16}:
+        xs, rs = randn(shape, dtype).requires_grad_(), randn(shape, dtype).requires_grad_()
+        s, y = (norm_ops.add_rms_norm(xs, rs, w, eps, out_dtype) if rms
+                else norm_ops.add_layer_norm(xs, rs, w, b, eps, out_dtype))
+        want_s = (xs + rs).detach()
+        assert torch.equal(s, want_s) and torch.equal(y, module.norm_fwd(want_s, w, b, eps, rms,
+                                                                         custom_ops_code(out_dtype))[0])
+        gy, gs = randn(shape, out_dtype), randn(shape, dtype)
+        torch.autograd.backward([y, s], [gy, gs])
+        _, mean, rstd = module.norm_fwd(want_s, w, b, eps, rms, custom_ops_code(out_dtype))
+        want = module.norm_bwd(gy, want_s, w, mean, rstd, rms)[0] + gs
+        assert torch.equal(xs.grad, want) and torch.equal(rs.grad, want)
+
+
+def custom_ops_code(dtype: torch.dtype) -> int:
+    from toolkit.ops.op_dispatch import DTYPE_CODES
+
+    return DTYPE_CODES[dtype]
 
 
 def test_a_gpt2_block_with_the_fused_residual_trains_as_the_unfused_one():

@@ -1,15 +1,17 @@
 """LayerNorm and RMSNorm as torch custom ops over kernels/fused_norm*.cu, each with its torch reference, and the
-residual add before a norm fused into it (add_layer_norm, add_rms_norm).
+residual add before a norm fused into the norm's backward (add_layer_norm, add_rms_norm).
 
 As in custom_ops.py (which re-exports the entry points): each op is a `torch.library.custom_op` with a fake
 implementation and an autograd formula, so torch.compile traces through it; eager calls on CUDA go through a plain
 autograd.Function (a custom op's dispatch costs several times more host time per call).
 
 The fused residual add: a transformer block computes s = x + r (the attention's output and the residual stream),
-then norm(s) for the MLP, and later s + mlp(...). One pass reads x and r and writes s and norm(s); its backward adds
-the gradient that reached s by the other path into the norm's dx. s is rounded to x's dtype as torch's add rounds
-it, and the backward sums the two gradients after dx's own rounding, as autograd sums them: the results are the
-unfused ops' bit for bit.
+then norm(s) for the MLP, and later s + mlp(...). The forward is torch's add and the norm kernel; the backward is
+one kernel that adds the gradient that reached s by its other path into the norm's dx, instead of the norm's
+backward and then autograd's add (H100: 1.38-1.47x the pair's kernel time at the recipes' shapes,
+benchmarks/RESULTS.md). It sums after dx's own rounding, as autograd sums, so results are the unfused ops' bit for
+bit. A forward kernel that also added was measured too, and was slower than torch's add and the norm at GPT-2
+124M's width (0.72x): it is not used.
 """
 from __future__ import annotations
 
@@ -136,14 +138,8 @@ norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup)
 @torch.library.custom_op("toolkit::add_norm_fwd", mutates_args=())
 def add_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
                  out_code: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """s = x + residual (x's dtype, shape and dtype equal), then norm_fwd of s -> (s, y, mean, rstd)."""
-    out_dtype = CODE_DTYPES.get(out_code, x.dtype)
-    module = kernel_module("norm", x, residual)
-    if module is not None and _fits(x) and out_dtype == x.dtype:
-        s, y, mean, rstd = module.add_norm_fwd(x.contiguous(), residual.contiguous(), weight.float().contiguous(),
-                                               None if rms else bias.float().contiguous(), eps, rms,
-                                               DTYPE_CODES[out_dtype])
-        return s, y, mean, rstd
+    """s = x + residual (torch's add), then norm_fwd of s -> (s, y, mean, rstd); one op so that its backward is one
+    kernel (norm_bwd with the sum's other gradient)."""
     s = x + residual
     return (s, *norm_fwd(s, weight, bias, eps, rms, out_code))
 
@@ -177,13 +173,9 @@ class _NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, rms, out_code, module):
-        b = None if rms else bias.float().contiguous()
-        if residual is None:
-            y, mean, rstd = module.norm_fwd(x.contiguous(), weight.float().contiguous(), b, eps, rms, out_code)
-            s = x
-        else:
-            s, y, mean, rstd = module.add_norm_fwd(x.contiguous(), residual.contiguous(), weight.float().contiguous(),
-                                                   b, eps, rms, out_code)
+        s = x if residual is None else x + residual
+        y, mean, rstd = module.norm_fwd(s.contiguous(), weight.float().contiguous(),
+                                        None if rms else bias.float().contiguous(), eps, rms, out_code)
         ctx.save_for_backward(s, weight, mean, rstd)
         ctx.rms, ctx.module, ctx.bias_dtype = rms, module, None if bias is None else bias.dtype
         ctx.residual = residual is not None
@@ -212,7 +204,7 @@ def _norm(x, weight, bias, eps, rms, out_dtype):
 
 
 def _add_norm(x, residual, weight, bias, eps, rms, out_dtype) -> tuple[Tensor, Tensor]:
-    if x.shape != residual.shape or not _one_dtype(x.dtype, residual.dtype, out_dtype or x.dtype):
+    if x.shape != residual.shape or not _one_dtype(x.dtype, residual.dtype):
         s = x + residual  # e.g. a bf16 branch onto an fp32 stream (stage 0 under autocast): the two ops
         return s, _norm(s, weight, bias, eps, rms, out_dtype)
     code = DTYPE_CODES.get(out_dtype, -1)
