@@ -429,8 +429,8 @@ struct TypeTag {  // a type passed to a generic lambda (std::type_identity is C+
 template <bool kRms, int kPer, int kRows, bool kPrefetch, int kStages, int kMaxThreads, int kMinBlocks>
 cudaError_t launch_shape(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
                          const void* dres, void* dx, float* partial_w, float* partial_b, int64_t rows, int cols,
-                         DType dy_dtype,
-                         DType x_dtype, const RowLayout& l, int grid_limit, int* grid_out, cudaStream_t stream) {
+                         DType dy_dtype, DType x_dtype, const RowLayout& l, int grid_limit, int* grid_out,
+                         cudaStream_t stream) {
   const bool packed = rows_packed(x, cols, dtype_bytes(x_dtype), kPer) &&
                       rows_packed(dy, cols, dtype_bytes(dy_dtype), kPer) &&
                       rows_packed(dx, cols, dtype_bytes(x_dtype), kPer) && is_aligned(weight, 16);
@@ -486,8 +486,7 @@ int64_t norm_bwd_workspace(int64_t rows, int cols) { return 2 * max_grid(rows, c
 
 cudaError_t launch_norm_bwd(const void* dy, const void* x, const float* weight, const float* mean, const float* rstd,
                             const void* dresidual, void* dx, float* dweight, float* dbias, float* workspace,
-                            int64_t rows, int cols,
-                            DType dy_dtype, DType x_dtype, bool rms, cudaStream_t stream) {
+                            int64_t rows, int cols, DType dy_dtype, DType x_dtype, bool rms, cudaStream_t stream) {
   if (cols <= 0 || cols > kNormMaxCols) return cudaErrorInvalidValue;
   if (rows == 0) {
     cudaError_t err = cudaMemsetAsync(dweight, 0, sizeof(float) * cols, stream);

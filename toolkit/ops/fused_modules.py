@@ -90,8 +90,8 @@ def _training_call(call: dict) -> bool:
 
 
 def _fused_gpt2_block_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """GPT2Block's forward with the attention's residual add fused into ln_2 (norm_ops.add_layer_norm); with a
-    cache or cross-attention, or ln_2 not fused, transformers' own."""
+    """GPT2Block's forward with the attention's residual add and ln_2 as one op (norm_ops.add_layer_norm), whose
+    backward is one kernel; with a cache or cross-attention, or ln_2 not fused, transformers' own."""
     parent = super(type(self), self)
     call = _call_arguments(type(self).__bases__[1], args, kwargs)  # Fused<cls>'s bases: (_Fused, cls)
     ln_2 = self.ln_2
@@ -107,8 +107,8 @@ def _fused_gpt2_block_forward(self, hidden_states: torch.Tensor, *args, **kwargs
 
 
 def _fused_llama_layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """LlamaDecoderLayer's forward with the attention's residual add fused into post_attention_layernorm
-    (norm_ops.add_rms_norm); with a cache, or that norm not fused, transformers' own."""
+    """LlamaDecoderLayer's forward with the attention's residual add and post_attention_layernorm as one op
+    (norm_ops.add_rms_norm), whose backward is one kernel; with a cache, or that norm not fused, transformers' own."""
     parent = super(type(self), self)
     call = _call_arguments(type(self).__bases__[1], args, kwargs)
     norm = self.post_attention_layernorm
@@ -144,8 +144,8 @@ def swap_fused_modules(model: nn.Module, use: dict[str, bool], reference_ops: bo
 
     Kernels: layernorm (plain nn.LayerNorm over one dim, with bias), rmsnorm (transformers *RMSNorm with a
     weight and variance_epsilon), bias_gelu (GPT-2 MLPs whose activation is gelu_new). With a norm's kernel, the
-    blocks (GPT2Block, LlamaDecoderLayer: "residual_norm") also fuse the attention's residual add into the norm
-    after it, where that norm is swapped too.
+    blocks (GPT2Block, LlamaDecoderLayer: "residual_norm") also take the attention's residual add and the norm
+    after it as one op, whose backward is one kernel, where that norm is swapped too.
     """
     counts = {"layernorm": 0, "rmsnorm": 0, "bias_gelu": 0, "residual_norm": 0}
     for module in model.modules():

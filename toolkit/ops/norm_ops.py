@@ -28,8 +28,9 @@ def _fits(x: Tensor) -> bool:
 
 
 def _one_dtype(*dtypes: torch.dtype) -> bool:
-    """The kernels' residual variants take one dtype throughout (x, the residual and the norm's output, or dy: a
-    block's 16-bit stream under autocast, or fp32 throughout): elsewhere the add stays torch's."""
+    """The backward's residual variant takes one dtype throughout (dy, the sum and its other gradient: a block's 16-bit
+    stream under autocast, or fp32 throughout); elsewhere the two gradients are added in torch, and a block whose
+    attention output and stream differ in dtype (stage 0 under autocast) takes the two ops."""
     return len(set(dtypes)) == 1
 
 
