@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from toolkit.ops import custom_ops, loader, norm_ops
 from toolkit.ops.fused_adamw import FusedAdamW, adamw_step, global_grad_norm
+from toolkit.ops.op_dispatch import DTYPE_CODES
 
 pytestmark = pytest.mark.cuda
 
@@ -135,18 +136,12 @@ def test_the_norm_backward_with_a_residual_gradient_is_the_backward_then_the_add
                 else norm_ops.add_layer_norm(xs, rs, w, b, eps, out_dtype))
         want_s = (xs + rs).detach()
         assert torch.equal(s, want_s) and torch.equal(y, module.norm_fwd(want_s, w, b, eps, rms,
-                                                                         custom_ops_code(out_dtype))[0])
+                                                                         DTYPE_CODES[out_dtype])[0])
         gy, gs = randn(shape, out_dtype), randn(shape, dtype)
         torch.autograd.backward([y, s], [gy, gs])
-        _, mean, rstd = module.norm_fwd(want_s, w, b, eps, rms, custom_ops_code(out_dtype))
+        _, mean, rstd = module.norm_fwd(want_s, w, b, eps, rms, DTYPE_CODES[out_dtype])
         want = module.norm_bwd(gy, want_s, w, mean, rstd, rms)[0] + gs
         assert torch.equal(xs.grad, want) and torch.equal(rs.grad, want)
-
-
-def custom_ops_code(dtype: torch.dtype) -> int:
-    from toolkit.ops.op_dispatch import DTYPE_CODES
-
-    return DTYPE_CODES[dtype]
 
 
 def test_a_gpt2_block_with_the_fused_residual_trains_as_the_unfused_one():

@@ -116,10 +116,11 @@ class PeakPrediction:
     host: int            # offloaded optimizer and parameters, in CPU memory
 
 
-def fp32_weights(stage: int, state_dtype: str) -> bool:
-    """The weights the forward reads are fp32: stage 0 (where the weights are the master), unless
-    optimizer.state_dtype bf16 makes the bf16 weights the master. Stages 1-3 hold 16-bit weights."""
-    return stage == 0 and state_dtype != "bf16"
+def fp32_weights_under_autocast(stage: int, state_dtype: str, dtype: str) -> bool:
+    """Autocast casts fp32 weights for 16-bit compute: at stage 0 (where the weights are the master) under bf16/fp16,
+    unless optimizer.state_dtype bf16 makes the bf16 weights the master. Stages 1-3 hold 16-bit weights. Then autocast
+    keeps 16-bit weight copies, the residual stream is fp32, and unfused norms run in fp32."""
+    return stage == 0 and state_dtype != "bf16" and dtype != "fp32"
 
 
 def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, dtype: str, stage: int,
@@ -135,8 +136,7 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
     padded = -(-vocab // PADDED_VOCAB) * PADDED_VOCAB if on_cuda else vocab
     norm, gelu, loss = (f and on_cuda for f in fused)
     counted = not on_cuda and dtype == "fp32"  # the CPU_FP32_* terms: counted tensors, not fitted ones
-    fp32_master = fp32_weights(stage, state_dtype)
-    fp32_residual = fp32_master and dtype != "fp32"  # fp32 weights under autocast: the residual stream is fp32
+    fp32_residual = fp32_weights_under_autocast(stage, state_dtype, dtype)  # the residual stream is fp32
     if counted:
         block = CPU_FP32_BLOCK_H[fam] * h + CPU_FP32_BLOCK_RH[fam] * r * h + CPU_FP32_BLOCK_I[fam] * i
         block += 2 * (model.n_head + CPU_FP32_NORM_STATS[fam])  # 4-byte numbers in 16-bit units
@@ -145,7 +145,7 @@ def activation_peak_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, d
         if not gelu and fam == "gpt2":
             block += UNFUSED_GELU_I * i
     if not norm and dtype != "fp32":
-        block += (UNFUSED_STAGE0_H[fam] if fp32_master else UNFUSED_NORM_H[fam]) * h
+        block += (UNFUSED_STAGE0_H[fam] if fp32_residual else UNFUSED_NORM_H[fam]) * h
     logit_bytes = (CKPT_LOGIT_BYTES if model.activation_checkpointing else FUSED_LOGIT_BYTES) * scale
     logits = t * padded * logit_bytes if loss else t * vocab * UNFUSED_LOGIT_BYTES
     probs = 0  # NOTE: no fused attention kernel on CUDA (see MATH_ATTENTION_BYTES); the CPU's flash kernel takes fp32
@@ -179,8 +179,8 @@ def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
     states = tiers.gpu
     if inp.stage == 0 and inp.grad_accum_steps == 1:  # fp32 gradients appear during backward, after the peak
         states -= 4 * n_params
-    under_autocast = fp32_weights(inp.stage, inp.state_dtype) and inp.dtype != "fp32"
-    cache = 2 * _matmul_params(inp.shape, n_params) if under_autocast else 0
+    cache = 2 * _matmul_params(inp.shape, n_params) if fp32_weights_under_autocast(inp.stage, inp.state_dtype,
+                                                                                    inp.dtype) else 0
     acts, logits = activation_peak_bytes(inp.shape, micro_batch=inp.micro_batch, seq_len=inp.seq_len,
                                          dtype=inp.dtype, stage=inp.stage, on_cuda=on_cuda, fused=inp.fused,
                                          vocab_size=inp.vocab_size, state_dtype=inp.state_dtype)

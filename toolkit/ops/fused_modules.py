@@ -67,6 +67,9 @@ def _fused_gelu_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return super(type(self), self).forward(hidden_states)
 
 
+_positional_names: dict[type, list[str]] = {}  # a block class -> its forward's positional names after hidden_states
+
+
 def _call_arguments(cls: type, args: tuple, kwargs: dict) -> dict:
     """A block's call as keywords, by the names its transformers version gives its forward (5.17's past_key_values,
     5.2x's cache)."""
@@ -78,9 +81,6 @@ def _call_arguments(cls: type, args: tuple, kwargs: dict) -> dict:
     call = dict(zip(names, args))
     call.update(kwargs)
     return call
-
-
-_positional_names: dict[type, list[str]] = {}
 
 
 def _training_call(call: dict) -> bool:

@@ -97,6 +97,15 @@ def _norm_bwd_reference(dy, x, weight, mean, rstd, rms, dresidual=None):
     return dx, dweight, dbias
 
 
+def _kernel_backward(module, dy, x, weight, mean, rstd, rms, dresidual):
+    """The kernel's (dx, dweight, dbias); `dresidual` added into dx by the kernel's residual variant where dy, x and
+    it share a dtype, else by torch after it (the same sum, after dx's rounding)."""
+    fused = dresidual is not None and _one_dtype(dy.dtype, x.dtype, dresidual.dtype)
+    dx, dweight, dbias = module.norm_bwd(dy.contiguous(), x.contiguous(), weight.float().contiguous(), mean, rstd, rms,
+                                         dresidual.contiguous() if fused else None)
+    return (dx if fused or dresidual is None else dx + dresidual), dweight, dbias
+
+
 @torch.library.custom_op("toolkit::norm_bwd", mutates_args=())
 def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, rms: bool,
              dresidual: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -104,10 +113,7 @@ def norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, 
     added into dx: the gradient of add_norm_fwd's sum by its other path."""
     module = kernel_module("norm", x, dy)
     if module is not None and _fits(x):
-        fused = dresidual is not None and _one_dtype(dy.dtype, x.dtype, dresidual.dtype)
-        dx, dweight, dbias = module.norm_bwd(dy.contiguous(), x.contiguous(), weight.float().contiguous(),
-                                             mean, rstd, rms, dresidual.contiguous() if fused else None)
-        return (dx if fused or dresidual is None else dx + dresidual), dweight, dbias
+        return _kernel_backward(module, dy, x, weight, mean, rstd, rms, dresidual)
     return _norm_bwd_reference(dy, x, weight, mean, rstd, rms, dresidual)
 
 
@@ -186,12 +192,7 @@ class _NormFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         ds, dy = grads if ctx.residual else (None, grads[0])
         s, weight, mean, rstd = ctx.saved_tensors
-        dres = None if ds is None else ds.to(s.dtype).contiguous()
-        fused = dres is not None and _one_dtype(dy.dtype, s.dtype)
-        dx, dweight, dbias = ctx.module.norm_bwd(dy.contiguous(), s.contiguous(), weight.float().contiguous(),
-                                                 mean, rstd, ctx.rms, dres if fused else None)
-        if dres is not None and not fused:
-            dx = dx + dres
+        dx, dweight, dbias = _kernel_backward(ctx.module, dy, s, weight, mean, rstd, ctx.rms, ds)
         dbias = None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype)
         return dx, dx if ctx.residual else None, dweight.to(weight.dtype), dbias, None, None, None, None
 
@@ -228,11 +229,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | Non
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, eps: float,
                    out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """(s, layer_norm(s)) for s = x + residual, in one pass where both share a dtype (else the two ops)."""
+    """(s, layer_norm(s)) for s = x + residual; where both share a dtype one op, whose backward is one kernel (else
+    the two ops)."""
     return _add_norm(x, residual, weight, bias, eps, False, out_dtype)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                  out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """(s, rms_norm(s)) for s = x + residual, in one pass where both share a dtype (else the two ops)."""
+    """(s, rms_norm(s)) for s = x + residual; where both share a dtype one op, whose backward is one kernel (else
+    the two ops)."""
     return _add_norm(x, residual, weight, None, eps, True, out_dtype)
