@@ -109,6 +109,20 @@ STAGE0_CKPT_MATRIX = [
            accum=1),
 ]
 
+# optimizer.state_dtype bf16 (the 16-bit layout): at stage 0 its bf16 weights are the master, so the model holds no
+# autocast weight copies, fp32 residual stream or fp32 checkpointed inputs (peak.fp32_weights_under_autocast); stage 1
+# beside it, whose layout was already counted that way.
+BF16_STATES = ["optimizer.state_dtype=bf16"]
+BF16_STATES_MATRIX = [
+    config("gpt2-124m", 16, "zero.stage=0", *BF16_STATES),
+    config("gpt2-124m", 32, "zero.stage=0", "model.activation_checkpointing=true", *BF16_STATES, accum=1),
+    config("llama-1b", 4, "zero.stage=0", *BF16_STATES),
+    config("llama-1b", 16, "zero.stage=0", "model.activation_checkpointing=true", *BF16_STATES),
+    config("llama-1b", 4, "zero.stage=1", *BF16_STATES),
+    config("gpt2-1.5b-zero3", 4, "zero.stage=0", "zero.offload_optimizer=none", "model.activation_checkpointing=false",
+           *BF16_STATES),
+]
+
 GPT2_SMALL = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "data.vocab_size=8192"]
 # Rows measured after the model's coefficients were fitted to GPU_MATRIX: the check on cases it was not
 # tuned on (other sizes, micro batches, sequences and combinations), and the unfused path (kernels off).
@@ -259,7 +273,7 @@ def report(paths: list[Path]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--matrix", choices=("gpu", "holdout", "stage0ckpt", "cpu"))
+    parser.add_argument("--matrix", choices=("gpu", "holdout", "stage0ckpt", "bf16states", "cpu"))
     parser.add_argument("--only", default="", help="comma-separated substrings of row ids to run")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path)
@@ -270,7 +284,8 @@ def main(argv=None) -> int:
     if args.report:
         print(report(args.report))
         return 0
-    matrices = {"gpu": GPU_MATRIX, "holdout": HOLDOUT_MATRIX, "stage0ckpt": STAGE0_CKPT_MATRIX, "cpu": CPU_MATRIX}
+    matrices = {"gpu": GPU_MATRIX, "holdout": HOLDOUT_MATRIX, "stage0ckpt": STAGE0_CKPT_MATRIX,
+                "bf16states": BF16_STATES_MATRIX, "cpu": CPU_MATRIX}
     matrix = matrices[args.matrix]
     if args.only:
         matrix = [c for c in matrix if any(s in c["id"] for s in args.only.split(","))]

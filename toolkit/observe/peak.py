@@ -94,6 +94,11 @@ CPU_RSS_BAND = (0.95, 2.0)
 # ratio (1.12; measured 1.01-1.35); at stage 3 the allocated peak plus what the cache keeps of the
 # gathered units it frees and gathers again, about 5 bytes per parameter (124M, 1.5B, 3.2B rows).
 RESERVED_FACTOR = 1.12
+# optimizer.state_dtype bf16 on the device: its step holds six fp32 temporaries of the window it updates
+# (toolkit/runtime/low_precision_adamw.py STEP_WINDOW, 2^25 elements: a test holds the two equal), counted after the
+# activations are gone: the peak only where they are smaller (measured: 6 x 1,894 MiB segments before the window).
+BF16_STEP_WINDOW = 1 << 25
+BF16_STEP_TEMPORARY_BYTES = 6 * 4
 STAGE3_RESERVED_PER_PARAM = 5.0
 PADDED_VOCAB = 128  # toolkit/ops/fused_modules.py pad_lm_head's multiple (CUDA only)
 # Attention without a fused kernel (fp32 with grouped key/value heads: flash attention needs 16 bits
@@ -185,6 +190,8 @@ def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
                                          dtype=inp.dtype, stage=inp.stage, on_cuda=on_cuda, fused=inp.fused,
                                          vocab_size=inp.vocab_size, state_dtype=inp.state_dtype)
     device = states + cache + acts + logits
+    if inp.state_dtype == "bf16" and inp.offload_optimizer == "none":
+        device = max(device, tiers.gpu + BF16_STEP_TEMPORARY_BYTES * min(BF16_STEP_WINDOW, n_params))
     if on_cuda:
         reserved = device + STAGE3_RESERVED_PER_PARAM * n_params if inp.stage == 3 else RESERVED_FACTOR * device
         return PeakPrediction(states, cache, acts, logits, 0, device, int(reserved), tiers.cpu)

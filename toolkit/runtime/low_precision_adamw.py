@@ -18,6 +18,12 @@ from __future__ import annotations
 
 import torch
 
+# NOTE: the fp32 maths holds about six fp32 temporaries of what it updates at once (the three copies, the
+# denominator, the rounding bits and their sum): stepped whole, a ZeRO shard segment of llama-1b (496M elements)
+# took 11.1 GiB for them, as much as its activations (benchmarks/RESULTS.md, the reserved peak). A window of 2^25
+# elements bounds them to about 0.8 GiB. Below it the bits are drawn as before, so results up to that size are
+# unchanged.
+STEP_WINDOW = 1 << 25
 _LOW_BITS = 1 << 16  # the fp32 mantissa bits bf16 drops
 _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32: sign, exponent and bf16's 7 mantissa bits
 
@@ -64,8 +70,18 @@ def rounding_generator(seed: int, step: int, device: torch.device) -> torch.Gene
 def bf16_adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, generator: torch.Generator,
                       **settings) -> None:
     """One AdamW (Adam) step on bf16 `p`, `m`, `v` in place: the fp32 maths of `adam_reference_update_`
-    (`settings`: step, lr, wd, betas, eps, l2) on fp32 copies, written back with stochastic rounding."""
-    _update_in_fp32_(p, g, m, v, lambda value, _: stochastic_round_to_bf16(value, generator), **settings)
+    (`settings`: step, lr, wd, betas, eps, l2) on fp32 copies, written back with stochastic rounding; at most
+    STEP_WINDOW elements at a time."""
+    def update(*tensors):
+        _update_in_fp32_(*tensors, lambda value, _: stochastic_round_to_bf16(value, generator), **settings)
+
+    tensors = (p, g, m, v)
+    if p.numel() <= STEP_WINDOW or not all(t.is_contiguous() for t in tensors):
+        update(*tensors)
+        return
+    flat = [t.view(-1) for t in tensors]
+    for start in range(0, p.numel(), STEP_WINDOW):
+        update(*(t[start:start + STEP_WINDOW] for t in flat))
 
 
 def _update_in_fp32_(p, g, m, v, round_to_bf16, **settings) -> None:
