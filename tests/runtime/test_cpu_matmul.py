@@ -53,11 +53,15 @@ def test_a_ratio_under_the_threshold_is_not_worth_a_warning(monkeypatch):
     assert slow_bf16_warning("bf16", CPU) is None
 
 
-def test_the_engine_prints_the_warning_once_before_training(monkeypatch, capsys):
-    measured(monkeypatch, bf16_ms=40.0)
+def test_the_engine_prints_the_warning_once_per_process_before_training(monkeypatch, capsys):
+    timed = measured(monkeypatch, bf16_ms=40.0)
     monkeypatch.setattr(cpu_matmul, "has_onednn_bf16", lambda: False)
-    toolkit.initialize(toolkit.load_recipe("quickstart", ["training.device=cpu", "precision.dtype=bf16"]))
+    monkeypatch.setattr(cpu_matmul, "_said", False)
+    bf16 = toolkit.load_recipe("quickstart", ["training.device=cpu", "precision.dtype=bf16"])
+    toolkit.initialize(bf16)
     err = capsys.readouterr().err
     assert err.count("warning: recipe.precision.dtype: 'bf16'") == 1 and "40x" in err
+    toolkit.initialize(bf16)  # a second engine in the process (a notebook's): neither measured nor said again
+    assert "precision.dtype" not in capsys.readouterr().err and len(timed) == 2
     toolkit.initialize(toolkit.load_recipe("quickstart", ["training.device=cpu"]))  # fp32: nothing
     assert "precision.dtype" not in capsys.readouterr().err

@@ -56,3 +56,16 @@ def slow_bf16_warning(dtype: str, device: torch.device) -> str | None:
     return (f"warning: recipe.precision.dtype: 'bf16' on this CPU ({torch.backends.cpu.get_cpu_capability()}, "
             f"no oneDNN bf16): its bf16 matmuls take torch's generic kernel, {ratio:.0f}x the time of fp32 ones "
             f"({SIDE}x{SIDE}, measured now); precision.dtype=fp32 trains faster here")
+
+
+_said = False  # this process has printed the warning (a notebook or a tune builds many engines)
+
+
+def slow_bf16_warning_once(dtype: str, device: torch.device) -> str | None:
+    """`slow_bf16_warning` the first time it has something to say in this process, then None (nothing measured)."""
+    global _said
+    if _said:
+        return None
+    warning = slow_bf16_warning(dtype, device)
+    _said = warning is not None
+    return warning

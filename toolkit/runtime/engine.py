@@ -30,7 +30,7 @@ from toolkit.models.build import build_model, count_parameters
 from toolkit.runtime.optim import (Schedule, adamw_implementation, adamw_param_names,
                                    choose_adamw)
 from toolkit.runtime.cpu_threads import apply_threads, choose_threads
-from toolkit.runtime.cpu_matmul import slow_bf16_warning
+from toolkit.runtime.cpu_matmul import slow_bf16_warning_once
 from toolkit.runtime.kernel_choice import kernels_of
 from toolkit.runtime.precision import autocast_context, check_precision_device, make_loss_scaler
 from toolkit.runtime.step_result import StepResult
@@ -89,7 +89,7 @@ class Engine:
             # model of the user's own keeps torch's setting unless the recipe names a count.
             apply_threads(choose_threads(recipe.training.cpu_threads, recipe.model,
                                          recipe.batch.micro_batch_per_rank * recipe.data.seq_len))
-        warning = slow_bf16_warning(recipe.precision.dtype, self.device) if self.dist.is_main else None
+        warning = slow_bf16_warning_once(recipe.precision.dtype, self.device) if self.dist.is_main else None
         if warning:  # measured with the run's threads, before anything else runs
             print(warning, file=sys.stderr, flush=True)
         torch.manual_seed(recipe.training.seed)
