@@ -74,3 +74,21 @@ def test_gpu_recipes_fit_an_h200(name, world_size):
 def test_cpu_recipes_need_under_a_gib(name):
     device, host = size_terms(load_recipe(name), on_cuda=False)
     assert sum(t.nbytes for t in host) < GiB
+
+
+def test_where_the_bf16_step_is_the_peak_the_summary_says_so_and_its_terms_add_up():
+    """optimizer.state_dtype bf16 with tiny activations: the optimizer step's fp32 temporaries outweigh them, so the
+    predicted peak is the step's moment (model states and the temporaries) and `toolkit estimate` names it."""
+    from toolkit.observe.memory_fit import format_peak_summary
+    from toolkit.observe.peak import predict_peak
+
+    tiny = ["precision.dtype=bf16", "optimizer.state_dtype=bf16", "batch.micro_batch_per_rank=1",
+            "batch.global_batch=1", "data.seq_len=8"]
+    for overrides, step_peak in ((tiny, True), (tiny[:2], False)):
+        recipe = load_recipe("quickstart", overrides)
+        p = predict_peak(recipe, on_cuda=True)
+        assert (p.step_temporaries > 0) == step_peak
+        assert p.allocated == p.states + p.weight_cache + p.activations + p.logits + p.step_temporaries
+        summary = format_peak_summary(recipe, "H100-80GB")
+        assert ("the bf16 optimizer step's fp32 temporaries" in summary) == step_peak
+        assert ("+ activations" in summary) != step_peak

@@ -71,7 +71,7 @@ def size_terms(recipe: Recipe, *, on_cuda: bool) -> tuple[list[Term], list[Term]
     peak = predict_peak(recipe, on_cuda=on_cuda)
     shape = "model.pretrained" if m.pretrained else (f"model.n_embd {m.n_embd}, model.n_layer {m.n_layer}, "
                                                      f"{_vocab_words(recipe)}")
-    states = Term("model states", peak.states + peak.weight_cache,
+    states = Term("model states", peak.states + peak.weight_cache + peak.step_temporaries,
                   f"{shape}, zero.stage {z.stage}, world size {b.world_size}, precision.dtype {recipe.precision.dtype}")
     acts = Term("activations", peak.activations + peak.logits,
                 f"batch.micro_batch_per_rank {b.micro_batch_per_rank} x data.seq_len {d.seq_len}, model.n_embd "
@@ -233,7 +233,11 @@ def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:
     where = "CUDA max allocated" if on_cuda else "the process's peak RSS"
     parts = [f"model states {format_bytes(p.states)}"]
     parts += [f"autocast weight copies {format_bytes(p.weight_cache)}"] if p.weight_cache else []
-    parts += [f"activations {format_bytes(p.activations)}", f"logits and loss {format_bytes(p.logits)}"]
+    if p.step_temporaries:  # the optimizer step is the peak moment: activations are gone by then
+        parts += [f"the bf16 optimizer step's fp32 temporaries {format_bytes(p.step_temporaries)} (the step is the "
+                  "peak moment: the activations are gone by then)"]
+    else:
+        parts += [f"activations {format_bytes(p.activations)}", f"logits and loss {format_bytes(p.logits)}"]
     parts += [f"the process and token buffers {format_bytes(p.runtime)}"] if p.runtime else []
     parts += [f"offloaded states {format_bytes(p.host)}"] if p.host and not on_cuda else []
     lines = [f"recipe {recipe.name}: {recipe.model.label}, zero.stage {z.stage}, {recipe.precision.dtype}, micro batch "

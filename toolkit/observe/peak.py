@@ -94,9 +94,10 @@ CPU_RSS_BAND = (0.95, 2.0)
 # ratio (1.12; measured 1.01-1.35); at stage 3 the allocated peak plus what the cache keeps of the
 # gathered units it frees and gathers again, about 5 bytes per parameter (124M, 1.5B, 3.2B rows).
 RESERVED_FACTOR = 1.12
-# optimizer.state_dtype bf16 on the device: its step holds six fp32 temporaries of the window it updates
-# (toolkit/runtime/low_precision_adamw.py STEP_WINDOW, 2^25 elements: a test holds the two equal), counted after the
-# activations are gone: the peak only where they are smaller (measured: 6 x 1,894 MiB segments before the window).
+# optimizer.state_dtype bf16 on the device: its step holds six fp32 temporaries of the piece it updates at once, at
+# most a window (toolkit/runtime/low_precision_adamw.py STEP_WINDOW, 2^25 elements: a test holds the two equal),
+# after the activations are gone: the peak only where they are smaller (bf16_step_temporary_bytes; counted on the
+# CPU, and 6 x 1,894 MiB segments of a llama-1b shard on an H100 before the window).
 BF16_STEP_WINDOW = 1 << 25
 BF16_STEP_TEMPORARY_BYTES = 6 * 4
 STAGE3_RESERVED_PER_PARAM = 5.0
@@ -119,6 +120,8 @@ class PeakPrediction:
     allocated: int       # CUDA: max allocated; CPU: peak resident set (every term, host included)
     reserved: int        # CUDA: max reserved; CPU: = allocated
     host: int            # offloaded optimizer and parameters, in CPU memory
+    step_temporaries: int = 0  # the bf16 step's fp32 temporaries where the optimizer step is the peak moment (then
+    #                            activations and logits are 0: they are gone by then)
 
 
 def fp32_weights_under_autocast(stage: int, state_dtype: str, dtype: str) -> bool:
@@ -176,29 +179,47 @@ def _matmul_params(model: ModelSpec, n_params: int) -> int:
     return n_params - model.vocab_size * model.n_embd
 
 
+def bf16_step_temporary_bytes(inp: EstimateInput, n_params: int) -> int:
+    """The fp32 temporaries of the optimizer step with optimizer.state_dtype bf16 on the device (0 otherwise): six
+    of the piece it updates at once, at stage 0 one parameter (BF16AdamW steps each; the largest is the embedding, an
+    MLP or gpt2's qkv matrix), at stages 1-3 a segment of the rank's flat shard (up to all of it); at most the
+    window."""
+    if inp.state_dtype != "bf16" or inp.offload_optimizer != "none":
+        return 0
+    m = inp.shape
+    if inp.stage == 0:
+        piece = max(m.vocab_size * m.n_embd, m.n_embd * m.intermediate_size, 3 * m.n_embd * m.n_embd)
+    else:
+        piece = -(-n_params // inp.world_size)
+    return BF16_STEP_TEMPORARY_BYTES * min(BF16_STEP_WINDOW, piece)
+
+
 def predict_peak(recipe: Recipe, *, on_cuda: bool) -> PeakPrediction:
     """The predicted peak of one rank of `recipe` on a CUDA device (`on_cuda`) or the CPU."""
     inp = EstimateInput.from_recipe(recipe)
     n_params = inp.num_params
     tiers = input_tiers(inp)
     states = tiers.gpu
-    if inp.stage == 0 and inp.grad_accum_steps == 1:  # fp32 gradients appear during backward, after the peak
-        states -= 4 * n_params
+    if inp.stage == 0 and inp.grad_accum_steps == 1:  # the gradients appear during backward, after the peak
+        states -= inp.model_states(n_params).grads  # fp32 ones, or bf16 with optimizer.state_dtype bf16
     cache = 2 * _matmul_params(inp.shape, n_params) if fp32_weights_under_autocast(inp.stage, inp.state_dtype,
                                                                                     inp.dtype) else 0
     acts, logits = activation_peak_bytes(inp.shape, micro_batch=inp.micro_batch, seq_len=inp.seq_len,
                                          dtype=inp.dtype, stage=inp.stage, on_cuda=on_cuda, fused=inp.fused,
                                          vocab_size=inp.vocab_size, state_dtype=inp.state_dtype)
-    device = states + cache + acts + logits
-    if inp.state_dtype == "bf16" and inp.offload_optimizer == "none":
-        device = max(device, tiers.gpu + BF16_STEP_TEMPORARY_BYTES * min(BF16_STEP_WINDOW, n_params))
+    step = bf16_step_temporary_bytes(inp, n_params)
+    if step and tiers.gpu + step > states + cache + acts + logits:  # the optimizer step is the peak moment
+        states, cache, acts, logits = tiers.gpu, 0, 0, 0
+    else:
+        step = 0
+    device = states + cache + acts + logits + step
     if on_cuda:
         reserved = device + STAGE3_RESERVED_PER_PARAM * n_params if inp.stage == 3 else RESERVED_FACTOR * device
-        return PeakPrediction(states, cache, acts, logits, 0, device, int(reserved), tiers.cpu)
+        return PeakPrediction(states, cache, acts, logits, 0, device, int(reserved), tiers.cpu, step)
     # NOTE: on the CPU everything lives in the one process: offloaded states and the token buffers too
     runtime = CPU_RUNTIME_BYTES + inp.token_buffer_bytes
     total = device + runtime + tiers.cpu
-    return PeakPrediction(states, cache, acts, logits, runtime, total, total, tiers.cpu)
+    return PeakPrediction(states, cache, acts, logits, runtime, total, total, tiers.cpu, step)
 
 
 def compare_row(row: dict) -> dict:
