@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|attention|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|tp1pp1|treeab|addnorm ...]
+#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|attention|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|treeab|addnorm ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -258,39 +258,31 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
         --markdown "$OUT/infinity_train.md" \
         2>&1 | tee -a "$OUT/infinity-train.txt"
       rm -rf "${SWAP_DIR:-/tmp}/toolkit-swap-bench" ;;
-    tp1pp1)  # issue 24: tensor = pipeline = 1 against today's engine, GPT-2 124M eager; three alternations of
-             # one process timing "toolkit fused" and "toolkit fused parallel 1x1" interleaved, and (BASELINE_TREE:
-             # a `git archive` of a commit before recipe.parallel existed) that tree's "toolkit fused";
-             # TP1PP1_ONLY="toolkit fused": today's tree alone in its process too, as the baseline's is
-      local i table
-      table=$(mktemp)
-      for i in 1 2 3; do
-        timeout 150 python3 -m benchmarks.end_to_end --steps 20 --rounds 5 \
-          --only "${TP1PP1_ONLY:-toolkit fused,toolkit fused parallel 1x1}" --markdown "$table" 2>&1 \
-          | tee -a "$OUT/tp1pp1.txt"
-        { echo "alternation $i, today's tree"; cat "$table"; } >> "$OUT/tp1pp1.md"
-        if [[ -n ${BASELINE_TREE:-} ]]; then
-          (cd "$BASELINE_TREE" && PYTHONPATH=$PWD${SITE_PATH:+:$SITE_PATH} timeout 150 python3 -m benchmarks.end_to_end \
-            --steps 20 --rounds 5 --only "toolkit fused" --markdown "$table") 2>&1 | tee -a "$OUT/tp1pp1.txt"
-          { echo "alternation $i, $BASELINE_TREE"; cat "$table"; } >> "$OUT/tp1pp1.md"
-        fi
-      done ;;
     addnorm)  # issue 33: the residual add fused into the norm against its parts, kernel time (benchmarks/add_norm.py)
       timeout 120 python3 -m benchmarks.add_norm --markdown "$OUT/add_norm.md" 2>&1 | tee "$OUT/add_norm.txt" ;;
     treeab)  # today's tree against BASELINE_TREE (a `git archive` of an earlier commit, with pyproject.toml): AB_N
-             # alternations of benchmarks/end_to_end.py at micro AB_MICRO (32), each of today's AB_ONLY configurations
-             # and the baseline's BASELINE_ONLY alone in its process (a process holding two engines runs slower)
+             # alternations of benchmarks/end_to_end.py (AB_ROUNDS rounds of 20 steps at micro AB_MICRO, default 3 and
+             # 32), each of today's AB_ONLY configurations and the baseline's BASELINE_ONLY alone in its process (a
+             # process holding two engines runs slower); AB_TOGETHER=1: today's AB_ONLY interleaved in one process
+             # (issue 24's tensor = pipeline = 1 check: AB_ONLY="toolkit fused,toolkit fused parallel 1x1" AB_MICRO=16
+             # AB_ROUNDS=5 AB_TOGETHER=1 BASELINE_ONLY="toolkit fused", the `tp1pp1` stage before 2026-12-07)
       local i config table
+      local -a groups
       table=$(mktemp)
       for i in $(seq "${AB_N:-3}"); do
-        IFS=, read -ra configs <<< "${AB_ONLY:-toolkit fused stage 1}"
-        for config in "${configs[@]}"; do
-          timeout 200 python3 -m benchmarks.end_to_end --steps 20 --rounds 3 --micro "${AB_MICRO:-32}" \
+        if [[ -n ${AB_TOGETHER:-} ]]; then
+          groups=("${AB_ONLY:-toolkit fused stage 1}")
+        else
+          IFS=, read -ra groups <<< "${AB_ONLY:-toolkit fused stage 1}"
+        fi
+        for config in "${groups[@]}"; do
+          timeout 200 python3 -m benchmarks.end_to_end --steps 20 --rounds "${AB_ROUNDS:-3}" --micro "${AB_MICRO:-32}" \
             --only "$config" --markdown "$table" 2>&1 | tee -a "$OUT/treeab.txt"
           { echo "alternation $i, today's tree"; cat "$table"; } >> "$OUT/treeab.md"
         done
+        [[ -n ${BASELINE_TREE:-} ]] || continue
         (cd "$BASELINE_TREE" && PYTHONPATH=$PWD${SITE_PATH:+:$SITE_PATH} timeout 200 python3 -m benchmarks.end_to_end \
-          --steps 20 --rounds 3 --micro "${AB_MICRO:-32}" --only "${BASELINE_ONLY:-toolkit fused stage 1}" \
+          --steps 20 --rounds "${AB_ROUNDS:-3}" --micro "${AB_MICRO:-32}" --only "${BASELINE_ONLY:-toolkit fused stage 1}" \
           --markdown "$table") 2>&1 | tee -a "$OUT/treeab.txt"
         { echo "alternation $i, $BASELINE_TREE"; cat "$table"; } >> "$OUT/treeab.md"
       done ;;

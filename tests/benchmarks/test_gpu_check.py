@@ -88,3 +88,25 @@ def test_a_stage_that_skips_itself_says_so_in_the_summary(gpu_check):
     assert code == 0, output
     (stage, verdict), _ = summary(output)
     assert stage == "e2e" and verdict.startswith("skipped: "), output
+
+
+@pytest.mark.parametrize("together", ["", "1"], ids=["each alone", "together"])
+def test_treeab_alternates_todays_configurations_and_the_baseline_tree(gpu_check, tmp_path, together):
+    """treeab: per alternation, today's AB_ONLY configurations (each in its own process, or with AB_TOGETHER=1
+    interleaved in one), then BASELINE_ONLY run from BASELINE_TREE; AB_MICRO and AB_ROUNDS reach every run. The
+    benchmark itself is stood in for by a python3 that records its arguments and the folder it ran in."""
+    log, baseline = tmp_path / "calls.txt", tmp_path / "baseline-tree"
+    baseline.mkdir()
+    python3 = tmp_path / "bin" / "python3"
+    python3.write_text(f'#!/bin/sh\nif [ "$2" = benchmarks.end_to_end ]; then echo "$PWD|$*" >> "{log}"; '
+                       f'exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    code, output = gpu_check("treeab", AB_N="2", AB_ONLY="a,b", AB_MICRO="16", AB_ROUNDS="5", AB_TOGETHER=together,
+                             BASELINE_ONLY="a", BASELINE_TREE=str(baseline))
+    assert code == 0, output
+    calls = [line.split("|") for line in log.read_text().splitlines()]
+    today = [["--only a"], ["--only b"]] if not together else [["--only a,b"]]
+    want = (today + [["--only a", "baseline"]]) * 2
+    assert len(calls) == len(want), calls
+    for (where, args), words in zip(calls, want):
+        assert words[0] in args and "--micro 16" in args and "--rounds 5" in args, args
+        assert (where == str(baseline)) == (words[-1] == "baseline"), (where, args)
