@@ -121,13 +121,21 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
                   # recipe (benchmarks/speculation_exactness.py: every loss and norm printed)
       timeout 200 python3 -m benchmarks.speculation_exactness --device cuda 2>&1 | tee "$OUT/speculation.txt" ;;
     recipes)  # the shipped recipes' tokens/s as `toolkit run` reports them (issue 33's goals). RECIPES: words
-              # name:steps[:override,override...], e.g. gpt2-1.5b-h200:20:zero.stage=2,zero.offload_optimizer=cpu
-      local item name steps extra
+              # name:steps[:override,override...], e.g. gpt2-1.5b-h200:20:zero.stage=2,zero.offload_optimizer=cpu;
+              # RECIPES_ALLOC: words, each a PYTORCH_CUDA_ALLOC_CONF a run takes in turn ("default": unset), and
+              # RECIPES_ROUNDS alternations of them per recipe (an A/B of the allocator's settings)
+      local item name steps extra round alloc
       for item in ${RECIPES:-gpt2-124m:60 gpt2-1.5b-h200:40}; do
         IFS=: read -r name steps extra <<< "$item"
-        timeout 300 python3 -m benchmarks.first_step --label "$name, $steps steps${extra:+, ${extra//,/ }}" \
-          --markdown "$OUT/recipes.md" -- python3 -m toolkit run "recipes/$name.json" "training.max_steps=$steps" \
-          checkpoint.save_final=false ${extra//,/ } 2>&1 | tee -a "$OUT/recipes.txt"
+        for round in $(seq "${RECIPES_ROUNDS:-1}"); do
+          for alloc in ${RECIPES_ALLOC:-default}; do
+            [[ $alloc == default ]] && alloc=
+            env ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc} timeout 300 python3 -m benchmarks.first_step \
+              --label "$name, $steps steps${extra:+, ${extra//,/ }}${alloc:+, $alloc}" --markdown "$OUT/recipes.md" \
+              -- python3 -m toolkit run "recipes/$name.json" "training.max_steps=$steps" checkpoint.save_final=false \
+              ${extra//,/ } 2>&1 | tee -a "$OUT/recipes.txt"
+          done
+        done
       done ;;
     attention)  # issue 33: torch's attention backends (flash, cuDNN, memory-efficient) at the recipes' shapes
       timeout 200 python3 -m benchmarks.attention_backends --markdown "$OUT/attention.md" 2>&1 | tee "$OUT/attention.txt" ;;

@@ -247,8 +247,9 @@ def _machine(cuda: bool) -> dict:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     device = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"
+    # the caching allocator's settings change the reserved peak (expandable segments: reserved ~ allocated)
     return {"device": device, "torch": torch.__version__, "date": date.today().isoformat(),
-            "commit": commit.strip() or "unknown"}
+            "commit": commit.strip() or "unknown", "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
 
 
 def report(paths: list[Path]) -> str:

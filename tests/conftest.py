@@ -6,12 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.cuda_allocator import use_expandable_segments_by_default
+
 REPO = Path(__file__).resolve().parent.parent
 
 # NOTE: idle OpenMP threads sleep, as under the CLI (toolkit/runtime/cpu_threads.py says why). Set before any test
 # module loads torch; the ranks and CLI runs the tests start inherit it. On the 2-core VM under `-n 2` a spinning
 # torch thread starved the other worker (tutorial 10's cell 3: 138 s spinning, 28 s passive, 2026-12-07).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The CUDA allocator's settings as the CLI sets them (toolkit/cuda_allocator.py), so the reserved bytes the tests
+# predict do not depend on whether a test called the CLI's main in this process first.
+use_expandable_segments_by_default()
 
 
 def pytest_collection_modifyitems(config, items):

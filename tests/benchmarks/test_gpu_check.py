@@ -110,3 +110,25 @@ def test_treeab_alternates_todays_configurations_and_the_baseline_tree(gpu_check
     for (where, args), words in zip(calls, want):
         assert words[0] in args and "--micro 16" in args and "--rounds 5" in args, args
         assert (where == str(baseline)) == (words[-1] == "baseline"), (where, args)
+
+
+def test_recipes_alternates_the_allocator_settings_per_recipe(gpu_check, tmp_path, monkeypatch):
+    """recipes with RECIPES_ALLOC and RECIPES_ROUNDS: per recipe, the rounds of each setting in turn, each run with
+    PYTORCH_CUDA_ALLOC_CONF set to it ("default": the variable unset) and labelled so. The timed `toolkit run` is
+    stood in for by a python3 that records the setting and its arguments."""
+    log = tmp_path / "calls.txt"
+    python3 = tmp_path / "bin" / "python3"
+    python3.write_text(f'#!/bin/sh\nif [ "$2" = benchmarks.first_step ]; then '
+                       f'echo "${{PYTORCH_CUDA_ALLOC_CONF-unset}}|$*" >> "{log}"; exit 0; fi\n'
+                       f'exec "{sys.executable}" "$@"\n')
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "x")  # (set first, so the monkeypatch restores it)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")  # the script's runs inherit this environment
+    code, output = gpu_check("recipes", RECIPES="r1:5 r2:7:a.b=1", RECIPES_ROUNDS="2",
+                             RECIPES_ALLOC="default expandable_segments:True")
+    assert code == 0, output
+    calls = [line.split("|") for line in log.read_text().splitlines()]
+    settings = ["unset", "expandable_segments:True"] * 2
+    assert [setting for setting, _ in calls] == settings * 2
+    for (setting, args), recipe in zip(calls, ["r1"] * 4 + ["r2"] * 4):
+        assert f"recipes/{recipe}.json" in args and (setting == "unset") != ("expandable_segments:True" in args)
+    assert "training.max_steps=7 checkpoint.save_final=false a.b=1" in calls[-1][1]

@@ -223,7 +223,7 @@ def test_estimate_names_a_reshaped_model_and_states_the_run_memory_line_terms_wi
     out = capsys.readouterr().out
     assert "recipe gpt2-124m: gpt2-124m reshaped (n_layer 6), zero.stage 1" in out
     assert "model gpt2-124m reshaped (n_layer 6):" in out  # the stage table's header line too
-    assert "predicted peak per rank (CUDA max allocated" in out and "reserved by the allocator: about" in out
+    assert "predicted peak per rank (CUDA max allocated" in out and "reserved by the allocator (expandable segments): about" in out
     assert "model states" in out and "activations" in out and "headroom on H200-141GB (141.0 GiB):" in out
     assert main(["estimate", "quickstart", "training.device=cpu"]) == 0
     out = capsys.readouterr().out

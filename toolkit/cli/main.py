@@ -358,10 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `toolkit` console script."""
     from toolkit.cli.bytecode_cache import use_bytecode_cache
+    from toolkit.cuda_allocator import use_expandable_segments_by_default
     from toolkit.runtime.cpu_threads import set_openmp_wait_policy
 
     use_bytecode_cache()  # before any sub-command loads torch: its bytecode kept where the environment keeps none
     set_openmp_wait_policy()  # before any sub-command loads torch (and with it OpenMP)
+    use_expandable_segments_by_default()  # before torch's CUDA allocator reads its settings (ranks inherit them)
     parser = build_parser()
     # Overrides may come after options (`run R --run-dir D a.b=1`): argparse leaves them over.
     args, rest = parser.parse_known_args(argv)

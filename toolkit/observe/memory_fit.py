@@ -18,6 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from toolkit import cuda_allocator
 from toolkit.errors import UserError
 from toolkit.observe.estimate import format_bytes
 from toolkit.observe.estimate_input import EstimateInput
@@ -250,7 +251,8 @@ def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:
     if recipe.parallel.active:  # NOTE: the model is of one data-parallel rank holding the whole model
         lines.append("  (tensor / pipeline parallelism not counted here: the busiest mesh rank is in the table below)")
     if on_cuda:
-        lines.append(f"  reserved by the allocator: about {format_bytes(p.reserved)}"
+        segments = "expandable segments" if cuda_allocator.expandable_segments() else "torch's default segments"
+        lines.append(f"  reserved by the allocator ({segments}): about {format_bytes(p.reserved)}"
                      + (f"; in CPU memory besides: {format_bytes(p.host)} offloaded" if p.host else ""))
     lines.append("  calibrated against measured runs (benchmarks/memory_calibration): within "
                  + (f"±{CALIBRATION_TOLERANCE:.0%} on an H200" if on_cuda else
