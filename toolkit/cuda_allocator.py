@@ -43,3 +43,10 @@ def expandable_segments(conf: str | None = None) -> bool:
         if key.strip() == "expandable_segments":
             on = value.strip() == "True"
     return on
+
+
+def describe() -> str:
+    """The start-up table's words for the setting in effect (CUDA runs)."""
+    conf = alloc_conf()
+    what = "expandable segments" if expandable_segments(conf) else "torch's default segments"
+    return f"CUDA allocator: {what} ({conf or 'no PYTORCH_CUDA_ALLOC_CONF'})"

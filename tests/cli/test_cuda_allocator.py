@@ -81,3 +81,11 @@ def test_the_measurements_behind_the_default():
     assert statistics.median(expandable) == pytest.approx(EXPANDABLE_RESERVED_FACTOR, abs=0.002)
     assert 1.0 <= min(expandable) and max(expandable) <= 1.06
     assert 1.0 <= min(held_out) and max(held_out) <= 1.15
+
+
+def test_the_start_up_tables_words_name_the_setting_and_where_it_came_from(unset, monkeypatch):
+    from toolkit.cuda_allocator import describe
+
+    assert describe() == "CUDA allocator: torch's default segments (no PYTORCH_CUDA_ALLOC_CONF)"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    assert describe() == "CUDA allocator: expandable segments (expandable_segments:True,max_split_size_mb:64)"

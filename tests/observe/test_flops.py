@@ -96,6 +96,11 @@ def test_startup_table_prints_device_peak_and_flops_per_token():
     h200 = MfuBasis("NVIDIA H200", "bf16", basis.n_params, basis.flops_per_token, 989.5e12, 1)
     assert "NVIDIA H200 (cpu); peak 989.5 TFLOP/s bf16 dense per device" in startup_table(recipe, engine, dataset,
                                                                                         h200)
+    assert "allocator" not in table  # a CPU run has no CUDA allocator to describe
+    engine.device = torch.device("cuda", 0)  # the row as a GPU run prints it (the conftest's setting, the CLI's)
+    assert ("NVIDIA H200 (cuda:0); peak 989.5 TFLOP/s bf16 dense per device (vendor datasheet) for MFU; "
+            "CUDA allocator: expandable segments (expandable_segments:True)") in startup_table(recipe, engine, dataset,
+                                                                                            h200)
 
 
 def test_a_cpu_run_prints_no_peak_warning_and_a_stated_peak_gives_mfu(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The start-up table a run prints before its first step: everything that matters about the run, computed
-once (recipe hash, model size, batch arithmetic, precision, ZeRO, comm, kernels, device peak, threads).
+once (recipe hash, model size, batch arithmetic, precision, ZeRO, comm, kernels, device peak and CUDA
+allocator, threads).
 
 Each row asks the component that owns the fact to describe itself (precision: toolkit/runtime/precision.py,
 the strategy, the kernels, the communicator, the MFU basis); what does not live here: the loop that prints it
@@ -7,6 +8,7 @@ the strategy, the kernels, the communicator, the MFU basis); what does not live 
 """
 from __future__ import annotations
 
+from toolkit import cuda_allocator
 from toolkit.data.batches import Dataset
 from toolkit.observe.comm_ledger import format_wire_bytes
 from toolkit.observe.flops import MfuBasis, mfu_basis
@@ -42,7 +44,8 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("kernels", engine.kernels.describe()),
         ("optimizer", f"{_muon_part(recipe.optimizer)}AdamW lr {recipe.optimizer.lr:g}, betas "
                       f"{list(recipe.optimizer.betas)}, wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
-        ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"),
+        ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"
+                   + (f"; {cuda_allocator.describe()}" if str(device).startswith("cuda") else "")),
         ("threads", choose_cpu_threads(recipe).describe()),
         ("flops", mfu.describe_flops()),
     ]
