@@ -285,6 +285,12 @@ def main(argv=None) -> int:
     if args.report:
         print(report(args.report))
         return 0
+    # the `toolkit run`s below set the CLI's allocator default where the variables are unset: set it here too, so
+    # each row's alloc_conf is what its run used
+    sys.path.insert(0, str(ROOT))
+    from toolkit.cuda_allocator import use_expandable_segments_by_default
+
+    use_expandable_segments_by_default()
     matrices = {"gpu": GPU_MATRIX, "holdout": HOLDOUT_MATRIX, "stage0ckpt": STAGE0_CKPT_MATRIX,
                 "bf16states": BF16_STATES_MATRIX, "cpu": CPU_MATRIX}
     matrix = matrices[args.matrix]

@@ -44,8 +44,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
     import toolkit
+    from toolkit import cuda_allocator
     from toolkit.data.batches import BatchStream, Dataset
 
+    cuda_allocator.use_expandable_segments_by_default()  # as `toolkit run` does (before the first CUDA allocation)
+    print(cuda_allocator.describe(), flush=True)
     recipe = toolkit.load_recipe(args.recipe, args.overrides)
     engine = toolkit.initialize(recipe)
     stream = BatchStream(Dataset(recipe.data).train, recipe.batch, rank=0, seed=recipe.training.seed)

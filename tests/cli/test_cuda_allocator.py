@@ -89,3 +89,16 @@ def test_the_start_up_tables_words_name_the_setting_and_where_it_came_from(unset
     assert describe() == "CUDA allocator: torch's default segments (no PYTORCH_CUDA_ALLOC_CONF)"
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
     assert describe() == "CUDA allocator: expandable segments (expandable_segments:True,max_split_size_mb:64)"
+
+
+def test_calibration_rows_record_the_setting_their_runs_used(unset, monkeypatch, tmp_path):
+    """benchmarks/memory_calibration.py's `toolkit run`s take the CLI's default where the variables are unset: its
+    rows must say so (the run itself is stood in for)."""
+    from benchmarks import memory_calibration
+
+    monkeypatch.setattr(memory_calibration, "run_config", lambda cfg, steps: {"status": "ok", "mem_peak_bytes": 1})
+    out = tmp_path / "rows.jsonl"
+    assert memory_calibration.main(["--matrix", "cpu", "--only", "quickstart m16x2 stage=0", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["alloc_conf"] == "expandable_segments:True"
+    assert expandable_segments(rows[0]["alloc_conf"])
