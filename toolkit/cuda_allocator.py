@@ -3,9 +3,10 @@
 torch's caching allocator by default carves device memory into fixed segments and keeps what it frees; a
 segment that held a large tensor is split for smaller ones and seldom whole again. Reserved memory (what the
 card is really short of) then runs above the allocated peak: 1.006-1.81x, median 1.10, over the 49 H200
-calibration rows (the most at stage 3 with parameters offloaded, 1.35 at stages 0-2). With `expandable_segments:True` a segment grows in place instead, and reserved follows the
-allocated peak: 1.002-1.06x (median 1.014) over 35 rows of the GPU matrix, 1.003-1.15x over 18 held-out rows,
-with the same tokens/s (H100, 2026-12-07: gpt2-124m 0.998x, gpt2-1.5b-h200 1.001x, alternated runs;
+calibration rows (the most at stage 3 with parameters offloaded, 1.35 at stages 0-2). With
+`expandable_segments:True` a segment grows in place instead, and reserved follows the allocated peak:
+1.002-1.06x (median 1.014) over 35 rows of the GPU matrix, 1.003-1.15x over 18 held-out rows, with the same
+tokens/s (H100, 2026-12-07: gpt2-124m 0.998x, gpt2-1.5b-h200 1.001x, alternated runs;
 benchmarks/RESULTS.md "Memory model calibration"). torchtitan runs with it too.
 
 So the command line turns it on (`use_expandable_segments_by_default`, before torch is imported) unless
