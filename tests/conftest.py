@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.cuda_allocator import use_expandable_segments_by_default
+from toolkit.cuda_allocator import ALLOC_CONF_VARIABLES, use_expandable_segments_by_default
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -14,8 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 # module loads torch; the ranks and CLI runs the tests start inherit it. On the 2-core VM under `-n 2` a spinning
 # torch thread starved the other worker (tutorial 10's cell 3: 138 s spinning, 28 s passive, 2026-12-07).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# The CUDA allocator's settings as the CLI sets them (toolkit/cuda_allocator.py), so the reserved bytes the tests
-# predict do not depend on whether a test called the CLI's main in this process first.
+# The CUDA allocator's settings as the CLI sets them by default (toolkit/cuda_allocator.py), whatever the shell
+# set: the reserved bytes the tests predict and the words they check do not depend on it, nor on whether a test
+# called the CLI's main in this process first.
+for _name in ALLOC_CONF_VARIABLES:
+    os.environ.pop(_name, None)
 use_expandable_segments_by_default()
 
 
