@@ -122,7 +122,8 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
       timeout 200 python3 -m benchmarks.speculation_exactness --device cuda 2>&1 | tee "$OUT/speculation.txt" ;;
     recipes)  # the shipped recipes' tokens/s as `toolkit run` reports them (issue 33's goals). RECIPES: words
               # name:steps[:override,override...], e.g. gpt2-1.5b-h200:20:zero.stage=2,zero.offload_optimizer=cpu;
-              # RECIPES_ALLOC: words, each a PYTORCH_CUDA_ALLOC_CONF a run takes in turn ("default": unset), and
+              # RECIPES_ALLOC: words, each a PYTORCH_CUDA_ALLOC_CONF a run takes in turn ("default": unset, so the
+              # toolkit command's own, expandable segments; torch's default is expandable_segments:False), and
               # RECIPES_ROUNDS alternations of them per recipe (an A/B of the allocator's settings)
       local item name steps extra round alloc
       for item in ${RECIPES:-gpt2-124m:60 gpt2-1.5b-h200:40}; do
