@@ -102,3 +102,17 @@ def test_calibration_rows_record_the_setting_their_runs_used(unset, monkeypatch,
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["alloc_conf"] == "expandable_segments:True"
     assert expandable_segments(rows[0]["alloc_conf"])
+
+
+def test_doctor_names_the_setting_on_a_machine_with_a_gpu(monkeypatch):
+    import torch
+
+    from toolkit.cli.main import _doctor_environment
+
+    for name, value in {"is_available": lambda: True, "device_count": lambda: 1,
+                        "get_device_capability": lambda i: (9, 0), "get_device_name": lambda i: "NVIDIA H200"}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    lines = _doctor_environment()
+    assert "cuda:0 NVIDIA H200 (compute capability 9.0)" in lines
+    assert any(line.startswith("CUDA allocator: expandable segments (expandable_segments:True) (the toolkit "
+                               "command's default") for line in lines), lines

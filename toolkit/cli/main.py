@@ -215,6 +215,7 @@ def _doctor_environment() -> list[str]:
 
     import torch
 
+    from toolkit import cuda_allocator
     from toolkit.cli.bytecode_cache import bytecode_lines
 
     lines = [f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}"]
@@ -222,6 +223,8 @@ def _doctor_environment() -> list[str]:
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)
             lines.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (compute capability {major}.{minor})")
+        lines.append(cuda_allocator.describe() + " (the toolkit command's default: expandable segments unless "
+                     "PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set; docs/running.md)")
     else:
         lines.append("no CUDA device: training runs on the CPU")
     lines.extend(bytecode_lines())
