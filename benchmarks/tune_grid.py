@@ -67,7 +67,8 @@ def grid(recipe_name: str, space: TuneSpace, *, warmup: int, measure: int, deadl
                               timeout=max(30.0, deadline - time.monotonic()), tokens_per_step=tokens_per_step)
         row = {"recipe": recipe_name, "label": trial.label, "baseline": trial.baseline, "changes": changes,
                "predicted_bytes": predicted, "status": trial.status, "tokens_per_s": trial.tokens_per_s,
-               "peak_bytes": trial.peak_bytes, "wall_s": round(trial.wall_s, 1), "why": trial.why}
+               "peak_bytes": trial.peak_bytes, "reserved_bytes": trial.reserved_bytes, "wall_s": round(trial.wall_s, 1),
+               "why": trial.why}
         rows.append(row)
         if out is not None:
             with out.open("a") as f:

@@ -314,3 +314,27 @@ def test_offloading_candidates_step_overlapped_on_a_gpu_only_where_it_is_exact()
     trial = Trial(changes=next(c for c in found if c[OFFLOAD] == "cpu"))
     assert trial.label.endswith("offload cpu, overlapped")
     assert recipe_from_dict(TINY, ["training.grad_clip=0", *trial_overrides(trial)]).zero.offload_update == "overlapped"
+
+
+def test_a_trials_reserved_peak_is_read_and_reported_where_the_run_logged_one(tmp_path):
+    """On a GPU the run's metrics carry the CUDA allocator's reserved peak: the trial keeps it, the JSON rows and the
+    table show it beside the allocated peak; a CPU run's metrics have none and the rows say nothing of it."""
+    from toolkit.train.tune import TuneResult, _read_metrics
+    from toolkit.train.tune_report import trial_rows, trial_table
+    from toolkit.train.tune_space import Trial
+
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "tokens_per_s": 1000.0, "mem_peak_bytes": 2 * 2**30 + s,
+              "mem_reserved_peak_bytes": 3 * 2**30 + s} for s in (1, 2, 3)]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert _read_metrics(metrics, 1, 100) == (1000.0, 2 * 2**30 + 3, 3 * 2**30 + 3)
+    metrics.write_text("".join(json.dumps({k: v for k, v in line.items() if "reserved" not in k}) + "\n"
+                               for line in lines))
+    assert _read_metrics(metrics, 1, 100)[2] is None
+    changes = {"zero.stage": 1, "batch.micro_batch_per_rank": 8}
+    result = TuneResult(tmp_path / "r.json", {}, trials=[
+        Trial(changes, 2**30, "ok", 1000.0, 2**30, 3 * 2**29, baseline=True), Trial(changes, 2**30, "ok", 900.0, 2**30)])
+    rows = trial_rows(result)
+    assert rows[0]["measured_reserved_gib"] == 1.5 and "measured_reserved_gib" not in rows[1]
+    table = trial_table(result)
+    assert "| 1.0 GiB | 1.0 GiB (reserved 1.5 GiB) | 1,000 |" in table and "| 1.0 GiB | 1.0 GiB | 900 |" in table

@@ -103,15 +103,18 @@ def predict(recipe_path, changes: dict | None, world_size: int, on_cuda: bool) -
     return sum(t.nbytes for t in (device if on_cuda else host)), ""
 
 
-def _read_metrics(path: Path, warmup: int, tokens_per_step: int) -> tuple[float, int]:
-    """(tokens/s over the steps after `warmup`, peak bytes) from a run's metrics.jsonl."""
+def _read_metrics(path: Path, warmup: int, tokens_per_step: int) -> tuple[float, int, int | None]:
+    """(tokens/s over the steps after `warmup`, peak bytes, reserved peak bytes or None on the CPU) from a run's
+    metrics.jsonl."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [line for line in lines if "tokens_per_s" in line and line.get("step", 0) > warmup]
     if not steps:
         raise ValueError("no measured steps in metrics.jsonl")
     seconds = sum(tokens_per_step / line["tokens_per_s"] for line in steps)  # log_interval 1: one step a line
     peak = max(line.get("mem_peak_bytes", 0) for line in lines)
-    return len(steps) * tokens_per_step / seconds, peak
+    reserved = max((line["mem_reserved_peak_bytes"] for line in lines if "mem_reserved_peak_bytes" in line),
+                   default=None)
+    return len(steps) * tokens_per_step / seconds, peak, reserved
 
 
 def run_trial(recipe_path, trial: Trial, *, world_size: int, warmup: int, measure: int, timeout: float,
@@ -131,8 +134,8 @@ def run_trial(recipe_path, trial: Trial, *, world_size: int, warmup: int, measur
             last = [line for line in done.stderr.splitlines() if line.strip()] or [f"exit code {done.returncode}"]
             errors = [line for line in last if line.startswith("error:")]
             return replace(trial, status="failed", why=(errors or last)[-1][:200], wall_s=wall_s)
-        tps, peak = _read_metrics(run_dir / "run" / "metrics.jsonl", warmup, tokens_per_step)
-        return replace(trial, status="ok", tokens_per_s=tps, peak_bytes=peak, wall_s=wall_s)
+        tps, peak, reserved = _read_metrics(run_dir / "run" / "metrics.jsonl", warmup, tokens_per_step)
+        return replace(trial, status="ok", tokens_per_s=tps, peak_bytes=peak, reserved_bytes=reserved, wall_s=wall_s)
     except subprocess.TimeoutExpired:
         return replace(trial, status="failed", why=f"over the time left ({timeout:.0f} s)",
                        wall_s=time.monotonic() - start)
@@ -314,7 +317,7 @@ def _decide(result: TuneResult, base: Trial, best: Trial | None, pairs: int, run
 
     def rerun(is_baseline: bool) -> tuple[int, float | None]:
         source = result.trials[index[is_baseline]]
-        trial = run(replace(source, status="pending", why="", tokens_per_s=None, peak_bytes=None,
+        trial = run(replace(source, status="pending", why="", tokens_per_s=None, peak_bytes=None, reserved_bytes=None,
                             rerun_of=index[is_baseline]), timeout)
         return len(result.trials) - 1, trial.tokens_per_s
 

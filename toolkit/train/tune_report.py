@@ -68,6 +68,7 @@ def trial_rows(result: TuneResult) -> list[dict]:
     return [{"trial": i, "config": t.label, "baseline": t.baseline, "status": t.status,
              "predicted_gib": round(t.predicted_bytes / 2**30, 3),
              "measured_peak_gib": round(t.peak_bytes / 2**30, 3) if t.peak_bytes else None,
+             **({"measured_reserved_gib": round(t.reserved_bytes / 2**30, 3)} if t.reserved_bytes else {}),
              "tokens_per_s": round(t.tokens_per_s, 1) if t.tokens_per_s else None, "wall_s": round(t.wall_s, 1),
              "why": t.why, **({"rerun_of": t.rerun_of} if t.rerun_of is not None else {})}
             for i, t in enumerate(result.trials)]
@@ -88,6 +89,7 @@ def trial_table(result: TuneResult, out: Path | None = None) -> str:
         why = "; ".join(filter(None, (f"A/B rerun of #{row['rerun_of']}" if "rerun_of" in row else "", row["why"])))
         trial = result.trials[row["trial"]]
         predicted, peak = (format_bytes(n) if n else "" for n in (trial.predicted_bytes, trial.peak_bytes))
+        peak += f" (reserved {format_bytes(trial.reserved_bytes)})" if trial.reserved_bytes else ""
         lines.append(f"| {row['trial']} | {config} | {row['status']} | {predicted} | {peak} | {tps} | "
                      f"{row['wall_s']} | {why.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

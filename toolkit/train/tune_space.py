@@ -29,6 +29,7 @@ class Trial:
     status: str = "pending"  # ok, rerun (an A/B rerun that ran), failed, pruned, skipped, not run (budget)
     tokens_per_s: float | None = None
     peak_bytes: int | None = None
+    reserved_bytes: int | None = None  # the CUDA allocator's reserved peak (None on the CPU)
     wall_s: float = 0.0
     why: str = ""
     baseline: bool = False  # the recipe as written (trial 0 and its reruns)
