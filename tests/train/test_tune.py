@@ -332,8 +332,9 @@ def test_a_trials_reserved_peak_is_read_and_reported_where_the_run_logged_one(tm
                                for line in lines))
     assert _read_metrics(metrics, 1, 100)[2] is None
     changes = {"zero.stage": 1, "batch.micro_batch_per_rank": 8}
+    ran = dict(changes=changes, predicted_bytes=2**30, status="ok", peak_bytes=2**30)
     result = TuneResult(tmp_path / "r.json", {}, trials=[
-        Trial(changes, 2**30, "ok", 1000.0, 2**30, 3 * 2**29, baseline=True), Trial(changes, 2**30, "ok", 900.0, 2**30)])
+        Trial(**ran, tokens_per_s=1000.0, reserved_bytes=3 * 2**29, baseline=True), Trial(**ran, tokens_per_s=900.0)])
     rows = trial_rows(result)
     assert rows[0]["measured_reserved_gib"] == 1.5 and "measured_reserved_gib" not in rows[1]
     table = trial_table(result)
