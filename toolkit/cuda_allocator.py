@@ -46,8 +46,12 @@ def expandable_segments(conf: str | None = None) -> bool:
     return on
 
 
+def segments_name(conf: str | None = None) -> str:
+    """"expandable segments" or "torch's default segments", for settings `conf` (default: those in effect)."""
+    return "expandable segments" if expandable_segments(conf) else "torch's default segments"
+
+
 def describe() -> str:
-    """The start-up table's words for the setting in effect (CUDA runs)."""
+    """The start-up table's and doctor's words for the setting in effect (CUDA runs)."""
     conf = alloc_conf()
-    what = "expandable segments" if expandable_segments(conf) else "torch's default segments"
-    return f"CUDA allocator: {what} ({conf or 'no PYTORCH_CUDA_ALLOC_CONF'})"
+    return f"CUDA allocator: {segments_name(conf)} ({conf or 'no PYTORCH_CUDA_ALLOC_CONF'})"

@@ -251,7 +251,7 @@ def format_peak_summary(recipe: Recipe, device_key: str | None = None) -> str:
     if recipe.parallel.active:  # NOTE: the model is of one data-parallel rank holding the whole model
         lines.append("  (tensor / pipeline parallelism not counted here: the busiest mesh rank is in the table below)")
     if on_cuda:
-        segments = "expandable segments" if cuda_allocator.expandable_segments() else "torch's default segments"
+        segments = cuda_allocator.segments_name()
         lines.append(f"  reserved by the allocator ({segments}): about {format_bytes(p.reserved)}"
                      + (f"; in CPU memory besides: {format_bytes(p.host)} offloaded" if p.host else ""))
     lines.append("  calibrated against measured runs (benchmarks/memory_calibration): within "

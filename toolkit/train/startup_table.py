@@ -45,7 +45,7 @@ def startup_table(recipe: Recipe, engine: Engine, dataset: Dataset, mfu: MfuBasi
         ("optimizer", f"{_muon_part(recipe.optimizer)}AdamW lr {recipe.optimizer.lr:g}, betas "
                       f"{list(recipe.optimizer.betas)}, wd {recipe.optimizer.weight_decay:g}; schedule {recipe.scheduler.type}"),
         ("device", f"{mfu.device_name} ({device}); {mfu.describe_peak()}"
-                   + (f"; {cuda_allocator.describe()}" if str(device).startswith("cuda") else "")),
+                   + (f"; {cuda_allocator.describe()}" if device.type == "cuda" else "")),
         ("threads", choose_cpu_threads(recipe).describe()),
         ("flops", mfu.describe_flops()),
     ]
