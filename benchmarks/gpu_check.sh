@@ -4,7 +4,7 @@
 # Everything lands under $OUT: the tables (*.md) and the logs packed in logs.tgz.
 # Run from the repository root on the GPU machine, with the wheels of
 # ../shared/tools/gpu-wheels carried in .whl (WHEELS: another folder):
-#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|attention|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|treeab|addnorm ...]
+#     bash benchmarks/gpu_check.sh [firststep|pycache|recipes|epilogues|attention|deepspeed|offloadprofile|muon|delayed124m|delayedrule|speculation|build|tests|bench|gallery|e2e|e2e1.5b|tune|inspect|ncu|profile|profile1.5b|zero124m|zero1.5b|ladder|scaling|cpu_adam|autotune|grid|calibrate|infinity|infinity-train|treeab|addnorm ...]
 #                                                       (default: build tests bench)
 # Every stage runs in a subshell with `set -e` and pipefail, so a failing command ends its stage
 # with its status even behind `| tee`; the call ends with one line per stage (ok / FAILED rc N /
@@ -138,6 +138,8 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
           done
         done
       done ;;
+    epilogues)  # issue 33: GPT-2's dense layers with cuBLASLt epilogues against today's ops (benchmarks/gemm_epilogues.py)
+      timeout 300 python3 -m benchmarks.gemm_epilogues --markdown "$OUT/epilogues.md" 2>&1 | tee "$OUT/epilogues.txt" ;;
     attention)  # issue 33: torch's attention backends (flash, cuDNN, memory-efficient) at the recipes' shapes
       timeout 200 python3 -m benchmarks.attention_backends --markdown "$OUT/attention.md" 2>&1 | tee "$OUT/attention.txt" ;;
     deepspeed)  # issue 36's peer: DeepSpeed's ZeRO-2 + CPU offload on GPT-2 1.5B (benchmarks/deepspeed_offload.py; its wheel
@@ -159,9 +161,9 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
         --stages "${GRID_STAGES:-0,1,2,3}" --offloads "${GRID_OFFLOADS:-none}" --seconds "${GRID_S:-420}" \
         ${GRID_SKIP:+--skip "$GRID_SKIP"} ${GRID_MISSING:+--missing "$GRID_MISSING"} --out "$OUT/grid.jsonl" --md "$OUT/grid.md" 2>&1 | tee "$OUT/grid.txt" ;;
     calibrate)  # issue 31: a memory calibration matrix measured here (CALIB_MATRIX, default stage0ckpt; CALIB_GIB: how many
-                # GiB of predicted peaks run at once), rows and the predicted / measured table (benchmarks/memory_calibration.py)
+                # GiB of predicted peaks run at once; CALIB_ONLY: comma-separated substrings of the row ids to run), rows and the predicted / measured table (benchmarks/memory_calibration.py)
       python3 -m benchmarks.memory_calibration --matrix "${CALIB_MATRIX:-stage0ckpt}" --parallel-gib "${CALIB_GIB:-70}" \
-        --out "$OUT/calib.jsonl" 2>&1 | tee "$OUT/calib.txt"
+        --only "${CALIB_ONLY:-}" --out "$OUT/calib.jsonl" 2>&1 | tee "$OUT/calib.txt"
       python3 -m benchmarks.memory_calibration --report "$OUT/calib.jsonl" | tee "$OUT/calib.md" ;;
     gallery)  # the tutorials' GPU variants executed here, saved with their outputs (GALLERY: some names, run in that order;
               # the carried wheels must include jupyter's: nbformat, nbclient, ipykernel and theirs; GALLERY_S

@@ -228,6 +228,7 @@ class KernelsSpec:
     rmsnorm: str
     bias_gelu: str
     cross_entropy: str
+    dense: str
 
 
 @dataclass(frozen=True)
