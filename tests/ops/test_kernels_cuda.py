@@ -451,7 +451,7 @@ def run_engine(overrides, steps=12):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_engine_with_fused_kernels_trains_like_torch(dtype):
     require("adamw")
-    fused, fused_losses = run_engine([f"precision.dtype={dtype}"])
+    fused, fused_losses = run_engine([f"precision.dtype={dtype}", "kernels.dense=auto"])
     assert all(fused.kernels.active(n) for n in ("adamw", "layernorm", "bias_gelu", "cross_entropy", "dense"))
     assert type(fused.optimizer).__name__ == "FusedAdamW"
     _, torch_losses = run_engine([f"precision.dtype={dtype}"] + [f"kernels.{k}=off" for k in loader.KERNELS])
