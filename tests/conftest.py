@@ -36,13 +36,85 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300):
-    """Run `python -m toolkit ARGS` in a subprocess; returns CompletedProcess (text)."""
+_PYTHONPATH_AT_START = os.environ.get("PYTHONPATH")
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, fresh: bool = False):
+    """Run the `toolkit ARGS` command; returns CompletedProcess (text).
+
+    NOTE: in a forked child of the test process, which has torch, transformers and the toolkit imported already: a
+    new `python -m toolkit` paid about 6.7 s of imports on the 2-core VM, some 80 times a suite. fresh=True (and a
+    PYTHONPATH a test changed, as no_torch does) starts a new interpreter instead: for what happens at start-up,
+    before torch is loaded, or with module state (warnings already shown, caches) this process may hold."""
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=cwd or REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    if fresh or os.environ.get("PYTHONPATH") != _PYTHONPATH_AT_START:
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=cwd or REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    return _forked_cli(list(args), cwd or REPO, timeout)
+
+
+def _forked_cli(args: list[str], cwd: Path, timeout: float):
+    """`toolkit ARGS` as `python -m toolkit` runs it, in a forked child; its stdout and stderr from files."""
+    import atexit
+    import subprocess
+    import tempfile
+    import time
+    import traceback
+    import warnings
+
+    import toolkit.cli.main  # noqa: F401  (imported in the parent, once)
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                atexit._clear()  # the test process's handlers are not this command's
+                warnings.resetwarnings()  # as in a new interpreter: "once" warnings shown again
+                warnings.simplefilter("default")
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = open(1, "w", closefd=False, buffering=1)
+                sys.stderr = open(2, "w", closefd=False, buffering=1)
+                sys.stdin = open(os.devnull)
+                os.chdir(cwd)
+                sys.argv = [str(REPO / "toolkit" / "__main__.py"), *args]
+                code = toolkit.cli.main.main(args)
+                distributed = sys.modules.get("toolkit.distributed")
+                if distributed is not None and distributed._joined_group:
+                    distributed.exit_process(code)  # leaves the group, runs the handlers, os._exit
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+            except BaseException:  # noqa: BLE001 - a traceback, as the interpreter would print it
+                traceback.print_exc()
+            finally:
+                try:
+                    atexit._run_exitfuncs()
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(["toolkit", *args], timeout)
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        code = os.waitstatus_to_exitcode(status)
+        return subprocess.CompletedProcess(["toolkit", *args], code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
 
 
 @pytest.fixture
