@@ -2,13 +2,13 @@
 // epilogues (host code only: the maths is cuBLASLt's). The shapes follow transformers' Conv1D, whose weight is
 // [in, out] row-major: y = x @ W + b. cuBLASLt is column-major, so a row-major [r, c] buffer is read as c x r.
 //
-//   gelu_dense_fwd(x [M, K], w [K, N], b [N])          -> (gelu(x @ w + b), x @ w + b)   GELU_AUX_BIAS
-//   dgelu_dense_bwd(dy [M, P], w2 [N, P], pre [M, N])  -> ((dy @ w2^T) * gelu'(pre), its column sums)  DGELU_BGRAD
-//   wgrad_bgrad(x [M, K], dy [M, N])                   -> ((x^T @ dy)^T as [N, K], dy's column sums)  BGRADB
+//   gelu_dense_fwd(x [M, K], w [K, N], b [N])  -> (gelu(x @ w + b), x @ w + b)   GELU_AUX_BIAS
+//   wgrad_bgrad(x [M, K], dy [M, N])           -> ((x^T @ dy)^T as [N, K], dy's column sums)  BGRADB
 //
 // GELU is cuBLASLt's, the tanh approximation (GPT-2's gelu_new); the bias and its gradient are in the inputs'
-// 16-bit type, as autocast's addmm has them. The layouts (NN, TN, NT with the gradient as B) are the ones
-// Transformer Engine runs these epilogues with.
+// 16-bit type, as autocast's addmm has them. The layouts (NN, and NT with the gradient as B) are the ones
+// Transformer Engine runs these epilogues with. Not here: DGELU_BGRAD on the backward's GEMM, which took twice
+// the plain GEMM's time on an H100 (benchmarks/RESULTS.md, "GEMM epilogues").
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -53,7 +53,7 @@ cudaDataType_t cuda_type(const at::Tensor& t, const char* what) {
 }
 
 // D (m x n, column-major, ld m) = op(A) op(B) with one epilogue. bias: the bias, or where the bias gradient goes;
-// aux: GELU's input (written by GELU_AUX_BIAS, read by DGELU_BGRAD), ld m.
+// aux: GELU's input (written by GELU_AUX_BIAS), ld m.
 struct Gemm {
   cublasOperation_t transa, transb;
   int64_t m, n, k, lda, ldb;
@@ -139,7 +139,7 @@ void run(const Gemm& g, cudaDataType_t type, const at::Tensor& like) {
       algo = results[0].algo;
       // NOTE: the heuristic's first choice ran these epilogues 0.82-0.96x the unfused ops on an H100
       // (benchmarks/RESULTS.md): time each candidate on the call's own operands, once per key. Running the GEMM
-      // again changes nothing (beta 0; the aux it reads or writes is the same each time). Not while a CUDA graph
+      // again changes nothing (beta 0; the aux it writes is the same each time). Not while a CUDA graph
       // captures the stream.
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
       cudaStreamIsCapturing(stream, &capturing);
@@ -196,24 +196,6 @@ std::vector<at::Tensor> gelu_dense_fwd(const at::Tensor& x, const at::Tensor& w,
   return {out, pre};
 }
 
-std::vector<at::Tensor> dgelu_dense_bwd(const at::Tensor& dy, const at::Tensor& w2, const at::Tensor& pre) {
-  const cudaDataType_t type = cuda_type(dy, "dgelu_dense dy");
-  check_matrix(dy, dy, "dy");
-  check_matrix(w2, dy, "w2");
-  check_matrix(pre, dy, "pre");
-  const int64_t rows = dy.size(0), p = dy.size(1), n = w2.size(0);
-  TORCH_CHECK(w2.size(1) == p && pre.size(0) == rows && pre.size(1) == n,
-              "dgelu_dense: w2 must be [N, ", p, "] and pre [", rows, ", N]");
-  TORCH_CHECK(n % 8 == 0, "dgelu_dense: N must be a multiple of 8 (cuBLASLt's aux leading dimension)");
-  const c10::cuda::CUDAGuard guard(dy.device());
-  at::Tensor dh = at::empty({rows, n}, dy.options());
-  at::Tensor dbias = at::empty({n}, dy.options());
-  // dh^T (n x rows) = w2 (the buffer read as p x n, transposed) times dy^T (p x rows)
-  run({CUBLAS_OP_T, CUBLAS_OP_N, n, rows, p, p, p, w2.data_ptr(), dy.data_ptr(), dh.data_ptr(),
-       CUBLASLT_EPILOGUE_DGELU_BGRAD, dbias.data_ptr(), const_cast<void*>(pre.data_ptr())}, type, dy);
-  return {dh, dbias};
-}
-
 std::vector<at::Tensor> wgrad_bgrad(const at::Tensor& x, const at::Tensor& dy) {
   const cudaDataType_t type = cuda_type(x, "wgrad_bgrad x");
   check_matrix(x, x, "x");
@@ -235,7 +217,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "toolkit dense layers with cuBLASLt epilogues (kernels/fused_dense.cpp)";
   m.def("gelu_dense_fwd", &gelu_dense_fwd, "-> (gelu_tanh(x @ w + bias), x @ w + bias)", py::arg("x"), py::arg("w"),
         py::arg("bias"));
-  m.def("dgelu_dense_bwd", &dgelu_dense_bwd, "-> ((dy @ w2^T) * gelu'(pre), column sums)", py::arg("dy"),
-        py::arg("w2"), py::arg("pre"));
   m.def("wgrad_bgrad", &wgrad_bgrad, "-> ((x^T @ dy)^T, column sums of dy)", py::arg("x"), py::arg("dy"));
 }
