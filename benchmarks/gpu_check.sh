@@ -138,7 +138,8 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
           done
         done
       done ;;
-    epilogues)  # issue 33: GPT-2's dense layers with cuBLASLt epilogues against today's ops (benchmarks/gemm_epilogues.py)
+    epilogues)  # issue 33: GPT-2's dense layers with cuBLASLt's GEMM epilogues against the toolkit's ops
+                # (benchmarks/gemm_epilogues.py)
       timeout 300 python3 -m benchmarks.gemm_epilogues --markdown "$OUT/epilogues.md" 2>&1 | tee "$OUT/epilogues.txt" ;;
     attention)  # issue 33: torch's attention backends (flash, cuDNN, memory-efficient) at the recipes' shapes
       timeout 200 python3 -m benchmarks.attention_backends --markdown "$OUT/attention.md" 2>&1 | tee "$OUT/attention.txt" ;;

@@ -228,7 +228,6 @@ class KernelsSpec:
     rmsnorm: str
     bias_gelu: str
     cross_entropy: str
-    dense: str
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ def grid_rows(grid_file: Path) -> list[dict]:
 
 
 def grid_speeds(tune_file: Path) -> dict[str, float]:
-    rows = grid_rows(tune_file.with_name(tune_file.name.replace(".tune.json", ".jsonl")))
+    """The grid beside a tune file: NAME.tune.json and NAME+WHERE.tune.json (another host's tune) read NAME.jsonl."""
+    rows = grid_rows(tune_file.with_name(tune_file.name.replace(".tune.json", "").split("+")[0] + ".jsonl"))
     return {r["label"]: r["tokens_per_s"] for r in rows if r["tokens_per_s"]}
 
 

@@ -16,8 +16,7 @@ from toolkit.ops.op_dispatch import CODE_DTYPES
 from toolkit.errors import UserError
 from toolkit.specs import KernelsSpec
 
-ALL_AUTO = KernelsSpec(adamw="auto", layernorm="auto", rmsnorm="auto", bias_gelu="auto", cross_entropy="auto",
-                       dense="auto")
+ALL_AUTO = KernelsSpec(adamw="auto", layernorm="auto", rmsnorm="auto", bias_gelu="auto", cross_entropy="auto")
 GPT2_NEEDS = ("layernorm", "bias_gelu", "cross_entropy", "adamw")
 
 
@@ -182,7 +181,7 @@ def test_a_run_starts_builds_only_on_cuda_and_only_of_kernels_not_off(monkeypatc
 
     started = []
     monkeypatch.setattr(loader, "build_in_background", lambda names: started.append(list(names)))
-    recipe = load_recipe("gpt2-124m", ["kernels.bias_gelu=off", "kernels.dense=off", "zero.stage=0"])
+    recipe = load_recipe("gpt2-124m", ["kernels.bias_gelu=off", "zero.stage=0"])
     start_kernel_builds(kernels_of_recipe(recipe), recipe.kernels, torch.device("cpu"))
     assert started == []
     start_kernel_builds(kernels_of_recipe(recipe), recipe.kernels, torch.device("cuda"))
@@ -199,16 +198,14 @@ def test_nvcc_runs_its_two_compilations_and_their_passes_in_parallel_where_it_ca
 
 
 def test_describe_names_kernels_that_share_a_reason_together():
-    spec = KernelsSpec(adamw="off", layernorm="auto", rmsnorm="auto", bias_gelu="off", cross_entropy="auto",
-                       dense="auto")
+    spec = KernelsSpec(adamw="off", layernorm="auto", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
     text = loader.resolve(spec, "cpu", GPT2_NEEDS).describe()
     assert text.startswith("torch ") and text.count("CUDA-only") == 1 and text.count("(off)") == 1
     assert all(name in text for name in GPT2_NEEDS)
 
 
 def test_on_without_the_kernel_is_an_error_naming_the_recipe_key(monkeypatch):
-    spec = KernelsSpec(adamw="auto", layernorm="on", rmsnorm="auto", bias_gelu="off", cross_entropy="auto",
-                       dense="auto")
+    spec = KernelsSpec(adamw="auto", layernorm="on", rmsnorm="auto", bias_gelu="off", cross_entropy="auto")
     with pytest.raises(UserError) as err:
         loader.resolve(spec, "cpu", GPT2_NEEDS)
     assert len(err.value.lines) == 1 and err.value.lines[0].startswith("recipe.kernels.layernorm: 'on'")
@@ -219,8 +216,7 @@ def test_off_is_torch_and_never_builds(monkeypatch):
         raise AssertionError("built a kernel that is off")
 
     monkeypatch.setattr(loader, "kernel_status", explode)
-    spec = KernelsSpec(adamw="off", layernorm="off", rmsnorm="off", bias_gelu="off", cross_entropy="off",
-                       dense="off")
+    spec = KernelsSpec(adamw="off", layernorm="off", rmsnorm="off", bias_gelu="off", cross_entropy="off")
     chosen = loader.resolve(spec, "cuda", GPT2_NEEDS)
     assert {s.state for s in chosen.statuses.values()} == {"off"}
 
@@ -292,7 +288,6 @@ def kernel_line(lines, name):
 def test_doctor_with_an_empty_cache_builds_nothing_and_names_the_command(fresh_loader, monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "build_problem", lambda: None)  # as on a machine with nvcc
     monkeypatch.setattr(loader, "ninja_problem", lambda: None)  # and ninja
-    monkeypatch.setattr(loader, "cublaslt_paths", lambda: ("/cuda/include", "/cuda/lib64", "libcublasLt.so"))  # cuBLAS
     lines = loader.doctor_lines()
     # nothing compiled, no build folder made; the one file doctor may leave is nvcc's remembered answers
     # (toolchain._nvcc_output), which a machine with nvcc writes the first time it asks
@@ -334,7 +329,7 @@ def test_build_kernels_rejects_an_unknown_kernel_in_one_line():
     result = run_cli("build-kernels", "cpu-adam")
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: build-kernels: unknown kernel 'cpu-adam'; one of adamw, layernorm, "
-                                     "rmsnorm, bias_gelu, cross_entropy, dense, cpu_adam")
+                                     "rmsnorm, bias_gelu, cross_entropy, cpu_adam")
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this torch can build the kernels")

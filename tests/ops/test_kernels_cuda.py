@@ -199,59 +199,6 @@ def test_bias_gelu_forward_and_backward_match_float64(shape, dtype):
 
 
 # ---------------------------------------------------------------------------
-# GPT-2's dense layers through cuBLASLt's epilogues (toolkit/ops/dense_ops.py)
-
-DENSE_SHAPES = [(16, 48, 192), (1000, 768, 3072), (4099, 1600, 6400), (3, 64, 8)]  # rows, in, out (MLP: 4 x in)
-
-
-def _mlp64(x, w_fc, b_fc, w_proj, b_proj):
-    u = x @ w_fc + b_fc
-    a = 0.5 * u * (1.0 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u.pow(3))))  # HF gelu_new
-    return a @ w_proj + b_proj
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", DENSE_SHAPES, ids=str)
-def test_dense_mlp_and_conv1d_match_float64(shape, dtype):
-    require("dense")
-    from toolkit.ops import dense_ops
-
-    module = loader.loaded_extension("dense")
-    rows, width, hidden = shape
-    tensors = [randn((rows, width), dtype), randn((width, hidden), dtype) * width ** -0.5, randn((hidden,), dtype),
-               randn((hidden, width), dtype) * hidden ** -0.5, randn((width,), dtype)]
-    tensors = [t.requires_grad_() for t in tensors]
-    dy = randn((rows, width), dtype)
-    poison(((rows, hidden), dtype), ((rows, width), dtype))
-    assert dense_ops.usable(*tensors)
-    y = dense_ops.gelu_mlp(*tensors, module)
-    y.backward(dy)
-    t64 = [t.detach().double().requires_grad_() for t in tensors]
-    y64 = _mlp64(*t64)
-    y64.backward(dy.double())
-    assert y.dtype == dtype and rel_err(y, y64) < TOL[dtype]
-    for name, t, r in zip(("x", "w_fc", "b_fc", "w_proj", "b_proj"), tensors, t64):
-        assert t.grad.dtype == dtype and rel_err(t.grad, r.grad) < TOL[dtype], name
-    x, w, b = (t.detach().clone().requires_grad_() for t in tensors[:3])
-    dq = randn((rows, hidden), dtype)
-    dense_ops.conv1d(x, w, b, module).backward(dq)
-    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
-    y64 = x64 @ w64 + b64
-    y64.backward(dq.double())
-    for name, t, r in (("x", x, x64), ("w", w, w64), ("b", b, b64)):
-        assert rel_err(t.grad, r.grad) < TOL[dtype], name
-
-
-def test_dense_modules_fall_back_where_the_epilogues_cannot_run():
-    require("dense")
-    from toolkit.ops import dense_ops
-
-    weight = randn((64, 256), torch.bfloat16, misaligned=True)  # a view one element into its storage
-    assert not dense_ops.usable(weight) and dense_ops.usable(randn((64, 256), torch.bfloat16))
-    assert not dense_ops.usable(randn((64, 20), torch.bfloat16))  # rows not a multiple of 8 elements
-
-
-# ---------------------------------------------------------------------------
 # Cross-entropy
 
 CE_SHAPES = [(1, 2), (3, 7), (16, 50257), (64, 50304), (7, 1000), (5, 129), (2048, 50257)]
@@ -451,8 +398,8 @@ def run_engine(overrides, steps=12):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_engine_with_fused_kernels_trains_like_torch(dtype):
     require("adamw")
-    fused, fused_losses = run_engine([f"precision.dtype={dtype}", "kernels.dense=auto"])
-    assert all(fused.kernels.active(n) for n in ("adamw", "layernorm", "bias_gelu", "cross_entropy", "dense"))
+    fused, fused_losses = run_engine([f"precision.dtype={dtype}"])
+    assert all(fused.kernels.active(n) for n in ("adamw", "layernorm", "bias_gelu", "cross_entropy"))
     assert type(fused.optimizer).__name__ == "FusedAdamW"
     _, torch_losses = run_engine([f"precision.dtype={dtype}"] + [f"kernels.{k}=off" for k in loader.KERNELS])
     assert fused_losses[-1] < fused_losses[0]

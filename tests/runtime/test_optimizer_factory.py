@@ -58,8 +58,7 @@ def test_the_deprecated_kernels_adamw_reads_as_optimizer_implementation(implemen
     from toolkit.runtime.optim import adamw_implementation
     from toolkit.specs import KernelsSpec
 
-    kernels = KernelsSpec(adamw=kernel, layernorm="auto", rmsnorm="auto", bias_gelu="auto", cross_entropy="auto",
-                          dense="auto")
+    kernels = KernelsSpec(adamw=kernel, layernorm="auto", rmsnorm="auto", bias_gelu="auto", cross_entropy="auto")
     assert adamw_implementation(spec(implementation=implementation), kernels) == expected
 
 

@@ -45,8 +45,6 @@ class EstimateInput:
         """The estimators' input for one rank of `recipe` (reads no file: a pretrained shape is read on first use)."""
         m, d, b, z, k = recipe.model, recipe.data, recipe.batch, recipe.zero, recipe.kernels
         norm = k.layernorm if m.family == "gpt2" else k.rmsnorm
-        # the dense epilogues keep what the fused bias + GELU keeps (in 16-bit runs; in fp32 they step aside)
-        gelu = k.bias_gelu != "off" or (k.dense != "off" and recipe.precision.dtype != "fp32")
         # NOTE: the synthetic chain holds its tokens as int64 tensors, seq_len + 1 per sample
         # (toolkit/data/batches.py); real text reads its token files a window at a time (num_samples 0).
         tokens = (d.num_samples + d.eval_samples) * (d.seq_len + 1) * 8
@@ -54,7 +52,7 @@ class EstimateInput:
                    world_size=b.world_size, stage=z.stage, grad_accum_steps=b.grad_accum_steps,
                    offload_optimizer=z.offload_optimizer, offload_param=z.offload_param,
                    offload_ratio=z.offload_ratio, nvme_ratio=z.nvme_ratio, vocab_size=d.vocab_size,
-                   fused=(norm != "off", gelu, k.cross_entropy != "off"),
+                   fused=(norm != "off", k.bias_gelu != "off", k.cross_entropy != "off"),
                    token_buffer_bytes=tokens, parallel=recipe.parallel, optimizer=recipe.optimizer.type,
                    state_dtype=recipe.optimizer.state_dtype, offload_update=z.offload_update,
                    grad_dtype=z.grad_dtype, clipped=recipe.training.grad_clip > 0)

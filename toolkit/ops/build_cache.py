@@ -136,8 +136,7 @@ def _compile(plan: BuildPlan, verbose: bool):
         module = load(name=plan.module_name, sources=[str(plan.directory / s.name) for s in plan.sources],
                       extra_cflags=list(plan.cxx_flags), extra_cuda_cflags=list(plan.cuda_flags),
                       extra_ldflags=list(plan.ldflags), extra_include_paths=[str(plan.directory)],
-                      build_directory=str(plan.directory), verbose=verbose,
-                      with_cuda=True if plan.cuda_flags else None)  # a CUDA extension of host code only (dense)
+                      build_directory=str(plan.directory), verbose=verbose)
     seconds = round(time.perf_counter() - start, 1)
     (plan.directory / DONE_FILE).write_text(json.dumps({"flags": [*plan.cxx_flags, *plan.cuda_flags],
                                                         "seconds": seconds}) + "\n")

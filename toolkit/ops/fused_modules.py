@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.ops import custom_ops, dense_ops
-from toolkit.ops.op_dispatch import eager_module
+from toolkit.ops import custom_ops
 
 # transformers activation classes that compute gelu_new (tanh approximation).
 _TANH_GELUS = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh"}
@@ -36,30 +35,12 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 class _Fused:
-    """Mixin state: `fused` (use the custom ops), `dense` (GPT-2's dense layers through cuBLASLt's epilogues:
-    dense_ops) and `reference_ops` (also on the CPU, with the torch references, for tests)."""
+    """Mixin state: `fused` (use the custom ops) and `reference_ops` (also on the CPU, for tests)."""
     fused = False
-    dense = False
     reference_ops = False
 
     def _use_ops(self, x: torch.Tensor) -> bool:
         return self.fused and (x.is_cuda or self.reference_ops)
-
-    def _dense_call(self, *tensors: torch.Tensor):
-        """(the dense extension or its reference, the tensors in the 16-bit type it runs in), or None where this
-        call takes the other path: dense off, not CUDA, torch.compile tracing, fp32 without autocast, or a shape or
-        start cuBLASLt's kernels cannot take."""
-        x = tensors[0]
-        if not self.dense:
-            return None
-        if self.reference_ops and not x.is_cuda:
-            return dense_ops.REFERENCE, tensors
-        module = eager_module("dense", x) if x.is_cuda else None
-        dtype = _autocast_dtype(x) or x.dtype
-        if module is None or dtype not in (torch.bfloat16, torch.float16):
-            return None
-        tensors = tuple(t.to(dtype) for t in tensors)
-        return (module, tensors) if dense_ops.usable(*tensors) else None
 
 
 class FusedLayerNorm(_Fused, nn.LayerNorm):
@@ -79,24 +60,11 @@ def _fused_rms_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_gelu_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    dense = self._dense_call(hidden_states, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
-    if dense is not None:
-        module, tensors = dense
-        return self.dropout(dense_ops.gelu_mlp(*tensors, module))
     if self._use_ops(hidden_states):
         # Conv1D is addmm(bias, x, W): the matmul without bias, then bias + GELU fused.
         h = hidden_states @ self.c_fc.weight
         return self.dropout(self.c_proj(custom_ops.bias_gelu(h, self.c_fc.bias)))
     return super(type(self), self).forward(hidden_states)
-
-
-def _fused_conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """transformers' Conv1D (x @ W + b) whose weight-gradient GEMM also sums the bias gradient (dense_ops.conv1d)."""
-    dense = self._dense_call(x, self.weight, self.bias)
-    if dense is not None:
-        module, tensors = dense
-        return dense_ops.conv1d(*tensors, module)
-    return super(type(self), self).forward(x)
 
 
 _positional_names: dict[type, list[str]] = {}  # a block class -> its forward's positional names after hidden_states
@@ -165,10 +133,9 @@ def _fused_subclass(cls: type, forward) -> type:
     return _subclasses[key]
 
 
-def _swap(module: nn.Module, cls: type, fused: bool, reference_ops: bool, dense: bool = False) -> None:
+def _swap(module: nn.Module, cls: type, fused: bool, reference_ops: bool) -> None:
     module.__class__ = cls
     module.fused = fused
-    module.dense = dense
     module.reference_ops = reference_ops
 
 
@@ -176,14 +143,11 @@ def swap_fused_modules(model: nn.Module, use: dict[str, bool], reference_ops: bo
     """Swap the modules of the kernels in `use` (name -> fused?) in place; returns how many of each were swapped.
 
     Kernels: layernorm (plain nn.LayerNorm over one dim, with bias), rmsnorm (transformers *RMSNorm with a
-    weight and variance_epsilon), bias_gelu (GPT-2 MLPs whose activation is gelu_new), dense (those MLPs and every
-    transformers Conv1D with a bias, through cuBLASLt's epilogues: dense_ops; where both are in use, an MLP call the
-    epilogues cannot take runs the bias_gelu kernel). With a norm's kernel, the blocks (GPT2Block,
-    LlamaDecoderLayer: "residual_norm") also take the attention's residual add and the norm after it as one op,
-    whose backward is one kernel, where that norm is swapped too.
+    weight and variance_epsilon), bias_gelu (GPT-2 MLPs whose activation is gelu_new). With a norm's kernel, the
+    blocks (GPT2Block, LlamaDecoderLayer: "residual_norm") also take the attention's residual add and the norm
+    after it as one op, whose backward is one kernel, where that norm is swapped too.
     """
-    counts = {"layernorm": 0, "rmsnorm": 0, "bias_gelu": 0, "dense": 0, "residual_norm": 0}
-    mlp_kernels = "bias_gelu" in use or "dense" in use
+    counts = {"layernorm": 0, "rmsnorm": 0, "bias_gelu": 0, "residual_norm": 0}
     for module in model.modules():
         cls = type(module)
         if issubclass(cls, _Fused):
@@ -196,13 +160,9 @@ def swap_fused_modules(model: nn.Module, use: dict[str, bool], reference_ops: bo
                 and isinstance(getattr(module, "weight", None), nn.Parameter) and module.weight.dim() == 1:
             _swap(module, _fused_subclass(cls, _fused_rms_forward), use["rmsnorm"], reference_ops)
             counts["rmsnorm"] += 1
-        elif mlp_kernels and cls.__name__ == "GPT2MLP" and type(module.act).__name__ in _TANH_GELUS:
-            _swap(module, _fused_subclass(cls, _fused_gelu_mlp_forward), use.get("bias_gelu", False), reference_ops,
-                  dense=use.get("dense", False))
-            counts["bias_gelu" if "bias_gelu" in use else "dense"] += 1
-        elif "dense" in use and cls.__name__ == "Conv1D" and getattr(module, "bias", None) is not None:
-            _swap(module, _fused_subclass(cls, _fused_conv1d_forward), False, reference_ops, dense=use["dense"])
-            counts["dense"] += 1
+        elif "bias_gelu" in use and cls.__name__ == "GPT2MLP" and type(module.act).__name__ in _TANH_GELUS:
+            _swap(module, _fused_subclass(cls, _fused_gelu_mlp_forward), use["bias_gelu"], reference_ops)
+            counts["bias_gelu"] += 1
         elif "layernorm" in use and cls.__name__ == "GPT2Block" and type(getattr(module, "ln_2", None)) is nn.LayerNorm:
             _swap(module, _fused_subclass(cls, _fused_gpt2_block_forward), use["layernorm"], reference_ops)
             counts["residual_norm"] += 1

@@ -31,13 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from toolkit.ops.build_cache import BuildPlan, build_or_import, cpu_features
-from toolkit.ops.toolchain import (build_problem, cache_root, cublaslt_paths, gencode_flags, ninja_problem,
-                                   nvcc_parallel_flags, nvcc_version, target_archs)
+from toolkit.ops.toolchain import (build_problem, cache_root, gencode_flags, ninja_problem, nvcc_parallel_flags,
+                                   nvcc_version, target_archs)
 from toolkit.errors import UserError
 from toolkit.resources import shipped_dir
 
-# recipe.kernels: the fused CUDA kernels
-KERNELS = ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy", "dense")
+KERNELS = ("adamw", "layernorm", "rmsnorm", "bias_gelu", "cross_entropy")  # recipe.kernels: the fused CUDA kernels
 
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is torch's choice (the .cu files need only C++17)
 CXX_FLAGS = ("-O3",)  # the CUDA extensions' host code
@@ -61,8 +60,6 @@ EXTENSIONS = {
     "bias_gelu": Extension(("fused_bias_gelu.cu", "fused_bias_gelu_binding.cpp"), "fused bias+GELU kernel"),
     "cross_entropy": Extension(("fused_cross_entropy.cu", "fused_cross_entropy_binding.cpp"),
                                "fused cross-entropy kernel"),
-    # host code over cuBLASLt (its headers and library: toolchain.cublaslt_paths, added in build_plan)
-    "dense": Extension(("fused_dense.cpp",), "cuBLASLt dense-layer epilogues"),
     # NOTE: -march=native first (AVX-512 where the CPU has it), dropped if the compiler refuses it. No contraction
     # of a multiply and an add into an FMA: GCC ignores a file's `#pragma GCC optimize("fp-contract=off")` for the
     # vector intrinsics, and the contracted AVX2 build rounded a few bf16 moments an ulp away from the scalar one.
@@ -73,10 +70,10 @@ EXTENSIONS = {
 }
 HEADERS = ("bulk_copy.cuh", "common.cuh", "launchers.h", "torch_utils.h")  # what the CUDA extensions include
 EXTENSION_OF = {"adamw": "adamw", "layernorm": "norm", "rmsnorm": "norm", "bias_gelu": "bias_gelu",
-                "cross_entropy": "cross_entropy", "dense": "dense", "cpu_adam": "cpu_adam"}
+                "cross_entropy": "cross_entropy", "cpu_adam": "cpu_adam"}
 
 # Kernels each model family can use (the optimizer's is added when stage 0's AdamW can use it).
-FAMILY_KERNELS = {"gpt2": ("layernorm", "bias_gelu", "cross_entropy", "dense"), "llama": ("rmsnorm", "cross_entropy")}
+FAMILY_KERNELS = {"gpt2": ("layernorm", "bias_gelu", "cross_entropy"), "llama": ("rmsnorm", "cross_entropy")}
 
 
 class KernelFallbackWarning(UserWarning):
@@ -100,10 +97,6 @@ def build_plan(extension: str, variant: int = 0) -> BuildPlan:
     sources = tuple(kernels / name for name in spec.sources)
     headers = tuple(kernels / name for name in (HEADERS if spec.cuda else spec.headers))
     cxx_flags = spec.cxx_flag_sets[variant]
-    ldflags = spec.ldflags
-    if extension == "dense":  # machine-specific: where cuBLASLt's header and library are (checked by _problem)
-        include, lib, name = cublaslt_paths() or ("", "", "")
-        cxx_flags, ldflags = (*cxx_flags, f"-I{include}"), (*ldflags, f"-L{lib}", f"-l:{name}")
     archs, notes = target_archs() if spec.cuda else ([], [])
     nvcc = nvcc_version() if spec.cuda else None
     cuda_flags = (*NVCC_FLAGS, *nvcc_parallel_flags(nvcc), *gencode_flags(archs)) if spec.cuda else ()
@@ -111,14 +104,14 @@ def build_plan(extension: str, variant: int = 0) -> BuildPlan:
     for path in (*sources, *headers):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     parts = [torch.__version__, str(torch.version.cuda), sys.version, platform.machine(),
-             os.environ.get("CXX", "c++"), " ".join(cxx_flags), " ".join(ldflags), " ".join(cuda_flags)]
+             os.environ.get("CXX", "c++"), " ".join(cxx_flags), " ".join(spec.ldflags), " ".join(cuda_flags)]
     if spec.cuda:
         parts.append(str(nvcc))
     if "-march=native" in cxx_flags:
         parts.append(cpu_features())
     for part in parts:
         digest.update(part.encode() + b"\0")
-    return BuildPlan(extension, spec.title, sources, headers, cxx_flags, cuda_flags, ldflags, tuple(archs),
+    return BuildPlan(extension, spec.title, sources, headers, cxx_flags, cuda_flags, spec.ldflags, tuple(archs),
                      tuple(notes), digest.hexdigest())
 
 
@@ -178,11 +171,7 @@ def _problem(extension: str) -> tuple[str, str] | None:
     if os.environ.get(env):
         return f"disabled by {env}", f"unset {env}"
     if EXTENSIONS[extension].cuda:  # importing needs no GPU, only CUDA torch + nvcc
-        problem = build_problem()
-        if problem is None and extension == "dense" and cublaslt_paths() is None:
-            problem = ("cuBLASLt's header or library not found (beside nvcc, or in the nvidia-cublas wheel)",
-                       "install the CUDA toolkit's cuBLAS or the nvidia-cublas wheel of torch's CUDA version")
-        return problem
+        return build_problem()
     return None
 
 

@@ -222,32 +222,6 @@ def _nvcc_output(flag: str) -> str | None:
     return out
 
 
-def cublaslt_paths() -> tuple[str, str, str] | None:
-    """(include folder, library folder, library file) of cuBLASLt for the `dense` extension, else None: the CUDA
-    toolkit's (beside nvcc), else the pip wheel's that CUDA builds of torch depend on (nvidia/cu13 or nvidia/cublas).
-    The library file is named in full (`-l:libcublasLt.so.13`): the wheels ship no unversioned link."""
-    roots = []
-    nvcc = find_nvcc()
-    if nvcc is not None:
-        home = Path(nvcc).resolve().parent.parent
-        roots += [(home / "include", home / "lib64"), (home / "include", home / "lib"),
-                  (home / "targets" / "x86_64-linux" / "include", home / "targets" / "x86_64-linux" / "lib")]
-    try:
-        import nvidia  # the namespace package of NVIDIA's CUDA wheels
-        for base in map(Path, nvidia.__path__):
-            for sub in ("cu13", "cu12", "cublas"):
-                roots.append((base / sub / "include", base / sub / "lib"))
-    except ImportError:
-        pass
-    for include, lib in roots:
-        if not (include / "cublasLt.h").is_file() or not lib.is_dir():
-            continue
-        names = sorted(p.name for p in lib.glob("libcublasLt.so*"))
-        if names:
-            return str(include), str(lib), names[0]  # the shortest name: the link, else the soname
-    return None
-
-
 def build_problem() -> tuple[str, str] | None:
     """Why no kernel can be built or loaded here, as (reason, fix); None when nothing is missing: CUDA torch and an
     nvcc of its CUDA major (a finished build's cache key names nvcc's version). No GPU is needed to build or import;

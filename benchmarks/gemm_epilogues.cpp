@@ -1,6 +1,7 @@
-// fused_dense.cpp: GPT-2's dense layers with their bias, GELU and bias gradient folded into cuBLASLt's GEMM
-// epilogues (host code only: the maths is cuBLASLt's). The shapes follow transformers' Conv1D, whose weight is
-// [in, out] row-major: y = x @ W + b. cuBLASLt is column-major, so a row-major [r, c] buffer is read as c x r.
+// gemm_epilogues.cpp (benchmarks/gemm_epilogues.py): GPT-2's dense layers with their bias, GELU and bias
+// gradient in cuBLASLt's GEMM epilogues (host code only: the maths is cuBLASLt's). The shapes follow transformers'
+// Conv1D, whose weight is [in, out] row-major: y = x @ W + b. cuBLASLt is column-major, so a row-major [r, c]
+// buffer is read as c x r.
 //
 //   gelu_dense_fwd(x [M, K], w [K, N], b [N])  -> (gelu(x @ w + b), x @ w + b)   GELU_AUX_BIAS
 //   wgrad_bgrad(x [M, K], dy [M, N])           -> ((x^T @ dy)^T as [N, K], dy's column sums)  BGRADB
@@ -214,7 +215,7 @@ std::vector<at::Tensor> wgrad_bgrad(const at::Tensor& x, const at::Tensor& dy) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "toolkit dense layers with cuBLASLt epilogues (kernels/fused_dense.cpp)";
+  m.doc() = "GPT-2 dense layers with cuBLASLt epilogues (benchmarks/gemm_epilogues.cpp)";
   m.def("gelu_dense_fwd", &gelu_dense_fwd, "-> (gelu_tanh(x @ w + bias), x @ w + bias)", py::arg("x"), py::arg("w"),
         py::arg("bias"));
   m.def("wgrad_bgrad", &wgrad_bgrad, "-> ((x^T @ dy)^T, column sums of dy)", py::arg("x"), py::arg("dy"));
