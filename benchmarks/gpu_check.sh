@@ -162,7 +162,8 @@ print('dont_write_bytecode', sys.dont_write_bytecode, 'pycache_prefix', sys.pyca
         --stages "${GRID_STAGES:-0,1,2,3}" --offloads "${GRID_OFFLOADS:-none}" --seconds "${GRID_S:-420}" \
         ${GRID_SKIP:+--skip "$GRID_SKIP"} ${GRID_MISSING:+--missing "$GRID_MISSING"} --out "$OUT/grid.jsonl" --md "$OUT/grid.md" 2>&1 | tee "$OUT/grid.txt" ;;
     calibrate)  # issue 31: a memory calibration matrix measured here (CALIB_MATRIX, default stage0ckpt; CALIB_GIB: how many
-                # GiB of predicted peaks run at once; CALIB_ONLY: comma-separated substrings of the row ids to run), rows and the predicted / measured table (benchmarks/memory_calibration.py)
+                # GiB of predicted peaks run at once; CALIB_ONLY: comma-separated substrings of the row ids to run),
+                # rows and the predicted / measured table (benchmarks/memory_calibration.py)
       python3 -m benchmarks.memory_calibration --matrix "${CALIB_MATRIX:-stage0ckpt}" --parallel-gib "${CALIB_GIB:-70}" \
         --only "${CALIB_ONLY:-}" --out "$OUT/calib.jsonl" 2>&1 | tee "$OUT/calib.txt"
       python3 -m benchmarks.memory_calibration --report "$OUT/calib.jsonl" | tee "$OUT/calib.md" ;;

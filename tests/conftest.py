@@ -99,7 +99,7 @@ def _forked_cli(args: list[str], cwd: Path, timeout: float):
                     sys.stdout.flush()
                     sys.stderr.flush()
                 finally:
-                    os._exit(code)
+                    os._exit(code if isinstance(code, int) else 0)  # sys.exit(None)'s 0; never back into pytest
         deadline = time.monotonic() + timeout
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
