@@ -64,7 +64,7 @@ def _forked_cli(args: list[str], cwd: Path, timeout: float):
     import traceback
     import warnings
 
-    import toolkit.cli.main  # noqa: F401  (imported in the parent, once)
+    import toolkit.cli.main  # imported here, in the parent, once: the child only calls it
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush()
